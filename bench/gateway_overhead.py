@@ -1,0 +1,120 @@
+"""What the gateway costs: the echo backend at zero delay behind kvgate, against a bare server.
+
+Both servers run side by side in this one run, each in its own uvicorn process on loopback:
+- `bare`: a minimal Starlette app that returns a fixed OpenAI-shaped response (or a fixed SSE
+  stream of the same number of chunks): the floor that HTTP, uvicorn and the client cost;
+- `kvgate`: the gateway serving configs/echo.yaml (request validation, model lookup, backend
+  call, response building).
+An async httpx client drives each at concurrency 1, 8, 32 and 128, streaming and not, with the
+same requests (16 output tokens). Warm-up requests are excluded. Reported: requests/s, and
+client-side latency p50/p99 (for streams: until [DONE]). The client shares the machine's cores
+with the server, so absolute numbers are low; compare the two rows of one run.
+
+    .venv/bin/python bench/gateway_overhead.py [--quick] [--out bench/results/gateway_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from servers import free_port, wait_ready  # noqa: E402
+
+MAX_TOKENS = 16
+PROMPT = "the quick brown fox jumps over the lazy dog " * 4
+
+
+def start_server(kind: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if kind == "kvgate":
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(ROOT / "configs/echo.yaml"), "--port", str(port)]
+    else:
+        cmd = [sys.executable, str(Path(__file__).with_name("bare_server.py")), str(port), str(MAX_TOKENS)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, proc)
+    return proc, base
+
+
+async def one_request(client: httpx.AsyncClient, stream: bool) -> float:
+    body = {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
+    start = time.perf_counter()
+    if stream:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+    else:
+        r = await client.post("/v1/completions", json=body)
+        r.raise_for_status()
+    return time.perf_counter() - start
+
+
+async def drive(base: str, concurrency: int, total: int, stream: bool) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+        await asyncio.gather(*(one_request(client, stream) for _ in range(min(concurrency, 16))))  # warm-up
+        latencies: list[float] = []
+        queue = list(range(total))
+
+        async def worker():
+            while queue:
+                queue.pop()
+                latencies.append(await one_request(client, stream))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "requests": total,
+        "rps": total / elapsed,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
+    args = parser.parse_args()
+    servers = {kind: start_server(kind) for kind in ("bare", "kvgate")}
+    rows = []
+    try:
+        for stream in (False, True):
+            for concurrency in (1, 8, 32, 128):
+                total = (100 if args.quick else 400) if concurrency == 1 else (300 if args.quick else 2000)
+                for kind, (_, base) in servers.items():
+                    result = asyncio.run(drive(base, concurrency, total, stream))
+                    rows.append({"server": kind, "stream": stream, "concurrency": concurrency, **result})
+                    print_row(rows[-1])
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['server']:>7} stream={str(r['stream']):5} c={r['concurrency']:>3}  "
+          f"{r['rps']:8.1f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

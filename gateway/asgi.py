@@ -1,0 +1,111 @@
+"""Pure-ASGI pieces: the body-size limit, error rendering, and disconnect-aware responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Awaitable
+
+from gateway.errors import APIError, RequestTooLarge
+
+log = logging.getLogger("kvgate.asgi")
+
+
+async def send_error(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over `max_bytes` with 413, before reading them whole.
+
+    A declared Content-Length over the limit is refused at once; a chunked body is counted as it
+    arrives and refused as soon as it passes the limit.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await send_error(send, self._too_large())
+        received = 0
+
+        async def counting_receive():
+            # Raised inside the app's body read, so its APIError handler answers 413.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> RequestTooLarge:
+        return RequestTooLarge(f"The request body is over this server's limit of {self.max_bytes} bytes.")
+
+
+async def wait_for_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(receive, work: Awaitable):
+    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts backends).
+
+    Returns (finished, result)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work_task.done():
+        return True, work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    return False, None
+
+
+class EventStreamResponse:
+    """An SSE response that stops its producer as soon as the client goes away.
+
+    Starlette's StreamingResponse only notices a disconnect on the next write under newer ASGI
+    servers; a stalled backend would then never be aborted. Here a watcher task cancels the
+    producer the moment `http.disconnect` arrives.
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        self.chunks = chunks
+        self.headers = {"content-type": "text/event-stream", "cache-control": "no-cache", **(headers or {})}
+
+    async def __call__(self, scope, receive, send):
+        raw_headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+
+        async def pump():
+            try:
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await self.chunks.aclose()
+
+        try:
+            finished, _ = await run_until_disconnect(receive, pump())
+        except OSError:
+            finished = False  # the socket died under a write: the same as a disconnect
+        if not finished:
+            log.info("client disconnected mid-stream; generation aborted")

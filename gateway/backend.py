@@ -1,0 +1,121 @@
+"""The Backend protocol: the one seam between the gateway and every engine.
+
+A backend plugin returns objects that satisfy `Backend`. The gateway calls `generate` once per
+choice of a request and reads the token events it yields; it calls `load()` on every routing
+decision, so `load()` must be cheap (a cached snapshot, no I/O). Everything crossing this seam is
+plain data: the dataclasses below, and the exceptions in `gateway.errors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. Defaults follow the OpenAI API."""
+
+    max_tokens: int | None = None  # None: up to the model's context
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, never emitted in the output
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: off; k >= 0: logprob of the token plus k alternatives
+
+
+@dataclass
+class GenerationRequest:
+    """One choice of one client request, as a backend sees it.
+
+    Exactly one of `prompt` (text or token ids) and `messages` (chat) is set. Chat requests are
+    templated by the backend, since only it knows the model's chat template.
+    """
+
+    request_id: str
+    model: str  # the model name the backend serves (the deployment's upstream name)
+    sampling: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    priority: int = 0  # lower runs earlier (vLLM's convention); SLA classes map onto it
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one generated token and its top alternatives."""
+
+    token: str
+    logprob: float
+    token_id: int | None = None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A step of output: new text, the token ids behind it, and, on the last event, why it ended.
+
+    `finish_reason` is None until the last event, then one of "stop", "length", "abort".
+    `usage` is set on the last event.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A cheap view of how busy a backend is, used for routing and shedding."""
+
+    waiting: int = 0  # requests queued inside the backend
+    running: int = 0  # requests being generated
+    kv_cache_usage: float = 0.0  # 0..1 fraction of KV-cache blocks in use
+    capacity: int = 0  # concurrent requests it can run; 0 means unknown
+    healthy: bool = True  # False once the backend knows it cannot serve (engine died)
+    extra: dict[str, float] = field(default_factory=dict)  # engine counters (prefix hits, ...)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend plugin provides.
+
+    `generate` raises an exception from `gateway.errors` *before the first event* when it refuses
+    a request (bad input, context too long, overloaded), and may raise `BackendError` later when it
+    fails mid-stream. Cancelling the iteration (client went away) must free the request's
+    resources; the gateway also calls `abort(request_id)`.
+    """
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> LoadSnapshot: ...

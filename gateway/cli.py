@@ -1,0 +1,74 @@
+"""`kvgate serve` and `kvgate check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="An OpenAI-compatible LLM inference gateway.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve the models of a config file")
+    serve.add_argument("--config", required=True, help="YAML config file")
+    serve.add_argument("--host", help="listen address (overrides server.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.set_defaults(func=_serve)
+    check = sub.add_parser("check-config", help="validate a config file without serving")
+    check.add_argument("config", help="YAML config file")
+    check.set_defaults(func=_check)
+    return parser
+
+
+def _load_state(path: str):
+    """Config plus plugins plus backends created (not started); errors printed, None returned."""
+    from gateway.app import build_state
+
+    try:
+        return build_state(load_config(path))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+    except ValueError as exc:
+        print(f"invalid config {path}:\n  {exc}", file=sys.stderr)
+    return None
+
+
+def _check(args) -> int:
+    state = _load_state(args.config)
+    if state is None:
+        return 1
+    models = ", ".join(p.name for p in state.registry.pools)
+    print(f"{args.config}: OK ({len(state.registry.deployments())} deployments; models: {models})")
+    return 0
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    state = _load_state(args.config)
+    if state is None:
+        return 1
+    server = state.config.server
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(state),
+        host=args.host or server.host,
+        port=server.port if args.port is None else args.port,
+        log_level=server.log_level,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

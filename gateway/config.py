@@ -1,0 +1,158 @@
+"""The gateway's YAML config, validated into typed models.
+
+Unknown keys are rejected, and every error names the path of the bad field and, when the YAML
+node is known, its file and line: `models[0].deployments[1].backend: field required (x.yaml:12)`.
+Each subsystem is handed its own sub-config, never the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RequestLimits(StrictModel):
+    """Bounds on what one request may ask for; requests over them get a 400 (413 for the body)."""
+
+    max_body_bytes: int = Field(1_048_576, gt=0, description="Largest request body, in bytes.")
+    max_tokens: int = Field(4096, gt=0, description="Largest max_tokens a request may ask for.")
+    max_n: int = Field(8, gt=0, description="Largest n (choices per request).")
+    max_stop: int = Field(4, ge=0, description="Most stop strings per request.")
+    max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs / logprobs.")
+    max_messages: int = Field(256, gt=0, description="Most chat messages per request.")
+
+
+class ServerConfig(StrictModel):
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
+    limits: RequestLimits = RequestLimits()
+    log_level: str = Field("info", description="uvicorn/gateway log level.")
+
+
+class DeploymentConfig(StrictModel):
+    """One backend instance that can serve a model."""
+
+    name: str = Field(description="Unique within its model; shown in logs and metrics.")
+    backend: str = Field(description="Backend kind registered by a plugin (e.g. echo, native).")
+    upstream_model: str | None = Field(
+        None, description="Model name the backend knows; defaults to the model's name."
+    )
+    weight: float = Field(1.0, gt=0, description="Relative share for weighted policies.")
+    settings: dict[str, Any] = Field(
+        default_factory=dict, description="Backend-specific settings, validated by its plugin."
+    )
+
+
+class ModelConfig(StrictModel):
+    name: str = Field(description="The model name clients send.")
+    aliases: list[str] = Field(default_factory=list, description="Other names for this model.")
+    deployments: list[DeploymentConfig] = Field(min_length=1)
+
+    @field_validator("deployments")
+    @classmethod
+    def _unique_deployment_names(cls, deployments: list[DeploymentConfig]):
+        seen: set[str] = set()
+        for d in deployments:
+            if d.name in seen:
+                raise ValueError(f"duplicate deployment name '{d.name}'")
+            seen.add(d.name)
+        return deployments
+
+
+class GatewayConfig(StrictModel):
+    server: ServerConfig = ServerConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+    plugins: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-plugin sections, handed to each plugin as-is."
+    )
+
+    @model_validator(mode="after")
+    def _unique_model_names(self):
+        seen: set[str] = set()
+        for model in self.models:
+            for name in [model.name, *model.aliases]:
+                if name in seen:
+                    raise ValueError(f"model name or alias '{name}' is used twice")
+                seen.add(name)
+        return self
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `problems` holds one line per bad field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"invalid config {source}:\n  " + "\n  ".join(problems))
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read file: {exc.strerror}"]) from None
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, source: str = "<config>") -> GatewayConfig:
+    try:
+        root_node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["the top level must be a mapping (server:, models:, plugins:)"])
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _describe_errors(exc, root_node, source)) from None
+
+
+def _describe_errors(exc: ValidationError, root_node, source: str) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        path = format_path(loc) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        line = _line_of(root_node, loc)
+        where = f" ({source}:{line})" if line else ""
+        problems.append(f"{path}: {message}{where}")
+    return problems
+
+
+def format_path(loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _line_of(node, loc) -> int | None:
+    """1-based line of the deepest YAML node along `loc` that exists."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        node = _child(node, part)
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _child(node, part):
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if key.value == part:
+                return key if isinstance(value, yaml.ScalarNode) and value.value == "" else value
+    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        return node.value[part]
+    return None

@@ -1,0 +1,58 @@
+"""The plugin boundary. Each hookspec's docstring is its contract.
+
+Plugins are modules (or objects) with functions marked `@hookimpl` and named like the specs
+below; they are found through the `kvgate` entry-point group. Registration hooks take a
+`register` callback, so a plugin can contribute several things and the gateway owns the tables.
+Per-token work never goes through these hooks: the hot path calls `Backend` objects directly.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "kvgate"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def register_backends(register, config):
+    """Register backend kinds this plugin provides.
+
+    Called once at start-up (and again on config reload). Call
+    `register(kind: str, factory)` for each kind, where `factory(settings: dict, deployment: str)`
+    returns a new object satisfying `gateway.backend.Backend`. `settings` is the deployment's
+    `settings:` mapping from YAML, unvalidated: the factory validates it and raises `ValueError`
+    with a message naming the bad field. `config` is this plugin's own section of the gateway
+    config (`plugins.<kind>:`), or an empty dict. Registering a kind twice is an error.
+    """
+
+
+@hookspec
+def register_routing_policies(register):
+    """Register routing policies this plugin provides.
+
+    Called once at start-up. Call `register(name: str, factory)` where `factory(options: dict)`
+    returns an object with `choose(request, candidates) -> candidate`. Registering a name twice is
+    an error.
+    """
+
+
+@hookspec
+def request_started(request_id, model, sla_class):
+    """Called once when a request has been validated and is about to be routed.
+
+    Observers only: the return value is ignored and an exception is logged, not raised.
+    """
+
+
+@hookspec
+def request_finished(request_id, model, status, usage):
+    """Called once when a request has ended, however it ended.
+
+    `status` is the HTTP status sent (200 for a completed stream, even when it ended with an error
+    event, in which case the error is reported as status "stream_error"). `usage` is a
+    `gateway.backend.Usage` or None. Observers only: the return value is ignored and an exception
+    is logged, not raised.
+    """

@@ -1,0 +1,85 @@
+"""Real servers on loopback for tests: a kvgate gateway run by uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from gateway.app import build_state, create_app
+from gateway.config import parse_config
+
+
+class GatewayServer:
+    """Serves a YAML config on a free loopback port until `close()`.
+
+    Runs in this process (uvicorn in its own thread and event loop), so a test can look at the
+    backend objects while talking HTTP to the real server.
+    """
+
+    def __init__(self, config_yaml: str, extra_plugins: dict | None = None):
+        from gateway.plugins import make_plugin_manager
+
+        self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins))
+        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=0, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self._wait_started()
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.server.serve())
+
+    def _wait_started(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.01)
+
+    def backend(self, deployment: str):
+        return next(d.backend for d in self.state.registry.deployments() if d.name == deployment)
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read().decode()}")
+        try:
+            if httpx.get(base_url + "/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server did not become ready")
