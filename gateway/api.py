@@ -9,9 +9,12 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway.admission import Ticket
 from gateway.asgi import EventStreamResponse, run_until_disconnect
+from gateway.auth import ApiKey
 from gateway.choices import OpenChoice, choice_requests, merged_events, open_choices
-from gateway.errors import APIError, InvalidRequestError
+from gateway.config import SlaClass
+from gateway.errors import APIError, InvalidRequestError, ModelNotFound
 from gateway.plugins import notify
 from gateway.responses import (
     SSE_DONE,
@@ -27,13 +30,18 @@ from gateway.schemas import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("kvgate.api")
 
+SLA_HEADER = "x-sla-class"
+TRACE_HEADERS = ("traceparent", "tracestate")
+
 
 async def list_models(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
+    key = _api_key(request)
     created = int(state.started_at)
     data = [
         {"id": pool.name, "object": "model", "created": created, "owned_by": "kvgate"}
         for pool in state.registry.pools
+        if key is None or key.may_use([pool.name, *pool.aliases])
     ]
     return JSONResponse({"object": "list", "data": data})
 
@@ -46,27 +54,73 @@ async def chat_completions(request: Request):
     return await _serve(request, parse_chat, "chatcmpl")
 
 
+def _api_key(request: Request) -> ApiKey | None:
+    return request.scope.get("state", {}).get("api_key")
+
+
+def _resolve_pool(state, key: ApiKey | None, model: str):
+    pool = state.registry.resolve(model)
+    if key is not None and not key.may_use([model, pool.name]):
+        raise ModelNotFound(model)  # as if it did not exist: keys do not learn other models
+    return pool
+
+
+def _sla_class(request: Request, state, key: ApiKey | None) -> SlaClass:
+    name = request.headers.get(SLA_HEADER) or (key.sla_class if key else None) or state.config.default_sla_class
+    sla = state.config.sla_class(name)
+    if sla is None:
+        known = ", ".join(c.name for c in state.config.sla_classes)
+        raise InvalidRequestError(f"Unknown SLA class '{name}' (known: {known}).", param=SLA_HEADER)
+    return sla
+
+
 async def _serve(request: Request, parse, id_prefix: str):
     state = request.app.state.kvgate
-    parsed: ParsedRequest = parse(await _json_body(request), state.config.server.limits)
-    pool = state.registry.resolve(parsed.model)
+    registry, config = state.registry, state.config  # one consistent view across a reload
+    key = _api_key(request)
+    parsed: ParsedRequest = parse(await _json_body(request), config.server.limits)
+    pool = _resolve_pool(state, key, parsed.model)
+    sla = _sla_class(request, state, key)
+    if key is not None:
+        state.limiter.admit(key)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=None)
+    outcome = _Outcome(state, key, request_id, pool.name)
+    notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
     shape = ResponseShape(
         chat=parsed.chat, id=request_id, model=pool.name, want_logprobs=parsed.sampling.logprobs is not None
     )
+    ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
+    trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
     try:
-        choices = await open_choices(pool, choice_requests(parsed, request_id))
-    except APIError as exc:
-        notify(state.pm, "request_finished", request_id=request_id, model=pool.name, status=exc.status, usage=None)
+        choices = await open_choices(
+            registry, pool, choice_requests(parsed, request_id, sla.priority, trace), ticket
+        )
+    except BaseException as exc:
+        outcome.finish(exc.status if isinstance(exc, APIError) else 499, None)
         raise
     if parsed.stream:
-        return EventStreamResponse(_stream(state, parsed, shape, choices))
+        return EventStreamResponse(_stream(outcome, parsed, shape, choices))
     finished, body = await run_until_disconnect(request.receive, _collect(parsed, shape, choices))
-    status = 200 if finished else 499  # 499: client closed the request (nginx's convention)
-    notify(state.pm, "request_finished", request_id=request_id, model=pool.name, status=status,
-           usage=body["usage"] if body else None)
+    outcome.finish(200 if finished else 499, body["usage"] if body else None)
+    # 499: the client closed the request (nginx's convention); nobody reads this response.
     return JSONResponse(body) if finished else JSONResponse({}, status_code=499)
+
+
+class _Outcome:
+    """Closes the books on a request exactly once: key limits, observer hooks."""
+
+    def __init__(self, state, key: ApiKey | None, request_id: str, model: str):
+        self.state, self.key, self.request_id, self.model = state, key, request_id, model
+        self.done = False
+
+    def finish(self, status, usage: dict | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.key is not None:
+            self.state.limiter.finish(self.key, (usage or {}).get("total_tokens", 0))
+        notify(self.state.pm, "request_finished", request_id=self.request_id, model=self.model,
+               status=status, usage=usage)
 
 
 async def _json_body(request: Request):
@@ -88,9 +142,9 @@ async def _collect(parsed: ParsedRequest, shape: ResponseShape, choices: list[Op
     return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n)))
 
 
-async def _stream(state, parsed: ParsedRequest, shape: ResponseShape, choices: list[OpenChoice]):
+async def _stream(outcome: _Outcome, parsed: ParsedRequest, shape: ResponseShape, choices: list[OpenChoice]):
     states = [ChoiceState(c.index) for c in choices]
-    status = "stream_error"
+    status, usage = "stream_error", None
     try:
         if parsed.chat:
             for c in choices:
@@ -111,7 +165,7 @@ async def _stream(state, parsed: ParsedRequest, shape: ResponseShape, choices: l
     finally:
         for c in choices:
             await c.close()
-        notify(state.pm, "request_finished", request_id=shape.id, model=shape.model, status=status, usage=None)
+        outcome.finish(status if status == 200 else "stream_error", usage)
     yield SSE_DONE
 
 

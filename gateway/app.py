@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -16,28 +19,42 @@ from starlette.routing import Route
 
 from gateway import api
 from gateway.asgi import BodyLimitMiddleware
+from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, MethodNotAllowed, NotFoundError
+from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
 from gateway.models import ModelRegistry
-from gateway.plugins import collect_backends, collect_routing_policies, make_plugin_manager
+from gateway.plugins import Registry, collect_backends, collect_routing_policies, make_plugin_manager
+from gateway.reload import reload_config
 
 log = logging.getLogger("kvgate.app")
 
 
 @dataclass
 class GatewayState:
+    """What serving needs. A reload swaps `config`, `registry` and `keys` together; a request
+    reads them once at its start and keeps its references to the end."""
+
     config: GatewayConfig
     pm: pluggy.PluginManager
     registry: ModelRegistry
+    keys: KeyStore
+    backends: Registry
+    policies: Registry
+    config_path: str | None = None
+    limiter: KeyLimiter = field(default_factory=KeyLimiter)
     started_at: float = field(default_factory=time.time)
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None) -> GatewayState:
+def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
+                config_path: str | None = None) -> GatewayState:
     """Load plugins and create (not start) every backend. Raises ValueError on bad settings."""
     pm = pm or make_plugin_manager()
     backends = collect_backends(pm, config.plugins)
     policies = collect_routing_policies(pm)
-    return GatewayState(config, pm, ModelRegistry.build(config, backends, policies))
+    keys = KeyStore.from_config(config.auth)
+    registry = ModelRegistry.build(config, backends, policies)
+    return GatewayState(config, pm, registry, keys, backends, policies, config_path)
 
 
 async def health_live(request: Request) -> JSONResponse:
@@ -55,6 +72,16 @@ async def health_ready(request: Request) -> JSONResponse:
         {"status": "ready" if ready else "not ready", "deployments": deployments},
         status_code=200 if ready else 503,
     )
+
+
+async def admin_reload(request: Request) -> JSONResponse:
+    state = request.app.state.kvgate
+    if state.config_path is None:
+        raise APIError("This gateway was not started from a config file.")
+    applied, message = await reload_config(state)
+    if not applied:
+        raise InvalidRequestError(message, code="invalid_config")
+    return JSONResponse({"reloaded": True, "message": message})
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -83,6 +110,7 @@ ROUTES = [
     Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
+    Route("/admin/reload", admin_reload, methods=["POST"]),
 ]
 
 
@@ -92,6 +120,7 @@ def create_app(state: GatewayState):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.registry.start()
+        _reload_on_sighup(state)
         try:
             yield
         finally:
@@ -103,4 +132,12 @@ def create_app(state: GatewayState):
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
     )
     app.state.kvgate = state
+    app = AuthMiddleware(app, keys_of=lambda: state.keys)
     return BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
+
+
+def _reload_on_sighup(state: GatewayState) -> None:
+    if state.config_path is None or threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_config(state)))

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 from gateway.hookspecs import hookimpl
-
-
-class RoundRobin:
-    """Each request goes to the next healthy deployment in turn."""
-
-    def __init__(self, options: dict):
-        self._counter = itertools.count()
-
-    def choose(self, request, candidates):
-        return candidates[next(self._counter) % len(candidates)]
+from gateway.routing import BUILTIN_POLICIES
 
 
 @hookimpl
 def register_routing_policies(register):
-    register("round_robin", RoundRobin)
+    for name, factory in BUILTIN_POLICIES.items():
+        register(name, factory)

@@ -1,9 +1,11 @@
-"""Running the choices of one request on backends.
+"""Running the choices of one request on backends, with failover before the first token.
 
-Every choice is opened (deployment chosen, first event awaited) before the response starts, so a
-refusal (bad input, context too long, overloaded, backend down) is still an ordinary HTTP error.
-After that, a failure can only end the stream. Closing a choice always aborts it on its backend,
-whether it ended, failed, or the client went away.
+Every choice is opened (deployment admitted, first event awaited) before the response starts,
+so a refusal is still an ordinary HTTP error. A deployment that fails before its first token
+(error, refused connection, first-token timeout) is charged to its breaker and the choice is
+retried on another deployment of the pool, then on the model's fallback chain; nothing has been
+sent yet, so nothing is duplicated. After the first token a failure can only end the stream.
+Closing a choice always releases its slot and aborts it on its backend unless it finished.
 """
 
 from __future__ import annotations
@@ -13,33 +15,49 @@ import logging
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
+from gateway.admission import Ticket
 from gateway.backend import GenerationRequest, TokenEvent
-from gateway.errors import APIError, BackendError
-from gateway.models import Deployment, ModelPool
+from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError, Overloaded, RateLimited
+from gateway.models import Deployment, ModelPool, ModelRegistry
 from gateway.schemas import ParsedRequest
 
 log = logging.getLogger("kvgate.choices")
 
+# Refusals that say "busy", not "broken": try elsewhere, but do not charge the breaker.
+LOAD_ERRORS = (Overloaded, RateLimited)
 
-@dataclass
+
+@dataclass(eq=False)
 class OpenChoice:
     index: int
     request: GenerationRequest
+    pool: ModelPool
     deployment: Deployment
     events: AsyncIterator[TokenEvent]
     first: TokenEvent
+    attempts: int = 1
     finished: bool = False
+    closed: bool = False
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
-        """The first event, then the rest; backend exceptions become `APIError`s."""
+        """The first event, then the rest; each next event must come within the idle timeout."""
         yield self._note(self.first)
-        try:
-            async for event in self.events:
-                yield self._note(event)
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
-            raise _backend_failure(self.deployment, exc) from exc
+        idle_s = self.pool.config.timeouts.idle_s
+        while not self.finished:
+            try:
+                event = await asyncio.wait_for(anext(self.events), idle_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                self.deployment.breaker.record_failure()
+                raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") from None
+            except APIError:
+                self.deployment.breaker.record_failure()
+                raise
+            except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
+                self.deployment.breaker.record_failure()
+                raise _backend_failure(self.deployment, exc) from exc
+            yield self._note(event)
 
     def _note(self, event: TokenEvent) -> TokenEvent:
         if event.finish_reason:
@@ -47,21 +65,21 @@ class OpenChoice:
         return event
 
     async def close(self) -> None:
-        try:
-            await self.events.aclose()
-        except Exception:  # noqa: BLE001
-            log.debug("closing choice %s raised", self.request.request_id, exc_info=True)
+        if self.closed:
+            return
+        self.closed = True
+        await _close_events(self.events)
         if not self.finished:
-            try:
-                await self.deployment.backend.abort(self.request.request_id)
-            except Exception:  # noqa: BLE001
-                log.warning("abort of %s on %s failed", self.request.request_id, self.deployment.name)
+            await _abort(self.deployment, self.request.request_id)
+        self.pool.release(self.deployment)
 
 
-def choice_requests(parsed: ParsedRequest, request_id: str) -> list[GenerationRequest]:
+def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
+                    trace_context: dict | None = None) -> list[GenerationRequest]:
     """One GenerationRequest per choice: prompts x n, each choice with its own seed offset."""
     base = GenerationRequest(
-        request_id=request_id, model=parsed.model, sampling=parsed.sampling, user=parsed.user
+        request_id=request_id, model=parsed.model, sampling=parsed.sampling, user=parsed.user,
+        priority=priority, trace_context=dict(trace_context or {}),
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []
@@ -83,36 +101,109 @@ def choice_requests(parsed: ParsedRequest, request_id: str) -> list[GenerationRe
     return out
 
 
-async def open_choices(pool: ModelPool, requests: list[GenerationRequest]) -> list[OpenChoice]:
+async def open_choices(registry: ModelRegistry, pool: ModelPool, requests: list[GenerationRequest],
+                       ticket: Ticket) -> list[OpenChoice]:
     """Open every choice; if any is refused, close the ones already open and re-raise."""
     opened: list[OpenChoice] = []
     try:
         for index, request in enumerate(requests):
-            opened.append(await _open_one(pool, index, request))
+            opened.append(await open_choice(registry, pool, index, request, ticket))
     except BaseException:
         await asyncio.gather(*(c.close() for c in opened))
         raise
     return opened
 
 
-async def _open_one(pool: ModelPool, index: int, request: GenerationRequest) -> OpenChoice:
-    deployment = pool.choose(request)
+async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, request: GenerationRequest,
+                      ticket: Ticket) -> OpenChoice:
+    """Admit the choice to `pool` (waiting in its queue if needed), then fail over: other
+    deployments of the pool, then the fallback models, each without queueing."""
+    deployment = await pool.admission.acquire(request, ticket)
+    last_error: APIError | None = None
+    attempts = 0
+    for current in _pools_to_try(registry, pool):
+        if current is not pool:
+            deployment = current.take(request)
+        tried: set[str] = set()
+        while deployment is not None:
+            tried.add(deployment.name)
+            attempts += 1
+            try:
+                choice = await _open_on(current, deployment, index, request)
+                choice.attempts = attempts
+                return choice
+            except InvalidRequestError:
+                current.release(deployment)
+                raise  # the request itself is bad: another backend will say the same
+            except APIError as exc:
+                current.release(deployment)
+                last_error = exc
+                log.warning("choice %s failed on %s before its first token (%s); failing over",
+                            request.request_id, deployment.name, exc.code)
+            deployment = current.take(request, exclude=frozenset(tried))
+    raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
+
+
+def _pools_to_try(registry: ModelRegistry, pool: ModelPool):
+    """The pool, then its fallback chain (each model at most once)."""
+    seen = {pool.name}
+    current = pool
+    yield pool
+    while current.config.fallback:
+        current = registry.get(current.config.fallback)
+        if current is None or current.name in seen:
+            return
+        seen.add(current.name)
+        yield current
+
+
+async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request: GenerationRequest) -> OpenChoice:
     request = replace(request, model=deployment.upstream_model)
     events = deployment.backend.generate(request)
+    timeout = pool.config.timeouts.first_token_s
     try:
-        first = await anext(events)
+        first = await asyncio.wait_for(anext(events), timeout)
     except StopAsyncIteration:
+        deployment.breaker.record_failure()
         raise BackendError(f"Backend '{deployment.name}' ended the request without output.") from None
+    except asyncio.TimeoutError:
+        deployment.breaker.record_failure()
+        await _close_events(events)
+        await _abort(deployment, request.request_id)
+        raise BackendTimeout(f"The backend '{deployment.name}' sent no token within {timeout:g} s.") from None
+    except InvalidRequestError:
+        deployment.breaker.release_probe()
+        raise
+    except LOAD_ERRORS:
+        deployment.breaker.release_probe()
+        raise
     except APIError:
+        deployment.breaker.record_failure()
         raise
     except Exception as exc:  # noqa: BLE001
+        deployment.breaker.record_failure()
         raise _backend_failure(deployment, exc) from exc
-    return OpenChoice(index, request, deployment, events, first)
+    deployment.breaker.record_success()
+    return OpenChoice(index, request, pool, deployment, events, first)
 
 
 def _backend_failure(deployment: Deployment, exc: Exception) -> BackendError:
     log.error("backend %s failed: %s: %s", deployment.name, type(exc).__name__, exc)
     return BackendError(f"The backend '{deployment.name}' failed while generating.")
+
+
+async def _close_events(events) -> None:
+    try:
+        await events.aclose()
+    except Exception:  # noqa: BLE001
+        log.debug("closing a backend stream raised", exc_info=True)
+
+
+async def _abort(deployment: Deployment, request_id: str) -> None:
+    try:
+        await deployment.backend.abort(request_id)
+    except Exception:  # noqa: BLE001
+        log.warning("abort of %s on %s failed", request_id, deployment.name)
 
 
 async def merged_events(choices: list[OpenChoice]) -> AsyncIterator[tuple[int, TokenEvent]]:

@@ -33,7 +33,7 @@ def _load_state(path: str):
     from gateway.app import build_state
 
     try:
-        return build_state(load_config(path))
+        return build_state(load_config(path), config_path=path)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
     except ValueError as exc:

@@ -50,9 +50,42 @@ class DeploymentConfig(StrictModel):
     )
 
 
+class QueueConfig(StrictModel):
+    """The pool's bounded admission queue (requests wait here while every deployment is busy)."""
+
+    max_size: int = Field(64, ge=0, description="Most requests waiting in the gateway for this pool.")
+    max_in_flight_per_deployment: int = Field(
+        0, ge=0, description="Requests the gateway sends one deployment at once; 0: no gateway cap."
+    )
+
+
+class SaturationConfig(StrictModel):
+    """When a deployment counts as saturated (Inference Extension defaults: queue 5, KV 0.8)."""
+
+    max_waiting: int = Field(5, ge=0, description="Requests queued inside the backend.")
+    max_kv_cache_usage: float = Field(0.8, gt=0, le=1, description="Fraction of KV-cache blocks in use.")
+
+
+class TimeoutConfig(StrictModel):
+    first_token_s: float = Field(60.0, gt=0, description="Seconds to wait for a backend's first token.")
+    idle_s: float = Field(60.0, gt=0, description="Seconds allowed between two tokens of a stream.")
+
+
+class BreakerConfig(StrictModel):
+    failures: int = Field(5, ge=1, description="Consecutive failures that take a deployment out.")
+    cooldown_s: float = Field(10.0, gt=0, description="Seconds out before one probe request is let in.")
+
+
 class ModelConfig(StrictModel):
     name: str = Field(description="The model name clients send.")
     aliases: list[str] = Field(default_factory=list, description="Other names for this model.")
+    policy: str = Field("least_loaded", description="Routing policy (a registered name).")
+    policy_options: dict[str, Any] = Field(default_factory=dict, description="Options for the policy.")
+    fallback: str | None = Field(None, description="Model to try when every deployment fails.")
+    queue: QueueConfig = QueueConfig()
+    saturation: SaturationConfig = SaturationConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    breaker: BreakerConfig = BreakerConfig()
     deployments: list[DeploymentConfig] = Field(min_length=1)
 
     @field_validator("deployments")
@@ -66,8 +99,55 @@ class ModelConfig(StrictModel):
         return deployments
 
 
+class SlaClass(StrictModel):
+    name: str
+    priority: int = Field(description="Lower runs earlier, in the gateway queue and in the engine.")
+    max_queue_wait_s: float = Field(30.0, gt=0, description="Seconds a request may wait for admission.")
+    ttft_target_s: float | None = Field(None, gt=0, description="Time-to-first-token target, seconds.")
+    tpot_target_s: float | None = Field(None, gt=0, description="Time per output token target, seconds.")
+    sheddable: bool = Field(False, description="Refused first when the pool is saturated.")
+
+
+DEFAULT_SLA_CLASSES = (
+    SlaClass(name="interactive", priority=0, max_queue_wait_s=10.0),
+    SlaClass(name="standard", priority=5, max_queue_wait_s=30.0),
+    SlaClass(name="batch", priority=10, max_queue_wait_s=120.0, sheddable=True),
+)
+
+
+class ApiKeyConfig(StrictModel):
+    """One client key. The secret comes from `key_env` (an env var) or `key` (keep such a file
+    out of version control); it is never logged."""
+
+    name: str = Field(description="Shown in logs and metrics instead of the key.")
+    key: str | None = Field(None, min_length=8, repr=False)
+    key_env: str | None = Field(None, description="Environment variable holding the key.")
+    models: list[str] = Field(default_factory=lambda: ["*"], description="Allowed models; '*' for all.")
+    sla_class: str | None = Field(None, description="Default SLA class of this key's requests.")
+    requests_per_minute: int | None = Field(None, gt=0)
+    tokens_per_minute: int | None = Field(None, gt=0, description="Prompt + completion tokens.")
+    max_concurrency: int | None = Field(None, gt=0, description="Requests in flight at once.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("give exactly one of key and key_env")
+        return self
+
+
+class AuthConfig(StrictModel):
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    keys_file_env: str | None = Field(
+        None, description="Environment variable naming a YAML file with more keys (a list like `keys`)."
+    )
+    admin_key_env: str | None = Field(None, description="Environment variable holding the admin key.")
+
+
 class GatewayConfig(StrictModel):
     server: ServerConfig = ServerConfig()
+    sla_classes: list[SlaClass] = Field(default_factory=lambda: list(DEFAULT_SLA_CLASSES))
+    default_sla_class: str = Field("standard", description="Class of requests that name none.")
+    auth: AuthConfig = AuthConfig()
     models: list[ModelConfig] = Field(min_length=1)
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-plugin sections, handed to each plugin as-is."
@@ -82,6 +162,25 @@ class GatewayConfig(StrictModel):
                     raise ValueError(f"model name or alias '{name}' is used twice")
                 seen.add(name)
         return self
+
+    @model_validator(mode="after")
+    def _references_exist(self):
+        classes = {c.name for c in self.sla_classes}
+        if len(classes) != len(self.sla_classes):
+            raise ValueError("sla_classes: two classes share a name")
+        if self.default_sla_class not in classes:
+            raise ValueError(f"default_sla_class: unknown class '{self.default_sla_class}'")
+        names = {n for m in self.models for n in [m.name, *m.aliases]}
+        for i, m in enumerate(self.models):
+            if m.fallback is not None and (m.fallback not in names or m.fallback in [m.name, *m.aliases]):
+                raise ValueError(f"models[{i}].fallback: '{m.fallback}' is not another model")
+        for i, k in enumerate(self.auth.keys):
+            if k.sla_class is not None and k.sla_class not in classes:
+                raise ValueError(f"auth.keys[{i}].sla_class: unknown class '{k.sla_class}'")
+        return self
+
+    def sla_class(self, name: str) -> SlaClass | None:
+        return next((c for c in self.sla_classes if c.name == name), None)
 
 
 class ConfigError(Exception):

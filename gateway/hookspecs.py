@@ -51,8 +51,8 @@ def request_started(request_id, model, sla_class):
 def request_finished(request_id, model, status, usage):
     """Called once when a request has ended, however it ended.
 
-    `status` is the HTTP status sent (200 for a completed stream, even when it ended with an error
-    event, in which case the error is reported as status "stream_error"). `usage` is a
-    `gateway.backend.Usage` or None. Observers only: the return value is ignored and an exception
-    is logged, not raised.
+    `status` is the HTTP status of the answer (an int), "stream_error" for a stream that started
+    and then ended with an error event, or 499 when the client went away first. `usage` is the
+    OpenAI usage dict sent to the client, or None. Observers only: the return value is ignored and
+    an exception is logged, not raised.
     """

@@ -6,45 +6,78 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from gateway.admission import PoolAdmission
 from gateway.backend import Backend
-from gateway.config import GatewayConfig, ModelConfig
-from gateway.errors import ModelNotFound, Overloaded
+from gateway.breaker import CircuitBreaker
+from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, SaturationConfig
+from gateway.errors import ModelNotFound
 from gateway.plugins import Registry
 
 log = logging.getLogger("kvgate.models")
 
 
-@dataclass
+@dataclass(eq=False)
 class Deployment:
-    """One backend instance serving one model."""
+    """One backend instance serving one model, with what the gateway tracks about it."""
 
     name: str
     model: str
     upstream_model: str
     weight: float
     backend: Backend
+    breaker: CircuitBreaker
+    config: DeploymentConfig | None = None
     started: bool = False
     start_error: str | None = None
+    in_flight: int = 0  # requests the gateway has sent and not yet closed
 
     @property
     def available(self) -> bool:
-        return self.started and self.backend.load().healthy
+        """Started, healthy and not taken out by its breaker (it may still be busy)."""
+        return self.started and self.breaker.allows() and self.backend.load().healthy
+
+    def saturated(self, limits: SaturationConfig, max_in_flight: int) -> bool:
+        if max_in_flight and self.in_flight >= max_in_flight:
+            return True
+        load = self.backend.load()
+        if load.waiting >= limits.max_waiting or load.kv_cache_usage >= limits.max_kv_cache_usage:
+            return True
+        return bool(load.capacity) and load.running + load.waiting >= load.capacity + limits.max_waiting
 
 
-@dataclass
+@dataclass(eq=False)
 class ModelPool:
     name: str
     aliases: list[str]
     deployments: list[Deployment]
     policy: object = field(repr=False)
+    config: ModelConfig = field(repr=False)
+    admission: PoolAdmission = field(init=False, repr=False)
 
-    def choose(self, request) -> Deployment:
-        candidates = [d for d in self.deployments if d.available]
+    def __post_init__(self):
+        self.admission = PoolAdmission(self, self.config.queue.max_size)
+
+    def take(self, request, exclude: frozenset[str] = frozenset()) -> Deployment | None:
+        """Choose a deployment that can take `request` now and claim a slot on it, or None."""
+        candidates = [
+            d for d in self.deployments
+            if d.name not in exclude and d.available
+            and not d.saturated(self.config.saturation, self.config.queue.max_in_flight_per_deployment)
+        ]
         if not candidates:
-            raise Overloaded(
-                f"No backend of model '{self.name}' is available right now.", retry_after_s=5
-            )
-        return self.policy.choose(request, candidates)
+            return None
+        chosen = self.policy.choose(request, candidates)
+        chosen.in_flight += 1
+        chosen.breaker.claim()
+        return chosen
+
+    def release(self, deployment: Deployment) -> None:
+        deployment.in_flight -= 1
+        self.admission.wake()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(d.in_flight for d in self.deployments)
 
 
 class ModelRegistry:
@@ -53,9 +86,11 @@ class ModelRegistry:
         self._by_name = {n: p for p in pools for n in [p.name, *p.aliases]}
 
     @classmethod
-    def build(cls, config: GatewayConfig, backends: Registry, policies: Registry) -> "ModelRegistry":
-        """Create (not start) every deployment's backend; bad settings raise ValueError with a path."""
-        pools = [_build_pool(i, m, backends, policies) for i, m in enumerate(config.models)]
+    def build(cls, config: GatewayConfig, backends: Registry, policies: Registry,
+              reuse: dict[tuple, Deployment] | None = None) -> "ModelRegistry":
+        """Create (not start) every deployment's backend; bad settings raise ValueError with a
+        path. Deployments found in `reuse` (same model, name and config) are kept as they are."""
+        pools = [_build_pool(i, m, backends, policies, reuse or {}) for i, m in enumerate(config.models)]
         return cls(pools)
 
     def resolve(self, name: str) -> ModelPool:
@@ -64,45 +99,60 @@ class ModelRegistry:
         except KeyError:
             raise ModelNotFound(name) from None
 
+    def get(self, name: str) -> ModelPool | None:
+        return self._by_name.get(name)
+
     def deployments(self) -> list[Deployment]:
         return [d for p in self.pools for d in p.deployments]
 
     @property
     def ready(self) -> bool:
-        return all(d.available for d in self.deployments())
+        return all(d.started and d.backend.load().healthy for d in self.deployments())
 
     async def start(self) -> None:
-        """Start every backend concurrently. A backend that fails to start is logged and stays
-        out of rotation (readiness stays false); the others serve."""
-        await asyncio.gather(*(_start(d) for d in self.deployments()))
+        """Start every backend not yet started, concurrently. A backend that fails to start is
+        logged and stays out of rotation (readiness stays false); the others serve."""
+        await asyncio.gather(*(_start(d) for d in self.deployments() if not d.started))
 
     async def stop(self) -> None:
         await asyncio.gather(*(_stop(d) for d in self.deployments() if d.started))
 
 
-def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Registry) -> ModelPool:
+def deployment_key(model: str, d: DeploymentConfig) -> tuple:
+    return (model, d.name, d.model_dump_json())
+
+
+def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Registry,
+                reuse: dict[tuple, Deployment]) -> ModelPool:
     deployments = []
     for j, d in enumerate(model.deployments):
-        where = f"models[{index}].deployments[{j}]"
-        try:
-            factory = backends.get(d.backend)
-        except KeyError as exc:
-            raise ValueError(f"{where}.backend: {exc.args[0]}") from None
-        try:
-            backend = factory(dict(d.settings), d.name)
-        except ValueError as exc:
-            raise ValueError(f"{where}.{exc}") from None
-        deployments.append(
-            Deployment(d.name, model.name, d.upstream_model or model.name, d.weight, backend)
-        )
-    policy = policies.get("round_robin")({})
-    return ModelPool(model.name, list(model.aliases), deployments, policy)
+        kept = reuse.get(deployment_key(model.name, d))
+        deployments.append(kept or _build_deployment(f"models[{index}].deployments[{j}]", model, d, backends))
+    try:
+        policy = policies.get(model.policy)(dict(model.policy_options))
+    except KeyError as exc:
+        raise ValueError(f"models[{index}].policy: {exc.args[0]}") from None
+    return ModelPool(model.name, list(model.aliases), deployments, policy, model)
+
+
+def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> Deployment:
+    try:
+        factory = backends.get(d.backend)
+    except KeyError as exc:
+        raise ValueError(f"{where}.backend: {exc.args[0]}") from None
+    try:
+        backend = factory(dict(d.settings), d.name)
+    except ValueError as exc:
+        raise ValueError(f"{where}.{exc}") from None
+    breaker = CircuitBreaker(model.breaker.failures, model.breaker.cooldown_s)
+    return Deployment(d.name, model.name, d.upstream_model or model.name, d.weight, backend, breaker, d)
 
 
 async def _start(d: Deployment) -> None:
     try:
         await d.backend.start()
         d.started = True
+        d.start_error = None
         log.info("deployment %s of model %s started", d.name, d.model)
     except Exception as exc:  # noqa: BLE001 - one bad backend must not stop the others
         d.start_error = str(exc) or type(exc).__name__

@@ -1,0 +1,129 @@
+"""Admission to a pool: take a deployment now, wait in a bounded priority queue, or be refused.
+
+A request is placed at once when some deployment can take it. Otherwise the pool is saturated,
+and then:
+- a sheddable class is refused at once (503, Retry-After): it never waits behind others;
+- any other class waits in the pool's queue, ordered by SLA priority then arrival, and is refused
+  when the queue is full (so the queue only ever holds classes that may not be shed);
+- a waiter still queued after its class's max wait is refused with a message saying so.
+Refusals return within milliseconds; nobody waits for a timeout to learn the pool is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from gateway.errors import Overloaded
+
+RECHECK_S = 0.02  # backends' load changes without telling us: waiters re-check this often
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Who is asking: the SLA class's priority (lower first), whether it may be shed, and how
+    long it may wait."""
+
+    priority: int
+    sheddable: bool
+    max_wait_s: float
+    sla_class: str = "standard"
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    ticket: Ticket = field(compare=False)
+    request: object = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+class PoolAdmission:
+    def __init__(self, pool, max_queue: int):
+        self.pool = pool
+        self.max_queue = max_queue
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._recheck: asyncio.TimerHandle | None = None
+        self.shed_count = 0
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._heap if not w.future.done())
+
+    async def acquire(self, request, ticket: Ticket):
+        """A deployment for `request`, its in-flight slot already taken."""
+        if not self.queued:
+            deployment = self.pool.take(request)
+            if deployment is not None:
+                return deployment
+        if ticket.sheddable:
+            self.shed_count += 1
+            raise Overloaded(f"Model '{self.pool.name}' is saturated; class '{ticket.sla_class}' is shed first.",
+                             retry_after_s=2)
+        waiter = self._enqueue(request, ticket)
+        return await self._wait(waiter, ticket)
+
+    def _enqueue(self, request, ticket: Ticket) -> _Waiter:
+        if self.queued >= self.max_queue:
+            self.shed_count += 1
+            raise Overloaded(f"The queue of model '{self.pool.name}' is full.", retry_after_s=2)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(ticket.priority, next(self._seq), ticket, request, loop.create_future())
+        heapq.heappush(self._heap, waiter)
+        self._schedule_recheck()
+        return waiter
+
+    async def _wait(self, waiter: _Waiter, ticket: Ticket):
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), ticket.max_wait_s)
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            self._forget(waiter)
+            raise
+        if waiter.future.done() and not waiter.future.exception():
+            return waiter.future.result()  # granted at the very moment the wait ran out
+        self._forget(waiter)
+        waited = time.monotonic() - started
+        raise Overloaded(
+            f"The request waited {waited:.1f} s for model '{self.pool.name}', over the "
+            f"{ticket.max_wait_s:g} s allowed for class '{ticket.sla_class}'.",
+            retry_after_s=2,
+        )
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
+            self.pool.release(waiter.future.result())  # granted but nobody will use it
+        elif not waiter.future.done():
+            waiter.future.cancel()
+
+    def wake(self) -> None:
+        """Grant queued requests, best first, as long as deployments can take them."""
+        while self._heap:
+            waiter = self._heap[0]
+            if waiter.future.done():
+                heapq.heappop(self._heap)
+                continue
+            deployment = self.pool.take(waiter.request)
+            if deployment is None:
+                break
+            heapq.heappop(self._heap)
+            waiter.future.set_result(deployment)
+        self._schedule_recheck()
+
+    def _schedule_recheck(self) -> None:
+        if self._recheck is not None or not self.queued:
+            return
+        loop = asyncio.get_running_loop()
+
+        def recheck():
+            self._recheck = None
+            self.wake()
+
+        self._recheck = loop.call_later(RECHECK_S, recheck)

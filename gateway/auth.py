@@ -1,0 +1,211 @@
+"""API keys and per-key limits.
+
+Keys come from the config (`key_env` names an environment variable; `key` is for files kept out
+of version control) and from an optional keys file named by an environment variable. Only
+SHA-256 digests are kept; a presented key is hashed and compared with every stored digest in
+constant time, without stopping at a match. Keys are never logged: logs and metrics use names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from gateway.config import ApiKeyConfig, AuthConfig, format_path
+from gateway.errors import AuthenticationError, RateLimited
+
+OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    digest: bytes = field(repr=False)
+    models: frozenset[str] | None  # None: every model
+    sla_class: str | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrency: int | None
+
+    def may_use(self, model_names: list[str]) -> bool:
+        return self.models is None or any(n in self.models for n in model_names)
+
+
+class KeyStore:
+    def __init__(self, keys: list[ApiKey], admin_digest: bytes | None):
+        self.keys = keys
+        self.admin_digest = admin_digest
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig, env: dict[str, str] | None = None) -> "KeyStore":
+        """Resolve every secret now, so a missing variable fails the config, not a request."""
+        env = os.environ if env is None else env
+        entries = [(f"auth.keys[{i}]", k) for i, k in enumerate(auth.keys)]
+        if auth.keys_file_env:
+            entries += _keys_file_entries(auth.keys_file_env, env)
+        keys = [_resolve(where, k, env) for where, k in entries]
+        names = [k.name for k in keys]
+        if len(set(names)) != len(names):
+            raise ValueError("auth.keys: two keys share a name")
+        admin = _env_secret("auth.admin_key_env", auth.admin_key_env, env) if auth.admin_key_env else None
+        return cls(keys, _digest(admin) if admin else None)
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        digest = _digest(presented)
+        found = None
+        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
+            if hmac.compare_digest(digest, key.digest):
+                found = key
+        return found
+
+    def is_admin(self, presented: str) -> bool:
+        return self.admin_digest is not None and hmac.compare_digest(_digest(presented), self.admin_digest)
+
+
+def _keys_file_entries(env_name: str, env) -> list[tuple[str, ApiKeyConfig]]:
+    path = _env_secret("auth.keys_file_env", env_name, env)
+    try:
+        data = yaml.safe_load(open(path).read())
+    except OSError as exc:
+        raise ValueError(f"auth.keys_file_env: cannot read the keys file named by {env_name}: {exc.strerror}") from None
+    except yaml.YAMLError:
+        raise ValueError(f"auth.keys_file_env: the keys file named by {env_name} is not valid YAML") from None
+    try:
+        parsed = TypeAdapter(list[ApiKeyConfig]).validate_python(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ValueError(f"keys file [{env_name}]{format_path(err['loc'])}: {err['msg']}") from None
+    return [(f"keys file [{env_name}][{i}]", k) for i, k in enumerate(parsed)]
+
+
+def _resolve(where: str, k: ApiKeyConfig, env) -> ApiKey:
+    secret = k.key if k.key is not None else _env_secret(f"{where}.key_env", k.key_env, env)
+    if len(secret) < 8:
+        raise ValueError(f"{where}: the key is shorter than 8 characters")
+    models = None if "*" in k.models else frozenset(k.models)
+    return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
+                  k.tokens_per_minute, k.max_concurrency)
+
+
+def _env_secret(where: str, name: str, env) -> str:
+    value = env.get(name)
+    if not value:
+        raise ValueError(f"{where}: environment variable {name} is not set")
+    return value
+
+
+def bearer_token(headers: dict[bytes, bytes]) -> str | None:
+    raw = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = raw.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    api_key = headers.get(b"x-api-key")
+    return api_key.decode("latin-1") if api_key else None
+
+
+class _Window:
+    """Events in the last 60 s, each with a weight (1 per request, or a token count)."""
+
+    def __init__(self):
+        self.events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def trim(self, now: float) -> None:
+        while self.events and now - self.events[0][0] >= 60.0:
+            self.total -= self.events.popleft()[1]
+
+    def add(self, now: float, weight: int) -> None:
+        self.events.append((now, weight))
+        self.total += weight
+
+    def seconds_until_below(self, limit: int, now: float) -> float:
+        """How long until the total drops under `limit` as old events expire."""
+        total = self.total
+        for t, w in self.events:
+            total -= w
+            if total < limit:
+                return max(0.0, 60.0 - (now - t))
+        return 60.0
+
+
+class KeyLimiter:
+    """Requests/min, tokens/min and concurrency per key name, in sliding 60 s windows.
+
+    Kept across config reloads (state is by key name), so a reload does not reset anyone's budget.
+    """
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._requests: dict[str, _Window] = {}
+        self._tokens: dict[str, _Window] = {}
+        self._in_flight: dict[str, int] = {}
+
+    def admit(self, key: ApiKey) -> None:
+        """Count a new request against `key`, or raise 429 with how long to wait."""
+        now = self.clock()
+        requests = self._requests.setdefault(key.name, _Window())
+        tokens = self._tokens.setdefault(key.name, _Window())
+        requests.trim(now)
+        tokens.trim(now)
+        if key.requests_per_minute and requests.total >= key.requests_per_minute:
+            wait = requests.seconds_until_below(key.requests_per_minute, now)
+            raise RateLimited(f"Rate limit of {key.requests_per_minute} requests per minute reached for key '{key.name}'.",
+                              retry_after_s=wait)
+        if key.tokens_per_minute and tokens.total >= key.tokens_per_minute:
+            wait = tokens.seconds_until_below(key.tokens_per_minute, now)
+            raise RateLimited(f"Rate limit of {key.tokens_per_minute} tokens per minute reached for key '{key.name}'.",
+                              retry_after_s=wait)
+        in_flight = self._in_flight.get(key.name, 0)
+        if key.max_concurrency and in_flight >= key.max_concurrency:
+            raise RateLimited(f"Key '{key.name}' already has {in_flight} requests in flight (its limit).",
+                              retry_after_s=1)
+        requests.add(now, 1)
+        self._in_flight[key.name] = in_flight + 1
+
+    def finish(self, key: ApiKey, tokens: int) -> None:
+        self._in_flight[key.name] = max(0, self._in_flight.get(key.name, 0) - 1)
+        if tokens:
+            self._tokens.setdefault(key.name, _Window()).add(self.clock(), tokens)
+
+
+class AuthMiddleware:
+    """Every route but liveness/readiness needs a key when keys are configured; /admin/* needs
+    the admin key. The matched key is put in `scope["state"]["api_key"]`."""
+
+    def __init__(self, app, keys_of):
+        self.app = app
+        self.keys_of = keys_of  # () -> KeyStore; read per request, so a reload takes effect
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        from gateway.asgi import send_error
+
+        store: KeyStore = self.keys_of()
+        token = bearer_token(dict(scope["headers"]))
+        if scope["path"].startswith("/admin/"):
+            if token is None or not store.is_admin(token):
+                return await send_error(send, AuthenticationError("The admin key is missing or wrong."))
+            return await self.app(scope, receive, send)
+        if store.enabled:
+            key = store.lookup(token) if token else None
+            if key is None:
+                return await send_error(send, AuthenticationError(
+                    "Missing API key." if token is None else "Incorrect API key provided."))
+            scope.setdefault("state", {})["api_key"] = key
+        return await self.app(scope, receive, send)

@@ -1,0 +1,62 @@
+"""A per-deployment circuit breaker: out after repeated failures, probed back in after a cool-down.
+
+    closed --(N consecutive failures)--> open --(cool-down passed)--> half-open
+      ^                                    ^                              |
+      +-------- probe succeeded -----------+------- probe failed ---------+
+
+In half-open state exactly one request (the probe) is let through; its outcome decides.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class CircuitBreaker:
+    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic):
+        self.threshold = failures
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self.consecutive_failures = 0
+        self.opened_at: float | None = None
+        self.probe_in_flight = False
+        self.times_opened = 0
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return CLOSED
+        if self.clock() - self.opened_at < self.cooldown_s:
+            return OPEN
+        return HALF_OPEN
+
+    def allows(self) -> bool:
+        """May a request be sent now? (Does not claim the probe; see `claim`.)"""
+        state = self.state
+        return state == CLOSED or (state == HALF_OPEN and not self.probe_in_flight)
+
+    def claim(self) -> None:
+        """Called when a request is actually sent; in half-open state it becomes the probe."""
+        if self.state == HALF_OPEN:
+            self.probe_in_flight = True
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.opened_at = None
+        self.probe_in_flight = False
+
+    def record_failure(self) -> None:
+        self.consecutive_failures += 1
+        was_probe = self.probe_in_flight
+        self.probe_in_flight = False
+        if was_probe or self.consecutive_failures >= self.threshold:
+            if self.opened_at is None or was_probe:
+                self.times_opened += 1
+            self.opened_at = self.clock()
+
+    def release_probe(self) -> None:
+        """A probe that ended with neither verdict (client went away): let another probe in."""
+        self.probe_in_flight = False

@@ -1,0 +1,56 @@
+"""Hot reload: a new config applies to new requests; in-flight ones finish where they started.
+
+Deployments whose model, name and settings are unchanged are carried over as they are (an
+engine is not restarted); new ones are started before the switch; removed ones are stopped once
+their last in-flight request has closed. A config that does not load is refused, with its
+reasons logged and returned, and the old one keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.auth import KeyStore
+from gateway.config import ConfigError, load_config
+from gateway.models import Deployment, ModelRegistry, deployment_key
+
+log = logging.getLogger("kvgate.reload")
+
+RETIRE_POLL_S = 0.1
+
+
+async def reload_config(state) -> tuple[bool, str]:
+    """Reload `state.config_path` into `state`. Returns (applied, message)."""
+    async with state.reload_lock:
+        try:
+            config = load_config(state.config_path)
+            keys = KeyStore.from_config(config.auth)
+            reuse = {deployment_key(d.model, d.config): d for d in state.registry.deployments() if d.config}
+            registry = ModelRegistry.build(config, state.backends, state.policies, reuse=reuse)
+        except (ConfigError, ValueError) as exc:
+            message = f"config reload refused, the old config keeps serving: {exc}"
+            log.error("%s", message)
+            return False, message
+        await registry.start()
+        old = state.registry
+        state.config, state.registry, state.keys = config, registry, keys
+        kept = set(registry.deployments())
+        retired = [d for d in old.deployments() if d not in kept]
+        for d in retired:
+            asyncio.get_running_loop().create_task(_retire(d))
+        message = (f"config reloaded from {state.config_path}: {len(registry.pools)} models, "
+                   f"{len(kept)} deployments, {len(retired)} retiring")
+        log.info("%s", message)
+        return True, message
+
+
+async def _retire(d: Deployment) -> None:
+    while d.in_flight:
+        await asyncio.sleep(RETIRE_POLL_S)
+    try:
+        await d.backend.stop()
+    except Exception:  # noqa: BLE001
+        log.exception("retired deployment %s failed to stop cleanly", d.name)
+    d.started = False
+    log.info("retired deployment %s of model %s stopped", d.name, d.model)

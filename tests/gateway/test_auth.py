@@ -1,0 +1,160 @@
+"""API keys on every route, per-key model allow-lists and limits, keys never logged."""
+
+import logging
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import ROUTES
+from gateway.auth import KeyLimiter, KeyStore
+from gateway.config import parse_config
+from servers import GatewayServer
+
+ALICE, BOB, CAROL, ADMIN = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-admin-0123456789"
+
+CONFIG = """
+auth:
+  admin_key_env: TEST_ADMIN_KEY
+  keys_file_env: TEST_KEYS_FILE
+  keys:
+    - {name: alice, key_env: TEST_ALICE_KEY, models: ["*"], sla_class: interactive}
+    - {name: bob, key_env: TEST_BOB_KEY, models: [echo], requests_per_minute: 3}
+models:
+  - name: echo
+    deployments: [{name: echo-0, backend: echo}]
+  - name: secret-model
+    deployments: [{name: secret-0, backend: echo}]
+"""
+
+
+@pytest.fixture()
+def gw(monkeypatch, tmp_path):
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"- {{name: carol, key: {CAROL}, models: [echo], tokens_per_minute: 30, max_concurrency: 1}}\n")
+    monkeypatch.setenv("TEST_ALICE_KEY", ALICE)
+    monkeypatch.setenv("TEST_BOB_KEY", BOB)
+    monkeypatch.setenv("TEST_ADMIN_KEY", ADMIN)
+    monkeypatch.setenv("TEST_KEYS_FILE", str(keys_file))
+    with GatewayServer(CONFIG) as server:
+        yield server
+
+
+def call(gw, method, path, key=None, **kw):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, gw.base_url + path, headers=headers, timeout=10, **kw)
+
+
+def test_every_route_but_health_needs_a_key(gw):
+    for route in ROUTES:
+        for method in route.methods - {"HEAD"}:
+            r = call(gw, method, route.path, json={})
+            if route.path.startswith("/health/"):
+                assert r.status_code == 200, route.path
+                continue
+            assert r.status_code == 401, (method, route.path)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["error"]["type"] == "authentication_error"
+            wrong = call(gw, method, route.path, key="sk-wrong-0123456789", json={})
+            assert wrong.status_code == 401
+            assert wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_valid_key_works_through_the_openai_client(gw):
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=ALICE, max_retries=0)
+    assert client.completions.create(model="echo", prompt="a b", max_tokens=2).choices[0].text == "a b"
+    bad = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="nope-nope-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_disallowed_model_looks_like_it_does_not_exist(gw):
+    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "secret-model", "prompt": "a"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert [m["id"] for m in call(gw, "GET", "/v1/models", key=BOB).json()["data"]] == ["echo"]
+    assert len(call(gw, "GET", "/v1/models", key=ALICE).json()["data"]) == 2
+
+
+def test_requests_per_minute_limit_is_429_with_retry_after(gw):
+    for _ in range(3):
+        assert call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"}).status_code == 200
+    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"})
+    assert r.status_code == 429
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert 50 <= int(r.headers["retry-after"]) <= 60
+    # another key is not affected
+    assert call(gw, "POST", "/v1/completions", key=ALICE, json={"model": "echo", "prompt": "a"}).status_code == 200
+
+
+def test_tokens_per_minute_limit_from_a_keys_file(gw):
+    body = {"model": "echo", "prompt": "a b c d e", "max_tokens": 10}  # 15 tokens a request
+    assert call(gw, "POST", "/v1/completions", key=CAROL, json=body).status_code == 200
+    assert call(gw, "POST", "/v1/completions", key=CAROL, json=body).status_code == 200
+    r = call(gw, "POST", "/v1/completions", key=CAROL, json=body)
+    assert r.status_code == 429
+    assert "30 tokens per minute" in r.json()["error"]["message"]
+
+
+def test_key_default_sla_class_applies(gw):
+    seen = []
+    backend = gw.backend("echo-0")
+    original = backend.generate
+    backend.generate = lambda request: (seen.append(request.priority), original(request))[1]
+    call(gw, "POST", "/v1/completions", key=ALICE, json={"model": "echo", "prompt": "a"})
+    call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"})
+    assert seen == [0, 5]  # alice: interactive; bob: the config default, standard
+
+
+def test_admin_reload_needs_the_admin_key(gw):
+    assert call(gw, "POST", "/admin/reload", key=ALICE).status_code == 401
+    r = call(gw, "POST", "/admin/reload", key=ADMIN)
+    assert r.status_code == 500  # this test server was not started from a file
+    assert "not started from a config file" in r.json()["error"]["message"]
+
+
+def test_keys_never_appear_in_logs(gw, caplog):
+    caplog.set_level(logging.DEBUG)
+    call(gw, "POST", "/v1/completions", key=ALICE, json={"model": "echo", "prompt": "a"})
+    call(gw, "POST", "/v1/completions", key="sk-wrong-0123456789", json={"model": "echo", "prompt": "a"})
+    call(gw, "POST", "/v1/completions", key=BOB, json={"model": "secret-model", "prompt": "a"})
+    text = caplog.text
+    for secret in (ALICE, BOB, ADMIN, "sk-wrong-0123456789"):
+        assert secret not in text
+    assert ALICE not in repr(gw.state.keys.keys) and ALICE not in repr(gw.state.config)
+
+
+def test_missing_key_variable_fails_the_config():
+    config = parse_config("auth:\n  keys: [{name: x, key_env: NOPE_NOT_SET}]\nmodels:\n  - name: m\n    deployments: [{name: d, backend: echo}]\n")
+    with pytest.raises(ValueError, match=r"auth.keys\[0\].key_env: environment variable NOPE_NOT_SET is not set"):
+        KeyStore.from_config(config.auth, env={})
+
+
+def test_concurrency_limit():
+    store = KeyStore.from_config(parse_config(
+        f"auth:\n  keys: [{{name: k, key: {CAROL}, max_concurrency: 2}}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n").auth)
+    key = store.lookup(CAROL)
+    limiter = KeyLimiter()
+    limiter.admit(key)
+    limiter.admit(key)
+    with pytest.raises(Exception, match="already has 2 requests in flight"):
+        limiter.admit(key)
+    limiter.finish(key, 0)
+    limiter.admit(key)
+
+
+def test_sliding_window_frees_budget_after_a_minute():
+    now = [1000.0]
+    store = KeyStore.from_config(parse_config(
+        f"auth:\n  keys: [{{name: k, key: {CAROL}, requests_per_minute: 2}}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n").auth)
+    key = store.lookup(CAROL)
+    limiter = KeyLimiter(clock=lambda: now[0])
+    limiter.admit(key)
+    now[0] += 30
+    limiter.admit(key)
+    with pytest.raises(Exception) as info:
+        limiter.admit(key)
+    assert info.value.headers["Retry-After"] == "30"
+    now[0] += 30.5
+    limiter.admit(key)

@@ -1,0 +1,56 @@
+"""The circuit breaker's state machine, on a clock the test controls."""
+
+from gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+
+
+def make(failures=3, cooldown=10.0):
+    now = [0.0]
+    return CircuitBreaker(failures, cooldown, clock=lambda: now[0]), now
+
+
+def test_opens_after_consecutive_failures_only():
+    b, _ = make()
+    b.record_failure()
+    b.record_failure()
+    b.record_success()  # the streak is broken
+    b.record_failure()
+    b.record_failure()
+    assert b.state == CLOSED and b.allows()
+    b.record_failure()
+    assert b.state == OPEN and not b.allows()
+
+
+def test_half_open_lets_exactly_one_probe_through():
+    b, now = make(failures=1, cooldown=5)
+    b.record_failure()
+    now[0] = 4.9
+    assert not b.allows()
+    now[0] = 5.0
+    assert b.state == HALF_OPEN and b.allows()
+    b.claim()
+    assert not b.allows()  # the probe is out; nobody else until it reports
+    b.record_success()
+    assert b.state == CLOSED and b.allows()
+
+
+def test_failed_probe_opens_for_another_cooldown():
+    b, now = make(failures=2, cooldown=5)
+    b.record_failure()
+    b.record_failure()
+    now[0] = 6
+    b.claim()
+    b.record_failure()
+    assert b.state == OPEN and b.times_opened == 2
+    now[0] = 10.9
+    assert not b.allows()
+    now[0] = 11
+    assert b.allows()
+
+
+def test_a_probe_with_no_verdict_is_released():
+    b, now = make(failures=1, cooldown=1)
+    b.record_failure()
+    now[0] = 2
+    b.claim()
+    b.release_probe()
+    assert b.allows()
