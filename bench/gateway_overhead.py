@@ -1,10 +1,13 @@
 """What the gateway costs: the echo backend at zero delay behind kvgate, against a bare server.
 
-Both servers run side by side in this one run, each in its own uvicorn process on loopback:
+Three servers run side by side in this one run, each in its own uvicorn process on loopback:
 - `bare`: a minimal Starlette app that returns a fixed OpenAI-shaped response (or a fixed SSE
   stream of the same number of chunks): the floor that HTTP, uvicorn and the client cost;
-- `kvgate`: the gateway serving configs/echo.yaml (request validation, model lookup, backend
-  call, response building).
+- `kvgate`: the gateway serving configs/echo.yaml, one echo deployment and none of the routing
+  extras (request validation, model lookup, backend call, response building);
+- `routed`: the gateway with the whole routing and admission path on: a pool of 8 echo
+  deployments under `least_loaded`, API keys, and per-key request and token limits (set high
+  enough never to refuse, so every request pays for the checks).
 An async httpx client drives each at concurrency 1, 8, 32 and 128, streaming and not, with the
 same requests (16 output tokens). Warm-up requests are excluded. Reported: requests/s, and
 client-side latency p50/p99 (for streams: until [DONE]). The client shares the machine's cores
@@ -22,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,13 +39,31 @@ MAX_TOKENS = 16
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 
 
-def start_server(kind: str) -> tuple[subprocess.Popen, str]:
+BENCH_KEY = "sk-bench-0123456789"
+ROUTED_CONFIG = """
+auth:
+  keys:
+    - {name: bench, key_env: KVGATE_BENCH_KEY, requests_per_minute: 100000000, tokens_per_minute: 1000000000}
+models:
+  - name: echo
+    policy: least_loaded
+    queue: {max_size: 1024}
+    deployments:
+%s
+""" % "\n".join(f"      - {{name: echo-{i}, backend: echo}}" for i in range(8))
+
+
+def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if kind == "kvgate":
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(ROOT / "configs/echo.yaml"), "--port", str(port)]
+    elif kind == "routed":
+        config = workdir / "routed.yaml"
+        config.write_text(ROUTED_CONFIG)
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
     else:
         cmd = [sys.executable, str(Path(__file__).with_name("bare_server.py")), str(port), str(MAX_TOKENS)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVGATE_BENCH_KEY": BENCH_KEY}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, proc)
@@ -65,7 +87,8 @@ async def one_request(client: httpx.AsyncClient, stream: bool) -> float:
 
 async def drive(base: str, concurrency: int, total: int, stream: bool) -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+    headers = {"authorization": f"Bearer {BENCH_KEY}"}
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60, headers=headers) as client:
         await asyncio.gather(*(one_request(client, stream) for _ in range(min(concurrency, 16))))  # warm-up
         latencies: list[float] = []
         queue = list(range(total))
@@ -92,7 +115,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
     args = parser.parse_args()
-    servers = {kind: start_server(kind) for kind in ("bare", "kvgate")}
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
+    servers = {kind: start_server(kind, workdir) for kind in ("bare", "kvgate", "routed")}
     rows = []
     try:
         for stream in (False, True):
