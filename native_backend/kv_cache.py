@@ -1,0 +1,202 @@
+"""The paged KV cache: preallocated per-layer key/value blocks, and the arithmetic that sizes it.
+
+Layout of one layer's key (or value) tensor:
+
+    (num_blocks, block_size, num_kv_heads, head_dim)
+       block b, offset o  <->  slot = b * block_size + o  (the flat row `slot_mapping` names)
+
+Sizing follows the budget operators use (vLLM's `gpu_memory_utilization`):
+
+    usable = total_memory * memory_fraction
+    kv     = usable - weights - activations - reserve          (or an explicit byte budget)
+    bytes/token = 2 (K and V) * layers * kv_heads * head_dim * bytes/element
+    blocks = kv // (bytes/token * block_size)
+    full-context sequences = blocks // ceil(max_model_len / block_size)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+# ------------------------------------------------------------------------------ element types
+
+
+@dataclass(frozen=True)
+class KVCacheDType:
+    """How K/V elements are stored. `scaled` formats keep a per-layer scale next to the data."""
+
+    name: str
+    storage: torch.dtype
+    bytes_per_element: int
+    scaled: bool = False
+
+
+KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
+    "float32": KVCacheDType("float32", torch.float32, 4),
+    "bfloat16": KVCacheDType("bfloat16", torch.bfloat16, 2),
+    "float16": KVCacheDType("float16", torch.float16, 2),
+    # fp8 goes here: KVCacheDType("fp8_e4m3", torch.float8_e4m3fn, 1, scaled=True). It needs
+    # `write_kv` to divide by the layer's k/v scale before the cast and attention to multiply it
+    # back after the load; `KVCache.k_scales` / `v_scales` are the place those scales live.
+}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
+    if isinstance(dtype, KVCacheDType):
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(dtype, dtype)
+    if name.startswith(("fp8", "float8")):
+        raise NotImplementedError("fp8 KV cache (e4m3 with per-layer scales) is not implemented yet")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
+# ------------------------------------------------------------------------------ sizing (pure)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """K and V, every layer, one token."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """What a memory budget buys: report this at startup."""
+
+    bytes_per_token: int
+    block_size: int  # tokens per block
+    bytes_per_block: int
+    num_blocks: int
+    kv_cache_bytes: int  # num_blocks * bytes_per_block (<= the budget)
+    max_model_len: int  # the context length one sequence may reach
+    blocks_per_full_sequence: int
+    full_context_sequences: int  # sequences that fit at once when all reach max_model_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_cache(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bytes_per_element: int,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    total_memory_bytes: int | None = None,
+    weights_bytes: int = 0,
+    activation_bytes: int = 0,
+    reserve_bytes: int = 0,
+) -> KVCachePlan:
+    """Blocks for an explicit `kv_cache_bytes`, or for `memory_fraction` of `total_memory_bytes`
+    minus weights, activations and reserve. Raises when the budget cannot hold a single block."""
+    budget = _kv_budget(kv_cache_bytes, memory_fraction, total_memory_bytes, weights_bytes, activation_bytes, reserve_bytes)
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_element)
+    per_block = per_token * block_size
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    return KVCachePlan(
+        bytes_per_token=per_token,
+        block_size=block_size,
+        bytes_per_block=per_block,
+        num_blocks=num_blocks,
+        kv_cache_bytes=num_blocks * per_block,
+        max_model_len=max_model_len,
+        blocks_per_full_sequence=blocks_per_seq,
+        full_context_sequences=num_blocks // blocks_per_seq,
+    )
+
+
+def _kv_budget(kv_cache_bytes, memory_fraction, total_memory_bytes, weights, activations, reserve) -> int:
+    if kv_cache_bytes is not None:
+        if memory_fraction is not None:
+            raise ValueError("give either kv_cache_bytes or memory_fraction, not both")
+        return int(kv_cache_bytes)
+    if memory_fraction is None or total_memory_bytes is None:
+        raise ValueError("give kv_cache_bytes, or memory_fraction with total_memory_bytes")
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    return int(total_memory_bytes * memory_fraction) - weights - activations - reserve
+
+
+def device_memory_bytes(device: torch.device | str) -> int:
+    """Total memory of the device the cache will live on (physical RAM for the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+class KVCache:
+    """Preallocated K/V blocks for every layer. The block manager hands out block ids; the model
+    writes rows by slot (`attention.write_kv`) and reads them by block table."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str | torch.dtype = "float32",
+        device: torch.device | str = "cpu",
+    ):
+        self.dtype = resolve_kv_dtype(dtype)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded block-table entries point at block 0 and are masked, but
+        # masked garbage that happens to be NaN would still poison a matmul.
+        self.key_caches = [self._alloc(shape) for _ in range(num_layers)]
+        self.value_caches = [self._alloc(shape) for _ in range(num_layers)]
+        # Per-layer dequantization scales for scaled (fp8) formats; None for plain dtypes.
+        self.k_scales: list[torch.Tensor] | None = None
+        self.v_scales: list[torch.Tensor] | None = None
+
+    @classmethod
+    def for_model(cls, config, *, num_blocks: int, block_size: int, dtype="float32", device="cpu") -> KVCache:
+        return cls(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def _alloc(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype.storage, device=self.device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache), each (num_blocks, block_size, num_kv_heads, head_dim)."""
+        return self.key_caches[index], self.value_caches[index]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.key_caches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches))

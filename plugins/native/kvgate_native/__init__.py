@@ -1,0 +1,11 @@
+"""kvgate-native: the native engine as a backend plugin (kind `native`)."""
+
+from __future__ import annotations
+
+from gateway.hookspecs import hookimpl
+from kvgate_native.backend import make_native_backend
+
+
+@hookimpl
+def register_backends(register, config):
+    register("native", make_native_backend)
