@@ -1,7 +1,8 @@
 """Admission to a pool: take a deployment now, wait in a bounded priority queue, or be refused.
 
-A request is placed at once when some deployment can take it. Otherwise the pool is saturated,
-and then:
+A request is placed at once when some deployment can take it. When no deployment is up at all
+(not started, dead, or cut off by its breaker) it is refused at once. Otherwise the pool is
+saturated, and then:
 - a sheddable class is refused at once (503, Retry-After): it never waits behind others;
 - any other class waits in the pool's queue, ordered by SLA priority then arrival, and is refused
   when the queue is full (so the queue only ever holds classes that may not be shed);
@@ -61,6 +62,9 @@ class PoolAdmission:
             deployment = self.pool.take(request)
             if deployment is not None:
                 return deployment
+        if not self.pool.any_available():
+            # Nothing is busy, everything is down: waiting would only delay the same answer.
+            raise Overloaded(f"No backend of model '{self.pool.name}' is available right now.", retry_after_s=5)
         if ticket.sheddable:
             self.shed_count += 1
             raise Overloaded(f"Model '{self.pool.name}' is saturated; class '{ticket.sla_class}' is shed first.",

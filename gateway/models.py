@@ -71,6 +71,9 @@ class ModelPool:
         chosen.breaker.claim()
         return chosen
 
+    def any_available(self) -> bool:
+        return any(d.available for d in self.deployments)
+
     def release(self, deployment: Deployment) -> None:
         deployment.in_flight -= 1
         self.admission.wake()

@@ -22,7 +22,7 @@ class GatewayServer:
     backend objects while talking HTTP to the real server.
     """
 
-    def __init__(self, config_yaml: str, extra_plugins: dict | None = None):
+    def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30):
         from gateway.plugins import make_plugin_manager
 
         self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins))
@@ -31,7 +31,7 @@ class GatewayServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        self._wait_started()
+        self._wait_started(ready_timeout)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
 
