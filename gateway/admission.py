@@ -64,18 +64,17 @@ class PoolAdmission:
                 return deployment
         if not self.pool.any_available():
             # Nothing is busy, everything is down: waiting would only delay the same answer.
-            raise Overloaded(f"No backend of model '{self.pool.name}' is available right now.", retry_after_s=5)
+            raise _refusal(f"No backend of model '{self.pool.name}' is available right now.", "unavailable", 5)
         if ticket.sheddable:
             self.shed_count += 1
-            raise Overloaded(f"Model '{self.pool.name}' is saturated; class '{ticket.sla_class}' is shed first.",
-                             retry_after_s=2)
+            raise _refusal(f"Model '{self.pool.name}' is saturated; class '{ticket.sla_class}' is shed first.", "shed")
         waiter = self._enqueue(request, ticket)
         return await self._wait(waiter, ticket)
 
     def _enqueue(self, request, ticket: Ticket) -> _Waiter:
         if self.queued >= self.max_queue:
             self.shed_count += 1
-            raise Overloaded(f"The queue of model '{self.pool.name}' is full.", retry_after_s=2)
+            raise _refusal(f"The queue of model '{self.pool.name}' is full.", "queue_full")
         loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket.priority, next(self._seq), ticket, request, loop.create_future())
         heapq.heappush(self._heap, waiter)
@@ -95,11 +94,9 @@ class PoolAdmission:
             return waiter.future.result()  # granted at the very moment the wait ran out
         self._forget(waiter)
         waited = time.monotonic() - started
-        raise Overloaded(
+        raise _refusal(
             f"The request waited {waited:.1f} s for model '{self.pool.name}', over the "
-            f"{ticket.max_wait_s:g} s allowed for class '{ticket.sla_class}'.",
-            retry_after_s=2,
-        )
+            f"{ticket.max_wait_s:g} s allowed for class '{ticket.sla_class}'.", "queue_timeout")
 
     def _forget(self, waiter: _Waiter) -> None:
         if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
@@ -131,3 +128,10 @@ class PoolAdmission:
             self.wake()
 
         self._recheck = loop.call_later(RECHECK_S, recheck)
+
+
+def _refusal(message: str, reason: str, retry_after_s: float = 2) -> Overloaded:
+    """A 503 that also says why, for the shed-requests metric (reason is not sent to clients)."""
+    error = Overloaded(message, retry_after_s=retry_after_s)
+    error.reason = reason
+    return error

@@ -14,8 +14,9 @@ from gateway.asgi import EventStreamResponse, run_until_disconnect
 from gateway.auth import ApiKey
 from gateway.choices import OpenChoice, choice_requests, merged_events, open_choices
 from gateway.config import SlaClass
-from gateway.errors import APIError, InvalidRequestError, ModelNotFound
+from gateway.errors import APIError, InvalidRequestError, ModelNotFound, RateLimited
 from gateway.plugins import notify
+from gateway.recorder import RequestRecorder
 from gateway.responses import (
     SSE_DONE,
     ChoiceState,
@@ -82,9 +83,13 @@ async def _serve(request: Request, parse, id_prefix: str):
     pool = _resolve_pool(state, key, parsed.model)
     sla = _sla_class(request, state, key)
     if key is not None:
-        state.limiter.admit(key)
+        _admit_key(state, key)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    outcome = _Outcome(state, key, request_id, pool.name)
+    recorder = RequestRecorder(
+        state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
+        operation="chat" if parsed.chat else "text_completion", headers=request.headers,
+        path=request.url.path, sampling=parsed.sampling,
+    )
     notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
     shape = ResponseShape(
         chat=parsed.chat, id=request_id, model=pool.name, want_logprobs=parsed.sampling.logprobs is not None
@@ -93,34 +98,26 @@ async def _serve(request: Request, parse, id_prefix: str):
     trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
     try:
         choices = await open_choices(
-            registry, pool, choice_requests(parsed, request_id, sla.priority, trace), ticket
+            registry, pool, choice_requests(parsed, request_id, sla.priority, trace), ticket, recorder
         )
     except BaseException as exc:
-        outcome.finish(exc.status if isinstance(exc, APIError) else 499, None)
+        recorder.finish(exc.status if isinstance(exc, APIError) else 499, None)
         raise
     if parsed.stream:
-        return EventStreamResponse(_stream(outcome, parsed, shape, choices))
-    finished, body = await run_until_disconnect(request.receive, _collect(parsed, shape, choices))
-    outcome.finish(200 if finished else 499, body["usage"] if body else None)
-    # 499: the client closed the request (nginx's convention); nobody reads this response.
+        return EventStreamResponse(_stream(recorder, parsed, shape, choices))
+    finished, body = await run_until_disconnect(request.receive, _collect(recorder, parsed, shape, choices))
+    # 499: the client closed the request (nginx's convention); nobody reads that response.
+    recorder.finish(200 if finished else 499, body["usage"] if body else None,
+                    [c["finish_reason"] for c in body["choices"]] if body else ())
     return JSONResponse(body) if finished else JSONResponse({}, status_code=499)
 
 
-class _Outcome:
-    """Closes the books on a request exactly once: key limits, observer hooks."""
-
-    def __init__(self, state, key: ApiKey | None, request_id: str, model: str):
-        self.state, self.key, self.request_id, self.model = state, key, request_id, model
-        self.done = False
-
-    def finish(self, status, usage: dict | None) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.key is not None:
-            self.state.limiter.finish(self.key, (usage or {}).get("total_tokens", 0))
-        notify(self.state.pm, "request_finished", request_id=self.request_id, model=self.model,
-               status=status, usage=usage)
+def _admit_key(state, key: ApiKey) -> None:
+    try:
+        state.limiter.admit(key)
+    except RateLimited:
+        state.metrics.rate_limited.labels(key.name).inc()
+        raise
 
 
 async def _json_body(request: Request):
@@ -131,10 +128,12 @@ async def _json_body(request: Request):
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}.") from None
 
 
-async def _collect(parsed: ParsedRequest, shape: ResponseShape, choices: list[OpenChoice]) -> dict:
+async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
+                   choices: list[OpenChoice]) -> dict:
     states = [ChoiceState(c.index) for c in choices]
     try:
         async for index, event in merged_events(choices):
+            recorder.token(index, event)
             states[index].add(event)
     finally:
         for c in choices:
@@ -142,7 +141,8 @@ async def _collect(parsed: ParsedRequest, shape: ResponseShape, choices: list[Op
     return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n)))
 
 
-async def _stream(outcome: _Outcome, parsed: ParsedRequest, shape: ResponseShape, choices: list[OpenChoice]):
+async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
+                  choices: list[OpenChoice]):
     states = [ChoiceState(c.index) for c in choices]
     status, usage = "stream_error", None
     try:
@@ -150,6 +150,7 @@ async def _stream(outcome: _Outcome, parsed: ParsedRequest, shape: ResponseShape
             for c in choices:
                 yield sse(stream_chunk(shape, c.index, None, first=True))
         async for index, event in merged_events(choices):
+            recorder.token(index, event)
             states[index].add(event)
             if event.text or event.finish_reason or event.logprobs:
                 yield sse(stream_chunk(shape, index, event, first=False))
@@ -165,7 +166,7 @@ async def _stream(outcome: _Outcome, parsed: ParsedRequest, shape: ResponseShape
     finally:
         for c in choices:
             await c.close()
-        outcome.finish(status if status == 200 else "stream_error", usage)
+        recorder.finish(status, usage, [st.finish_reason for st in states])
     yield SSE_DONE
 
 

@@ -14,7 +14,8 @@ import pluggy
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import api
@@ -22,9 +23,11 @@ from gateway.asgi import BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
+from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.plugins import Registry, collect_backends, collect_routing_policies, make_plugin_manager
 from gateway.reload import reload_config
+from gateway.tracing import make_tracer_provider
 
 log = logging.getLogger("kvgate.app")
 
@@ -41,20 +44,27 @@ class GatewayState:
     backends: Registry
     policies: Registry
     config_path: str | None = None
+    tracer_provider: object = None  # this gateway's OpenTelemetry TracerProvider, when tracing
+    tracer: object = None  # an OpenTelemetry tracer, or None when tracing is off
+    metrics: GatewayMetrics = None  # set by build_state
     limiter: KeyLimiter = field(default_factory=KeyLimiter)
     started_at: float = field(default_factory=time.time)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
-                config_path: str | None = None) -> GatewayState:
+                config_path: str | None = None, span_exporter=None) -> GatewayState:
     """Load plugins and create (not start) every backend. Raises ValueError on bad settings."""
     pm = pm or make_plugin_manager()
     backends = collect_backends(pm, config.plugins)
     policies = collect_routing_policies(pm)
     keys = KeyStore.from_config(config.auth)
     registry = ModelRegistry.build(config, backends, policies)
-    return GatewayState(config, pm, registry, keys, backends, policies, config_path)
+    provider = make_tracer_provider(config.telemetry.tracing, span_exporter)
+    state = GatewayState(config, pm, registry, keys, backends, policies, config_path, tracer_provider=provider,
+                         tracer=provider.get_tracer("kvgate.gateway") if provider else None)
+    state.metrics = GatewayMetrics(lambda: state)
+    return state
 
 
 async def health_live(request: Request) -> JSONResponse:
@@ -72,6 +82,10 @@ async def health_ready(request: Request) -> JSONResponse:
         {"status": "ready" if ready else "not ready", "deployments": deployments},
         status_code=200 if ready else 503,
     )
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.kvgate.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def admin_reload(request: Request) -> JSONResponse:
@@ -111,6 +125,7 @@ ROUTES = [
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]
 
 
@@ -125,6 +140,8 @@ def create_app(state: GatewayState):
             yield
         finally:
             await state.registry.stop()
+            if state.tracer_provider is not None:
+                state.tracer_provider.shutdown()  # flushes spans still in the batch queue
 
     app = Starlette(
         routes=ROUTES,

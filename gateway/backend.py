@@ -86,6 +86,10 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    # On the last event, optionally: the backend's own milestones of this request as unix times
+    # in seconds ("arrived", "scheduled", "first_token", "finished") and counters
+    # ("prefill_chunks", "preemptions", "cached_tokens"). The gateway turns them into spans.
+    timings: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

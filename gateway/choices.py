@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
@@ -19,6 +20,7 @@ from gateway.admission import Ticket
 from gateway.backend import GenerationRequest, TokenEvent
 from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError, Overloaded, RateLimited
 from gateway.models import Deployment, ModelPool, ModelRegistry
+from gateway.routing import load_score
 from gateway.schemas import ParsedRequest
 
 log = logging.getLogger("kvgate.choices")
@@ -38,6 +40,9 @@ class OpenChoice:
     attempts: int = 1
     finished: bool = False
     closed: bool = False
+    span: object = None  # the attempt's CLIENT span, when tracing
+    recorder: object = None
+    last_event: TokenEvent | None = None
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """The first event, then the rest; each next event must come within the idle timeout."""
@@ -62,6 +67,7 @@ class OpenChoice:
     def _note(self, event: TokenEvent) -> TokenEvent:
         if event.finish_reason:
             self.finished = True
+            self.last_event = event
         return event
 
     async def close(self) -> None:
@@ -72,6 +78,8 @@ class OpenChoice:
         if not self.finished:
             await _abort(self.deployment, self.request.request_id)
         self.pool.release(self.deployment)
+        if self.span is not None:
+            self.recorder.attempt_done(self.span, self.last_event, self.finished)
 
 
 def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
@@ -102,12 +110,12 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
 
 
 async def open_choices(registry: ModelRegistry, pool: ModelPool, requests: list[GenerationRequest],
-                       ticket: Ticket) -> list[OpenChoice]:
+                       ticket: Ticket, recorder) -> list[OpenChoice]:
     """Open every choice; if any is refused, close the ones already open and re-raise."""
     opened: list[OpenChoice] = []
     try:
         for index, request in enumerate(requests):
-            opened.append(await open_choice(registry, pool, index, request, ticket))
+            opened.append(await open_choice(registry, pool, index, request, ticket, recorder))
     except BaseException:
         await asyncio.gather(*(c.close() for c in opened))
         raise
@@ -115,10 +123,10 @@ async def open_choices(registry: ModelRegistry, pool: ModelPool, requests: list[
 
 
 async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, request: GenerationRequest,
-                      ticket: Ticket) -> OpenChoice:
+                      ticket: Ticket, recorder) -> OpenChoice:
     """Admit the choice to `pool` (waiting in its queue if needed), then fail over: other
     deployments of the pool, then the fallback models, each without queueing."""
-    deployment = await pool.admission.acquire(request, ticket)
+    deployment = await _admit(pool, request, ticket, recorder)
     last_error: APIError | None = None
     attempts = 0
     for current in _pools_to_try(registry, pool):
@@ -128,20 +136,50 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
         while deployment is not None:
             tried.add(deployment.name)
             attempts += 1
+            recorder.routed(current, deployment, _scores(current) if recorder.trace is not None else None)
+            span = recorder.attempt(deployment, deployment.upstream_model, attempts)
             try:
-                choice = await _open_on(current, deployment, index, request)
-                choice.attempts = attempts
-                return choice
-            except InvalidRequestError:
+                choice = await _open_on(current, deployment, index, _traced(request, recorder, span))
+            except InvalidRequestError as exc:
                 current.release(deployment)
+                recorder.attempt_failed(span, deployment, exc)
                 raise  # the request itself is bad: another backend will say the same
             except APIError as exc:
                 current.release(deployment)
+                recorder.attempt_failed(span, deployment, exc)
                 last_error = exc
                 log.warning("choice %s failed on %s before its first token (%s); failing over",
                             request.request_id, deployment.name, exc.code)
+            else:
+                choice.attempts, choice.span, choice.recorder = attempts, span, recorder
+                if current is not pool:
+                    recorder.fallback_used(current.name)
+                return choice
             deployment = current.take(request, exclude=frozenset(tried))
     raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
+
+
+async def _admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, recorder):
+    started = time.monotonic()
+    try:
+        deployment = await pool.admission.acquire(request, ticket)
+    except Overloaded as exc:
+        recorder.shed(getattr(exc, "reason", "overloaded"))
+        raise
+    waited = time.monotonic() - started
+    recorder.queued(waited, waited > 0.0005)
+    return deployment
+
+
+def _scores(pool: ModelPool) -> dict[str, float]:
+    return {d.name: load_score(d) for d in pool.deployments if d.available}
+
+
+def _traced(request: GenerationRequest, recorder, span) -> GenerationRequest:
+    """The request as this attempt sends it: the attempt span is the backend's parent."""
+    if span is None:
+        return request
+    return replace(request, trace_context=recorder.trace.carrier(span))
 
 
 def _pools_to_try(registry: ModelRegistry, pool: ModelPool):

@@ -8,7 +8,7 @@ Each subsystem is handed its own sub-config, never the root.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -143,11 +143,25 @@ class AuthConfig(StrictModel):
     admin_key_env: str | None = Field(None, description="Environment variable holding the admin key.")
 
 
+class TracingConfig(StrictModel):
+    exporter: Literal["none", "console", "otlp_http", "otlp_grpc"] = Field(
+        "none", description="Where spans go; none costs nothing on the hot path.")
+    endpoint: str | None = Field(None, description="OTLP endpoint; for otlp_http include /v1/traces.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Extra OTLP headers (e.g. auth).")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces kept (parent-based).")
+    service_name: str = "kvgate"
+
+
+class TelemetryConfig(StrictModel):
+    tracing: TracingConfig = TracingConfig()
+
+
 class GatewayConfig(StrictModel):
     server: ServerConfig = ServerConfig()
     sla_classes: list[SlaClass] = Field(default_factory=lambda: list(DEFAULT_SLA_CLASSES))
     default_sla_class: str = Field("standard", description="Class of requests that name none.")
     auth: AuthConfig = AuthConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     models: list[ModelConfig] = Field(min_length=1)
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-plugin sections, handed to each plugin as-is."

@@ -22,10 +22,12 @@ class GatewayServer:
     backend objects while talking HTTP to the real server.
     """
 
-    def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30):
+    def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30,
+                 span_exporter=None):
         from gateway.plugins import make_plugin_manager
 
-        self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins))
+        self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins),
+                                 span_exporter=span_exporter)
         config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -1,0 +1,133 @@
+"""Prometheus metrics for the gateway and the engines behind it (`GET /metrics`).
+
+kvgate runs one uvicorn worker per process and scales by replicas (the Helm chart's HPA), so a
+plain registry per process is exact; no multiprocess mode is needed. Each gateway gets its own
+`CollectorRegistry` (several gateways can share a test process).
+
+Latency buckets span milliseconds to minutes, so P50/P99 can be computed with
+`histogram_quantile` for anything from a cache hit to a long generation. Engine gauges are read
+from each backend's `load()` at scrape time, and also exported under vLLM's names so Kubernetes'
+Gateway API Inference Extension and existing vLLM dashboards can read a kvgate engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                     0.75, 1.0, 2.5, 5.0, 10.0)
+TOKEN_COUNT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class GatewayMetrics:
+    def __init__(self, state_of):
+        """`state_of()` returns the current GatewayState (read at scrape time: survives reloads)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvgate_requests", "Requests answered, by model, deployment, SLA class and status.",
+                                ["model", "deployment", "sla_class", "status"], registry=r)
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "From request arrival to the first token sent.",
+                              ["model", "sla_class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvgate_inter_token_latency_seconds", "Gap between two tokens of one choice (TPOT).",
+                             ["model"], buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("kvgate_e2e_request_latency_seconds", "From request arrival to its last byte.",
+                             ["model", "sla_class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("kvgate_queue_wait_seconds", "Time a request waited for admission to its pool.",
+                                    ["model", "sla_class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram("kvgate_prompt_tokens", "Prompt tokens per request.", ["model"],
+                                       buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.completion_tokens = Histogram("kvgate_completion_tokens", "Completion tokens per request.", ["model"],
+                                           buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.shed = Counter("kvgate_shed_requests", "Requests refused as overloaded (503), by reason.",
+                            ["model", "sla_class", "reason"], registry=r)
+        self.rate_limited = Counter("kvgate_rate_limited_requests", "Requests refused by a key's limits (429).",
+                                    ["key"], registry=r)
+        self.retries = Counter("kvgate_backend_retries", "Attempts moved to another deployment before the first token.",
+                               ["model", "deployment"], registry=r)
+        self.failovers = Counter("kvgate_fallback_model_used", "Requests served by a fallback model.",
+                                 ["model", "fallback"], registry=r)
+        r.register(_LiveCollector(state_of))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """Gauges read from the live state at scrape time: pools, breakers, engines."""
+
+    def __init__(self, state_of):
+        self.state_of = state_of
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        state = self.state_of()
+        if state is None:
+            return
+        yield from _pool_gauges(state.registry)
+        yield from _deployment_gauges(state.registry)
+        yield from _engine_metrics(state.registry)
+
+
+def _pool_gauges(registry):
+    in_flight = GaugeMetricFamily("kvgate_in_flight_requests", "Requests sent to backends and not yet closed.",
+                                  labels=["model"])
+    queued = GaugeMetricFamily("kvgate_queued_requests", "Requests waiting in the gateway for admission.",
+                               labels=["model"])
+    for pool in registry.pools:
+        in_flight.add_metric([pool.name], pool.in_flight)
+        queued.add_metric([pool.name], pool.admission.queued)
+    yield in_flight
+    yield queued
+
+
+def _deployment_gauges(registry):
+    breaker = GaugeMetricFamily("kvgate_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+                                labels=["model", "deployment"])
+    up = GaugeMetricFamily("kvgate_deployment_up", "1 when the deployment is started and healthy.",
+                           labels=["model", "deployment"])
+    for d in registry.deployments():
+        breaker.add_metric([d.model, d.name], BREAKER_STATES[d.breaker.state])
+        up.add_metric([d.model, d.name], 1.0 if d.started and d.backend.load().healthy else 0.0)
+    yield breaker
+    yield up
+
+
+# (our name, vLLM's name or None, help, kind, key in LoadSnapshot.extra or attribute)
+ENGINE_SERIES = (
+    ("kvgate_engine_requests_running", "vllm:num_requests_running", "Requests running in the engine.", "gauge", "running"),
+    ("kvgate_engine_requests_waiting", "vllm:num_requests_waiting", "Requests waiting in the engine.", "gauge", "waiting"),
+    ("kvgate_engine_kv_cache_usage", "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "gauge", "kv_cache_usage"),
+    ("kvgate_engine_prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter", "prefix_cache_queries"),
+    ("kvgate_engine_prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter", "prefix_cache_hits"),
+    ("kvgate_engine_preemptions", "vllm:num_preemptions", "Requests preempted (recomputed later).", "counter", "num_preemptions"),
+    ("kvgate_engine_steps", None, "Engine steps run.", "counter", "num_steps"),
+    ("kvgate_engine_step_tokens", None, "Tokens computed by engine steps (prompt and output).", "counter", "num_step_tokens"),
+    ("kvgate_engine_step_seconds", None, "Time spent in engine steps.", "counter", "step_seconds"),
+    ("kvgate_engine_kv_blocks_total", None, "KV-cache blocks in the engine.", "gauge", "kv_blocks_total"),
+)
+
+
+def _engine_metrics(registry):
+    """Only backends that report engine counters (the native engine) appear here."""
+    engines = []
+    for d in registry.deployments():
+        if d.started:
+            load = d.backend.load()
+            if "num_steps" in load.extra:
+                engines.append((d, load))
+    for ours, vllm_name, help_text, kind, key in ENGINE_SERIES:
+        names = [ours] + ([vllm_name] if vllm_name else [])
+        for name in names:
+            labels = ["model", "deployment"] if name == ours else ["model_name", "engine"]
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_text, labels=labels)
+            for d, load in engines:
+                value = getattr(load, key) if key in ("running", "waiting", "kv_cache_usage") else load.extra.get(key, 0.0)
+                family.add_metric([d.model, d.name], float(value))
+            yield family

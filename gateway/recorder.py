@@ -1,0 +1,158 @@
+"""Closes the books on one request: metrics, trace spans, key limits and observer hooks.
+
+One recorder per request. Its per-token method is the only part on the hot path: two clock reads
+and a histogram observation; spans are touched only when tracing is on.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.backend import TokenEvent
+from gateway.plugins import notify
+from gateway.tracing import PROVIDER, RequestTrace
+
+
+class RequestRecorder:
+    def __init__(self, state, *, key, request_id: str, model: str, sla_class: str, operation: str,
+                 headers, path: str, sampling):
+        self.state, self.metrics = state, state.metrics
+        self.key, self.request_id, self.model, self.sla_class = key, request_id, model, sla_class
+        self.operation = operation
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self._last_token: dict[int, float] = {}
+        self.deployment = ""
+        self.done = False
+        self.trace = None
+        if state.tracer is not None:
+            self.trace = RequestTrace(state.tracer, f"{operation} {model}", headers, _request_attributes(
+                operation, model, path, sla_class, key, sampling))
+
+    # ------------------------------------------------------------------ admission and attempts
+
+    def queued(self, seconds: float, waited: bool) -> None:
+        self.metrics.queue_wait.labels(self.model, self.sla_class).observe(seconds)
+        if self.trace is not None and waited:
+            start = time.time_ns() - int(seconds * 1e9)
+            span = self.trace.child("kvgate.queue", {"kvgate.sla_class": self.sla_class}, start_time=start)
+            span.end()
+
+    def shed(self, reason: str) -> None:
+        self.metrics.shed.labels(self.model, self.sla_class, reason).inc()
+
+    def routed(self, pool, deployment, scores: dict[str, float] | None) -> None:
+        self.deployment = deployment.name
+        if self.trace is not None:
+            attrs = {"kvgate.policy": pool.config.policy, "kvgate.deployment": deployment.name,
+                     "kvgate.candidates": list(scores or {}),
+                     "kvgate.candidate_scores": [round(s, 4) for s in (scores or {}).values()]}
+            self.trace.child("kvgate.route", attrs).end()
+
+    def attempt(self, deployment, upstream_model: str, number: int):
+        """A CLIENT span for one backend attempt, or None; its context travels to the backend."""
+        if self.trace is None:
+            return None
+        return self.trace.child(f"{self.operation} {upstream_model}", {
+            "gen_ai.operation.name": self.operation, "gen_ai.provider.name": PROVIDER,
+            "gen_ai.request.model": upstream_model, "kvgate.deployment": deployment.name,
+            "kvgate.attempt": number}, client=True)
+
+    def attempt_failed(self, span, deployment, error) -> None:
+        self.metrics.retries.labels(self.model, deployment.name).inc()
+        if span is not None:
+            self.trace.fail(span, error.code or type(error).__name__, error.message)
+            span.end()
+
+    def attempt_done(self, span, last_event: TokenEvent | None, finished: bool) -> None:
+        if last_event is not None:
+            if last_event.usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", last_event.usage.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", last_event.usage.completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [last_event.finish_reason or ""])
+            if last_event.timings:
+                _engine_spans(self.trace, span, last_event.timings)
+        if not finished:
+            span.set_attribute("kvgate.aborted", True)
+        span.end()
+
+    def fallback_used(self, fallback_model: str) -> None:
+        self.metrics.failovers.labels(self.model, fallback_model).inc()
+
+    # ------------------------------------------------------------------ tokens
+
+    def token(self, index: int, event: TokenEvent) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.labels(self.model, self.sla_class).observe(now - self.started)
+        last = self._last_token.get(index)
+        if last is not None:
+            self.metrics.itl.labels(self.model).observe(now - last)
+        self._last_token[index] = now
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self, status, usage: dict | None, finish_reasons=()) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.requests.labels(self.model, self.deployment, self.sla_class, str(status)).inc()
+        if status == 200:
+            m.e2e.labels(self.model, self.sla_class).observe(time.monotonic() - self.started)
+        if usage:
+            m.prompt_tokens.labels(self.model).observe(usage.get("prompt_tokens", 0))
+            m.completion_tokens.labels(self.model).observe(usage.get("completion_tokens", 0))
+        if status == 429 and self.key is not None:
+            m.rate_limited.labels(self.key.name).inc()
+        if self.key is not None:
+            self.state.limiter.finish(self.key, (usage or {}).get("total_tokens", 0))
+        if self.trace is not None:
+            self.trace.end(status, _response_attributes(self.request_id, self.model, usage, finish_reasons))
+        notify(self.state.pm, "request_finished", request_id=self.request_id, model=self.model,
+               status=status, usage=usage)
+
+
+def _request_attributes(operation, model, path, sla_class, key, sampling) -> dict:
+    attrs = {
+        "http.request.method": "POST", "url.path": path,
+        "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER, "gen_ai.request.model": model,
+        "kvgate.sla_class": sla_class,
+    }
+    if key is not None:
+        attrs["kvgate.api_key.name"] = key.name
+    if sampling is not None:
+        if sampling.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = sampling.max_tokens
+        attrs["gen_ai.request.temperature"] = sampling.temperature
+        attrs["gen_ai.request.top_p"] = sampling.top_p
+        if sampling.seed is not None:
+            attrs["gen_ai.request.seed"] = sampling.seed
+    return attrs
+
+
+def _response_attributes(request_id, model, usage, finish_reasons) -> dict:
+    attrs = {"gen_ai.response.id": request_id, "gen_ai.response.model": model}
+    if finish_reasons:
+        attrs["gen_ai.response.finish_reasons"] = [r for r in finish_reasons if r]
+    if usage:
+        attrs["gen_ai.usage.input_tokens"] = usage.get("prompt_tokens", 0)
+        attrs["gen_ai.usage.output_tokens"] = usage.get("completion_tokens", 0)
+    return attrs
+
+
+ENGINE_PHASES = (("engine.queued", "arrived", "scheduled"), ("engine.prefill", "scheduled", "first_token"),
+                 ("engine.decode", "first_token", "finished"))
+
+
+def _engine_spans(trace: RequestTrace, parent, timings: dict[str, float]) -> None:
+    """Backdated spans from the engine's own clock readings: where the time went inside it."""
+    counters = {f"kvgate.engine.{k}": v for k, v in timings.items() if k not in ("arrived", "scheduled", "first_token", "finished")}
+    for name, start_key, end_key in ENGINE_PHASES:
+        start, end = timings.get(start_key), timings.get(end_key)
+        if start is None or end is None:
+            continue
+        span = trace.child(name, counters if name == "engine.prefill" else None,
+                           start_time=int(start * 1e9), parent=parent)
+        span.end(end_time=int(max(end, start) * 1e9))
