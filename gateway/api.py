@@ -101,7 +101,10 @@ async def _serve(request: Request, parse, id_prefix: str):
             registry, pool, choice_requests(parsed, request_id, sla.priority, trace), ticket, recorder
         )
     except BaseException as exc:
-        recorder.finish(exc.status if isinstance(exc, APIError) else 499, None)
+        if isinstance(exc, APIError):
+            recorder.finish(exc.status, None, error=exc.message)
+        else:
+            recorder.finish(499, None)
         raise
     if parsed.stream:
         return EventStreamResponse(_stream(recorder, parsed, shape, choices))
@@ -144,7 +147,7 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
 async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
                   choices: list[OpenChoice]):
     states = [ChoiceState(c.index) for c in choices]
-    status, usage = "stream_error", None
+    status, usage, error = "stream_error", None, None
     try:
         if parsed.chat:
             for c in choices:
@@ -162,11 +165,12 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
         # After the first byte the status is sent: the client learns of the failure from one
         # error event (the openai client raises on it), then the stream ends as usual.
         log.warning("stream %s failed after it started: %s", shape.id, exc.message)
+        error = exc.message
         yield sse(exc.body())
     finally:
         for c in choices:
             await c.close()
-        recorder.finish(status, usage, [st.finish_reason for st in states])
+        recorder.finish(status, usage, [st.finish_reason for st in states], error=error)
     yield SSE_DONE
 
 

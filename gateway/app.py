@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from gateway import api
@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.plugins import Registry, collect_backends, collect_routing_policies, make_plugin_manager
 from gateway.reload import reload_config
+from gateway.status import RecentActivity, status_json, status_page
 from gateway.tracing import make_tracer_provider
 
 log = logging.getLogger("kvgate.app")
@@ -48,6 +49,7 @@ class GatewayState:
     tracer: object = None  # an OpenTelemetry tracer, or None when tracing is off
     metrics: GatewayMetrics = None  # set by build_state
     limiter: KeyLimiter = field(default_factory=KeyLimiter)
+    recent: RecentActivity = field(default_factory=RecentActivity)
     started_at: float = field(default_factory=time.time)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -126,6 +128,9 @@ ROUTES = [
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/", lambda request: RedirectResponse("/status"), methods=["GET"]),
+    Route("/status", status_page, methods=["GET"]),
+    Route("/status.json", status_json, methods=["GET"]),
 ]
 
 

@@ -86,17 +86,20 @@ class RequestRecorder:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.labels(self.model, self.sla_class).observe(now - self.started)
+            self.state.recent.ttft.append(now - self.started)
         last = self._last_token.get(index)
         if last is not None:
             self.metrics.itl.labels(self.model).observe(now - last)
+            self.state.recent.tpot.append(now - last)
         self._last_token[index] = now
 
     # ------------------------------------------------------------------ the end
 
-    def finish(self, status, usage: dict | None, finish_reasons=()) -> None:
+    def finish(self, status, usage: dict | None, finish_reasons=(), error: str | None = None) -> None:
         if self.done:
             return
         self.done = True
+        self.state.recent.finished(self.model, status, error)
         m = self.metrics
         m.requests.labels(self.model, self.deployment, self.sla_class, str(status)).inc()
         if status == 200:

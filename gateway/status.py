@@ -1,0 +1,91 @@
+"""The live status page: GET /status (HTML, no build step) polls GET /status.json.
+
+The JSON is computed on each call from the live state: models and deployments with their load,
+breakers and engine counters, SLA classes, request totals, recent TTFT/TPOT percentiles, and the
+last errors. Rates and sparklines are computed by the page from successive polls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse
+
+PAGE = Path(__file__).with_name("static") / "status.html"
+WINDOW = 2000  # recent latency samples kept for percentiles
+
+
+class RecentActivity:
+    """Recent latencies and errors for the status page (bounded deques: O(1) appends)."""
+
+    def __init__(self):
+        self.ttft: deque[float] = deque(maxlen=WINDOW)
+        self.tpot: deque[float] = deque(maxlen=WINDOW)
+        self.errors: deque[dict] = deque(maxlen=20)
+        self.requests = 0
+        self.failed = 0
+
+    def finished(self, model: str, status, error: str | None) -> None:
+        self.requests += 1
+        if status != 200:
+            self.failed += 1
+            self.errors.appendleft({"time": time.time(), "model": model, "status": status,
+                                    "message": error or f"status {status}"})
+
+
+def percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def status_page(request: Request) -> HTMLResponse:
+    return HTMLResponse(PAGE.read_text())
+
+
+async def status_json(request: Request) -> JSONResponse:
+    state = request.app.state.kvgate
+    recent = state.recent
+    return JSONResponse({
+        "time": time.time(),
+        "uptime_s": time.time() - state.started_at,
+        "models": [_pool(p) for p in state.registry.pools],
+        "sla_classes": [c.model_dump() for c in state.config.sla_classes],
+        "requests": {"total": recent.requests, "failed": recent.failed},
+        "latency": {
+            "ttft_p50": percentile(recent.ttft, 0.5), "ttft_p99": percentile(recent.ttft, 0.99),
+            "tpot_p50": percentile(recent.tpot, 0.5), "tpot_p99": percentile(recent.tpot, 0.99),
+        },
+        "recent_errors": list(recent.errors),
+    })
+
+
+def _pool(pool) -> dict:
+    return {
+        "name": pool.name, "aliases": pool.aliases, "policy": pool.config.policy,
+        "in_flight": pool.in_flight, "queued": pool.admission.queued,
+        "deployments": [_deployment(d) for d in pool.deployments],
+    }
+
+
+def _deployment(d) -> dict:
+    load = d.backend.load()
+    engine = None
+    if "prefix_cache_queries" in load.extra:
+        queries = load.extra.get("prefix_cache_queries", 0)
+        engine = {
+            "prefix_cache_hit_rate": (load.extra.get("prefix_cache_hits", 0) / queries) if queries else None,
+            "preemptions": load.extra.get("num_preemptions", 0),
+            "kv_blocks_total": load.extra.get("kv_blocks_total"),
+        }
+    return {
+        "name": d.name, "backend": d.config.backend if d.config else None,
+        "up": bool(d.started and load.healthy), "start_error": d.start_error,
+        "breaker": d.breaker.state, "in_flight": d.in_flight,
+        "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,
+        "capacity": load.capacity, "engine": engine,
+    }
