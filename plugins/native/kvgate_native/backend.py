@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage
 from gateway.config import format_path
@@ -50,10 +50,21 @@ class NativeSettings(BaseModel):
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, gt=0, description="torch threads in the engine process.")
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
+    # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
+    quantization: str = Field("none", description="Weight quantization of the checkpoint.")
+
+    @model_validator(mode="after")
+    def _supported_so_far(self):
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: this engine runs on one device so far; use 1")
+        if self.quantization != "none":
+            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine yet; use none")
+        return self
 
     def engine_config(self) -> EngineConfig:
         model = default_model_path() if self.model == "default" else self.model
-        fields = self.model_dump(exclude={"model", "startup_timeout_s"})
+        fields = self.model_dump(exclude={"model", "startup_timeout_s", "tensor_parallel_size", "quantization"})
         return EngineConfig(model=model, tokenizer_cache_dir=str(tokenizer_cache_dir()), **fields)
 
 
@@ -173,4 +184,5 @@ def make_native_backend(settings: dict, deployment: str) -> NativeBackend:
         return NativeBackend(NativeSettings.model_validate(settings), name=deployment)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ValueError(f"settings.{format_path(err['loc'])}: {err['msg']}") from None
+        where = f"settings.{format_path(err['loc'])}" if err["loc"] else "settings"
+        raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None

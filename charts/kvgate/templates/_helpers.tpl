@@ -1,0 +1,233 @@
+{{/* Names. fullname is at most 30 characters and an engine name at most 21, so a StatefulSet
+name stays within the 52 its pods' controller-revision-hash label allows. */}}
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 30 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 30 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 30 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 30 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvgate
+{{- end -}}
+
+{{- define "kvgate.gatewaySelector" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{/* dict root engine */}}
+{{- define "kvgate.engineSelector" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: engine
+kvgate.io/engine: {{ .engine.name }}
+{{- end -}}
+
+{{- define "kvgate.engineFullname" -}}
+{{- printf "%s-%s" (include "kvgate.fullname" .root) .engine.name -}}
+{{- end -}}
+
+{{- define "kvgate.engineHeadless" -}}
+{{- printf "%s-pods" (include "kvgate.engineFullname" .) -}}
+{{- end -}}
+
+{{- define "kvgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvgate.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An engines[] entry with engineDefaults under it. dict root raw */}}
+{{- define "kvgate.mergedEngine" -}}
+{{- toYaml (mergeOverwrite (deepCopy .root.Values.engineDefaults) (deepCopy .raw)) -}}
+{{- end -}}
+
+{{/* dict root variant image(map, optional overrides) */}}
+{{- define "kvgate.image" -}}
+{{- $img := mergeOverwrite (deepCopy .root.Values.image) (deepCopy (default (dict) .image)) -}}
+{{- $variant := default .variant $img.variant -}}
+{{- $tag := default .root.Chart.AppVersion $img.tag -}}
+{{- printf "%s:%s-%s" $img.repository $tag $variant -}}
+{{- end -}}
+
+{{- define "kvgate.engineVariant" -}}
+{{- if eq .device "cuda" -}}cuda{{- else -}}cpu{{- end -}}
+{{- end -}}
+
+{{/* GPUs per engine pod. */}}
+{{- define "kvgate.engineGpus" -}}
+{{- if not (kindIs "invalid" .gpus) -}}{{ int .gpus }}{{- else if eq .device "cuda" -}}{{ int .tensorParallelSize }}{{- else -}}0{{- end -}}
+{{- end -}}
+
+{{/* Secret names. */}}
+{{- define "kvgate.authSecret" -}}
+{{- default (printf "%s-auth" (include "kvgate.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "kvgate.engineSecret" -}}
+{{- default (printf "%s-engine-key" (include "kvgate.fullname" .)) .Values.engineAuth.existingSecret -}}
+{{- end -}}
+
+{{/* Writable directories under a read-only root filesystem. */}}
+{{- define "kvgate.cacheEnv" -}}
+- {name: KVGATE_CACHE_DIR, value: /cache/kvgate}
+- {name: HF_HOME, value: /cache/huggingface}
+- {name: XDG_CACHE_HOME, value: /cache}
+- {name: TRITON_CACHE_DIR, value: /cache/triton}
+- {name: TORCHINDUCTOR_CACHE_DIR, value: /cache/torchinductor}
+- {name: HOME, value: /tmp}
+- {name: TMPDIR, value: /tmp}
+- {name: PYTHONDONTWRITEBYTECODE, value: "1"}
+{{- end -}}
+
+{{- define "kvgate.probe" -}}
+httpGet: {path: {{ .path }}, port: http}
+{{- with .probe }}
+periodSeconds: {{ .periodSeconds }}
+failureThreshold: {{ .failureThreshold }}
+timeoutSeconds: {{ .timeoutSeconds }}
+{{- end }}
+{{- end -}}
+
+{{/* The gateway's kvgate config (without secrets: keys are named by env var). */}}
+{{- define "kvgate.gatewayConfig" -}}
+{{- $root := . -}}
+{{- $server := dict "host" "0.0.0.0" "port" (int .Values.gateway.port) -}}
+{{- with .Values.config.server -}}
+{{- $server = mergeOverwrite (deepCopy .) $server -}}
+{{- end -}}
+{{- $cfg := dict "server" $server -}}
+{{- with .Values.config.sla_classes }}{{ $_ := set $cfg "sla_classes" . }}{{ end -}}
+{{- with .Values.config.default_sla_class }}{{ $_ := set $cfg "default_sla_class" . }}{{ end -}}
+{{- $auth := include "kvgate.authConfig" . | fromYaml -}}
+{{- if $auth }}{{ $_ := set $cfg "auth" $auth }}{{ end -}}
+{{- $engines := list -}}
+{{- range $i, $raw := .Values.engines -}}
+{{- $engines = append $engines (include "kvgate.mergedEngine" (dict "root" $root "raw" $raw) | fromYaml) -}}
+{{- end -}}
+{{- $modelNames := list -}}
+{{- range .Values.models }}{{ $modelNames = append $modelNames .name }}{{ end -}}
+{{- range $i, $e := $engines -}}
+{{- if not (has $e.model $modelNames) -}}
+{{- fail (printf "engines[%d].model: '%s' is not one of models[].name (%s)" $i $e.model (join ", " $modelNames)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $i, $r := .Values.remoteModels -}}
+{{- if not (has $r.model $modelNames) -}}
+{{- fail (printf "remoteModels[%d].model: '%s' is not one of models[].name (%s)" $i $r.model (join ", " $modelNames)) -}}
+{{- end -}}
+{{- end -}}
+{{- $models := list -}}
+{{- range $mi, $m := .Values.models -}}
+{{- $deps := list -}}
+{{- range $m.deployments }}{{ $deps = append $deps . }}{{ end -}}
+{{- range $e := $engines -}}
+{{- if eq $e.model $m.name -}}
+{{- $sts := include "kvgate.engineFullname" (dict "root" $root "engine" $e) -}}
+{{- $svc := include "kvgate.engineHeadless" (dict "root" $root "engine" $e) -}}
+{{- range $pod := until (int $e.replicas) -}}
+{{- $host := printf "%s-%d.%s.%s.svc.%s" $sts $pod $svc $root.Release.Namespace $root.Values.clusterDomain -}}
+{{- $settings := dict "base_url" (printf "http://%s:%d/v1" $host (int $e.port)) "metrics" "kvgate" "capacity" (int $e.maxNumSeqs) -}}
+{{- if $root.Values.engineAuth.enabled }}{{ $_ := set $settings "api_key_env" "KVGATE_ENGINE_KEY" }}{{ end -}}
+{{- $settings = mergeOverwrite (deepCopy (default (dict) $e.gatewaySettings)) $settings -}}
+{{- $deps = append $deps (dict "name" (printf "%s-%d" $e.name $pod) "backend" "openai" "weight" $e.weight "settings" $settings) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $ri, $r := $root.Values.remoteModels -}}
+{{- if eq $r.model $m.name -}}
+{{- $settings := dict "base_url" $r.baseUrl "metrics" (default "auto" $r.metrics) -}}
+{{- if $r.apiKeySecret }}{{ $_ := set $settings "api_key_env" (printf "KVGATE_UPSTREAM_KEY_%d" $ri) }}{{ end -}}
+{{- $settings = mergeOverwrite (deepCopy (default (dict) $r.settings)) $settings -}}
+{{- $d := dict "name" $r.name "backend" "openai" "settings" $settings -}}
+{{- with $r.upstreamModel }}{{ $_ := set $d "upstream_model" . }}{{ end -}}
+{{- with $r.weight }}{{ $_ := set $d "weight" . }}{{ end -}}
+{{- $deps = append $deps $d -}}
+{{- end -}}
+{{- end -}}
+{{- if not $deps -}}
+{{- fail (printf "models[%d] (%s): no deployments; name it in an engines[] or remoteModels[] entry, or list deployments" $mi $m.name) -}}
+{{- end -}}
+{{- $entry := omit (deepCopy $m) "deployments" -}}
+{{- $_ := set $entry "deployments" $deps -}}
+{{- $models = append $models $entry -}}
+{{- end -}}
+{{- $_ := set $cfg "models" $models -}}
+{{- with .Values.config.plugins }}{{ $_ := set $cfg "plugins" . }}{{ end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* kvgate's auth section: keys by env var name, never by value. */}}
+{{- define "kvgate.authConfig" -}}
+{{- $keys := list -}}
+{{- range $i, $k := .Values.auth.keys -}}
+{{- $secretKey := default $k.name $k.secretKey -}}
+{{- if and (not $.Values.auth.existingSecret) (not (hasKey $.Values.auth.secretValues $secretKey)) -}}
+{{- fail (printf "auth.keys[%d] (%s): no secret for it: set auth.existingSecret, or auth.secretValues.%s" $i $k.name $secretKey) -}}
+{{- end -}}
+{{- $entry := omit (deepCopy $k) "secretKey" -}}
+{{- $_ := set $entry "key_env" (printf "KVGATE_API_KEY_%d" $i) -}}
+{{- $keys = append $keys $entry -}}
+{{- end -}}
+{{- $auth := dict -}}
+{{- if $keys }}{{ $_ := set $auth "keys" $keys }}{{ end -}}
+{{- with .Values.auth.adminKey.secretKey -}}
+{{- if and (not $.Values.auth.existingSecret) (not (hasKey $.Values.auth.secretValues .)) -}}
+{{- fail (printf "auth.adminKey.secretKey: no secret for it: set auth.existingSecret, or auth.secretValues.%s" .) -}}
+{{- end -}}
+{{- $_ := set $auth "admin_key_env" "KVGATE_ADMIN_KEY" -}}
+{{- end -}}
+{{- if .Values.auth.keysFile.existingSecret }}{{ $_ := set $auth "keys_file_env" "KVGATE_KEYS_FILE" }}{{ end -}}
+{{- toYaml $auth -}}
+{{- end -}}
+
+{{/* The config of one engine pod: one model, one native deployment. dict root engine */}}
+{{- define "kvgate.engineConfig" -}}
+{{- $e := .engine -}}
+{{- $settings := dict "model" (default "default" $e.modelFile) -}}
+{{- $_ := set $settings "device" (eq $e.device "cuda" | ternary "cuda" "cpu") -}}
+{{- $_ := set $settings "dtype" $e.dtype -}}
+{{- $_ := set $settings "kv_cache_dtype" $e.kvCacheDtype -}}
+{{- $_ := set $settings "max_num_seqs" (int $e.maxNumSeqs) -}}
+{{- $_ := set $settings "max_num_batched_tokens" (int $e.maxNumBatchedTokens) -}}
+{{- $_ := set $settings "enable_prefix_caching" $e.enablePrefixCaching -}}
+{{- $_ := set $settings "startup_timeout_s" (int $e.startupTimeoutSeconds) -}}
+{{- if not (kindIs "invalid" $e.kvCacheBytes) }}{{ $_ := set $settings "kv_cache_bytes" (int64 $e.kvCacheBytes) }}{{ end -}}
+{{- if not (kindIs "invalid" $e.memoryFraction) }}{{ $_ := set $settings "memory_fraction" $e.memoryFraction }}{{ end -}}
+{{- if not (kindIs "invalid" $e.maxModelLen) }}{{ $_ := set $settings "max_model_len" (int $e.maxModelLen) }}{{ end -}}
+{{- if not (kindIs "invalid" $e.numThreads) }}{{ $_ := set $settings "num_threads" (int $e.numThreads) }}{{ end -}}
+{{- if gt (int $e.tensorParallelSize) 1 }}{{ $_ := set $settings "tensor_parallel_size" (int $e.tensorParallelSize) }}{{ end -}}
+{{- with $e.quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
+{{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
+{{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
+{{- $server := dict "host" "0.0.0.0" "port" (int $e.port) -}}
+{{- with .root.Values.config.server -}}
+{{- $server = mergeOverwrite (deepCopy .) $server -}}
+{{- end -}}
+{{- $cfg := dict "server" $server "models" (list $model) -}}
+{{- with .root.Values.config.sla_classes }}{{ $_ := set $cfg "sla_classes" . }}{{ end -}}
+{{- with .root.Values.config.default_sla_class }}{{ $_ := set $cfg "default_sla_class" . }}{{ end -}}
+{{- if .root.Values.engineAuth.enabled -}}
+{{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY"))) -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}

@@ -1,0 +1,601 @@
+"""The Helm chart, rendered with the real helm and checked offline.
+
+No cluster here: every values set is linted (`--strict`), rendered, validated against the
+Kubernetes 1.37 schemas (kubernetes-validate, strict: unknown fields fail), walked for the
+"restricted" Pod Security Standard, searched for leaked secret values, and its routing configs
+pass `kvgate check-config`. A gateway then serves the rendered config with the engine pods
+replaced by loopback servers, and a SIGTERM drain is checked on a real `kvgate serve` process.
+helm comes from PyPI on first use (tests/charts/tools.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.hookspecs import hookimpl
+from tools import REPO, ToolUnavailable, tool_path
+
+CHART = REPO / "charts" / "kvgate"
+HERE = Path(__file__).parent
+NAMESPACE = "llm"
+RELEASE = "kv"
+K8S_VERSION = "1.37.0"
+CRD_KINDS = {"ServiceMonitor", "HTTPRoute"}  # no built-in schema: checked for shape only
+
+VALUE_SETS = {
+    "default": [],
+    "remote-vllm": [CHART / "examples" / "remote-vllm.yaml"],
+    "gpu-engines": [CHART / "examples" / "gpu-engines.yaml"],
+    "existing-secret": [CHART / "examples" / "existing-secret.yaml"],
+    "created-secrets": [HERE / "values" / "created-secrets.yaml"],
+}
+SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
+POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+
+
+# ------------------------------------------------------------------------------ helpers
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    try:
+        return str(tool_path("helm"))
+    except ToolUnavailable as exc:
+        pytest.fail(f"helm is needed for the chart tests and could not be obtained: {exc}", pytrace=False)
+
+
+def run_helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def values_args(files, sets=()) -> list[str]:
+    out = []
+    for f in files:
+        out += ["-f", str(f)]
+    for s in sets:
+        out += ["--set", s]
+    return out
+
+
+def render(helm: str, files=(), sets=()) -> list[dict]:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args(files, sets))
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+_rendered: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="session")
+def rendered(helm):
+    def get(name: str) -> list[dict]:
+        if name not in _rendered:
+            _rendered[name] = render(helm, VALUE_SETS[name])
+        return _rendered[name]
+    return get
+
+
+def find(docs, kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert found, f"no {kind} {name or ''} rendered"
+    return found
+
+
+def pod_specs(docs):
+    """(where, pod spec) for every pod template in the manifests."""
+    for d in docs:
+        where = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] in POD_KINDS:
+            yield where, d["spec"]["template"]["spec"]
+        elif d["kind"] == "CronJob":
+            yield where, d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif d["kind"] == "Pod":
+            yield where, d["spec"]
+
+
+def config_maps(docs) -> dict[str, str]:
+    """name -> kvgate config text, for every ConfigMap holding one."""
+    return {d["metadata"]["name"]: d["data"]["config.yaml"] for d in docs
+            if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})}
+
+
+def gateway_config(docs) -> dict:
+    return yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-config"])
+
+
+def container_env(docs, kind, name) -> list[dict]:
+    spec = find(docs, kind, name)[0]["spec"]["template"]["spec"]
+    return spec["containers"][0].get("env", [])
+
+
+# ------------------------------------------------------------------------------ lint and schemas
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_helm_lint_strict(helm, name):
+    proc = run_helm(helm, "lint", "--strict", str(CHART), *values_args(VALUE_SETS[name]))
+    assert "0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_manifests_validate_against_kubernetes_schemas(rendered, name):
+    import kubernetes_validate
+
+    docs = rendered(name)
+    for d in docs:
+        assert {"apiVersion", "kind", "metadata"} <= d.keys(), d
+        assert d["metadata"].get("name"), d
+        if d["kind"] in CRD_KINDS:
+            assert d["spec"], f"{d['kind']} renders an empty spec"
+            continue
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{d['kind']}/{d['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_strict_validation_catches_unknown_fields():
+    """The validator itself: a misspelt field must fail, or the test above proves nothing."""
+    import kubernetes_validate
+
+    bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
+           "spec": {"ports": [{"port": 80}], "selectr": {"a": "b"}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+BAD_VALUES = [
+    (["engines[0].name=llama", "engines[0].model=smollm2-135m-instruct", "engines[0].device=gpu"],
+     "at '/engines/0/device': value must be one of 'cpu', 'cuda'"),
+    (["engines[0].name=Llama_8B", "engines[0].model=smollm2-135m-instruct"], "/engines/0/name"),
+    (["auth.keys[0].name=a", "auth.keys[0].key=plaintext-key-1"], "additional properties 'key' not allowed"),
+    (["podSecurityContext.runAsNonRoot=false"], "at '/podSecurityContext/runAsNonRoot': value must be true"),
+    (["containerSecurityContext.allowPrivilegeEscalation=true"], "/containerSecurityContext/allowPrivilegeEscalation"),
+    (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct", "remoteModels[0].baseUrl=vllm:8000"],
+     "/remoteModels/0/baseUrl"),
+    (["gateway.replicaz=3"], "additional properties 'replicaz' not allowed"),
+    (["engines[0].name=x", "engines[0].model=gold"], "engines[0].model: 'gold' is not one of models[].name"),
+    (["auth.keys[0].name=team-a"], "auth.keys[0] (team-a): no secret for it"),
+    (["engineAuth.enabled=true"], "engineAuth.enabled: set engineAuth.existingSecret, or engineAuth.value"),
+]
+
+
+@pytest.mark.parametrize("sets,message", BAD_VALUES, ids=[m[:40] for _, m in BAD_VALUES])
+def test_bad_values_are_refused_with_a_clear_message(helm, sets, message):
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *values_args([], sets), check=False)
+    assert proc.returncode != 0, f"rendered although {sets}"
+    assert message in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------ what renders
+
+def test_default_install_is_a_gateway_and_one_cpu_engine(rendered):
+    docs = rendered("default")
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("Deployment") == 1 and kinds.count("StatefulSet") == 1
+    assert not {"HorizontalPodAutoscaler", "Ingress", "HTTPRoute", "ServiceMonitor", "NetworkPolicy", "Secret"} & set(kinds)
+    sts = find(docs, "StatefulSet")[0]
+    limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "nvidia.com/gpu" not in limits
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-cpu")
+
+
+def test_gpu_engines_render_one_deployment_per_engine_pod(rendered):
+    docs = rendered("gpu-engines")
+    sts = find(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2-gpu")[0]
+    headless = find(docs, "Service", f"{RELEASE}-kvgate-smollm2-gpu-pods")[0]
+    assert sts["spec"]["replicas"] == 2
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    pod = sts["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine["image"].endswith("-cuda")
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+    model = gateway_config(docs)["models"][0]
+    assert [d["name"] for d in model["deployments"]] == ["smollm2-gpu-0", "smollm2-gpu-1"]
+    for i, d in enumerate(model["deployments"]):
+        assert d["backend"] == "openai"
+        assert d["settings"]["base_url"] == (
+            f"http://{RELEASE}-kvgate-smollm2-gpu-{i}.{RELEASE}-kvgate-smollm2-gpu-pods"
+            f".{NAMESPACE}.svc.cluster.local:8000/v1")
+        assert d["settings"]["metrics"] == "kvgate"
+        assert d["settings"]["api_key_env"] == "KVGATE_ENGINE_KEY"
+
+    engine_cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-gpu-config"])
+    settings = engine_cfg["models"][0]["deployments"][0]["settings"]
+    assert settings["device"] == "cuda" and settings["dtype"] == "bfloat16"
+    assert settings["memory_fraction"] == 0.85 and "kv_cache_bytes" not in settings
+    assert engine_cfg["auth"]["keys"][0]["key_env"] == "KVGATE_ENGINE_KEY"
+
+    hpa = find(docs, "HorizontalPodAutoscaler")[0]
+    assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource", "Pods"]
+    assert "replicas" not in find(docs, "Deployment")[0]["spec"]  # the HPA owns it
+    route = find(docs, "HTTPRoute")[0]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == f"{RELEASE}-kvgate"
+    monitor = find(docs, "ServiceMonitor")[0]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    svc = find(docs, "Service", f"{RELEASE}-kvgate")[0]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert len(find(docs, "NetworkPolicy")) == 2
+    assert {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")} == {
+        f"{RELEASE}-kvgate", f"{RELEASE}-kvgate-smollm2-gpu"}
+
+
+def test_tensor_parallel_size_sets_gpus_and_is_passed_to_the_engine(helm):
+    docs = render(helm, [CHART / "examples" / "gpu-engines.yaml"], ["engineDefaults.tensorParallelSize=2",
+                                                                   "engineDefaults.quantization=fp8"])
+    sts = find(docs, "StatefulSet")[0]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-gpu-config"])
+    settings = cfg["models"][0]["deployments"][0]["settings"]
+    assert settings["tensor_parallel_size"] == 2 and settings["quantization"] == "fp8"
+
+
+def test_config_change_rolls_the_pods(helm):
+    def checksums(sets):
+        docs = render(helm, [], sets)
+        return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for d in docs if d["kind"] in POD_KINDS}
+
+    base = checksums([])
+    routing = checksums(["models[0].name=smollm2-135m-instruct", "models[0].policy=power_of_two"])
+    engine = checksums(["engineDefaults.maxNumSeqs=64"])
+    assert routing[f"Deployment/{RELEASE}-kvgate"] != base[f"Deployment/{RELEASE}-kvgate"]
+    assert routing[f"StatefulSet/{RELEASE}-kvgate-smollm2"] == base[f"StatefulSet/{RELEASE}-kvgate-smollm2"]
+    assert engine[f"StatefulSet/{RELEASE}-kvgate-smollm2"] != base[f"StatefulSet/{RELEASE}-kvgate-smollm2"]
+
+
+# ------------------------------------------------------------------------------ security
+
+ALLOWED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                   "projected", "secret"}  # the "restricted" Pod Security Standard's list
+
+
+def restricted_violations(where: str, pod: dict) -> list[str]:
+    """What in one pod spec breaks the "restricted" Pod Security Standard or our own rules
+    (uid 10001, read-only root filesystem with emptyDir for every writable path)."""
+    bad = []
+    psc = pod.get("securityContext", {})
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field):
+            bad.append(f"{where}: {field}")
+    if pod.get("automountServiceAccountToken") is not False:
+        bad.append(f"{where}: automountServiceAccountToken is not false")
+    for vol in pod.get("volumes", []):
+        kinds = set(vol) - {"name"}
+        if not kinds <= ALLOWED_VOLUMES:
+            bad.append(f"{where}: volume {vol['name']} of type {kinds - ALLOWED_VOLUMES}")
+    empty_dirs = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
+    for c in pod.get("initContainers", []) + pod.get("containers", []):
+        cw = f"{where}/{c['name']}"
+        sc = c.get("securityContext", {})
+
+        def setting(name, sc=sc):
+            return sc.get(name, psc.get(name))
+
+        if setting("runAsNonRoot") is not True:
+            bad.append(f"{cw}: runAsNonRoot is not true")
+        if setting("runAsUser") != 10001:
+            bad.append(f"{cw}: runAsUser is {setting('runAsUser')}, not 10001")
+        if (setting("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{cw}: seccompProfile is not RuntimeDefault")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{cw}: allowPrivilegeEscalation is not false")
+        if sc.get("privileged"):
+            bad.append(f"{cw}: privileged")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{cw}: capabilities do not drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{cw}: adds capabilities {caps['add']}")
+        if sc.get("readOnlyRootFilesystem") is not True:
+            bad.append(f"{cw}: root filesystem is writable")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{cw}: hostPort")
+        writable = {m["mountPath"] for m in c.get("volumeMounts", []) if m["name"] in empty_dirs}
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        needed = ["/tmp"] + [env[k] for k in ("KVGATE_CACHE_DIR", "HF_HOME", "TRITON_CACHE_DIR") if env.get(k)]
+        if len(needed) < 4:
+            bad.append(f"{cw}: KVGATE_CACHE_DIR, HF_HOME and TRITON_CACHE_DIR must be set")
+        for path in needed:
+            if not any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable):
+                bad.append(f"{cw}: {path} is not on an emptyDir volume")
+    return bad
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_every_pod_meets_the_restricted_pod_security_standard(rendered, name):
+    specs = list(pod_specs(rendered(name)))
+    assert specs
+    problems = [p for where, spec in specs for p in restricted_violations(where, spec)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_function_sees_violations():
+    pod = {"hostNetwork": True, "volumes": [{"name": "h", "hostPath": {"path": "/"}}],
+           "containers": [{"name": "c", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}
+    problems = "\n".join(restricted_violations("Pod/x", pod))
+    for expected in ("hostNetwork", "hostPath", "runAsNonRoot", "allowPrivilegeEscalation", "drop ALL",
+                     "SYS_ADMIN", "writable", "/tmp is not on an emptyDir"):
+        assert expected in problems
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_probes_and_graceful_shutdown(rendered, name):
+    for where, pod in pod_specs(rendered(name)):
+        c = pod["containers"][0]
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health/live", where
+        assert c["readinessProbe"]["httpGet"]["path"].startswith("/health/"), where
+        startup = c["startupProbe"]
+        assert startup["httpGet"]["path"] == "/health/live", where
+        sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        # preStop sleep, then uvicorn's 30 s to finish in-flight requests, then SIGKILL.
+        assert pod["terminationGracePeriodSeconds"] >= sleep + 30 + 5, where
+        if "StatefulSet" in where:  # engines load a model: minutes, not seconds
+            budget = startup["periodSeconds"] * startup["failureThreshold"]
+            assert budget >= 600, f"{where}: startup budget {budget}s"
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+
+
+def test_no_secret_value_outside_secrets(rendered):
+    docs = rendered("created-secrets")
+    secrets = find(docs, "Secret")
+    decoded = {base64.b64decode(v).decode() for s in secrets for v in s.get("data", {}).values()}
+    assert set(SENTINELS) <= decoded, "the test values should create every sentinel Secret"
+    for d in docs:
+        if d["kind"] == "Secret":
+            continue
+        text = yaml.safe_dump(d)
+        for s in SENTINELS:
+            assert s not in text, f"{s} leaked into {d['kind']}/{d['metadata']['name']}"
+            assert base64.b64encode(s.encode()).decode() not in text
+    for where, pod in pod_specs(docs):
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                if re.search(r"KEY|TOKEN|SECRET|PASSWORD", e["name"]) and e["name"] != "KVGATE_KEYS_FILE":
+                    assert "secretKeyRef" in e.get("valueFrom", {}), f"{where}: {e['name']} is not from a Secret"
+    for name, text in config_maps(docs).items():
+        cfg = yaml.safe_load(text)
+        for key in (cfg.get("auth") or {}).get("keys", []):
+            assert "key" not in key and key["key_env"], f"{name}: literal key {key['name']}"
+
+
+def test_existing_secrets_are_referenced_not_created(rendered):
+    docs = rendered("existing-secret")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    env = {e["name"]: e for e in container_env(docs, "Deployment", f"{RELEASE}-kvgate")}
+    assert env["KVGATE_API_KEY_0"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-keys", "key": "team-a"}
+    assert env["KVGATE_API_KEY_1"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-keys", "key": "batch-jobs"}
+    assert env["KVGATE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-keys", "key": "admin"}
+    assert env["KVGATE_KEYS_FILE"]["value"] == "/etc/kvgate-keys/keys.yaml"
+    pod = find(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    assert {"name": "keys-file", "secret": {"secretName": "kvgate-more-keys", "defaultMode": 0o440}} in pod["volumes"]
+    auth = gateway_config(docs)["auth"]
+    assert auth["keys_file_env"] == "KVGATE_KEYS_FILE" and auth["admin_key_env"] == "KVGATE_ADMIN_KEY"
+
+
+# ------------------------------------------------------------------------------ the routing config
+
+def secret_env(docs, kind, name) -> dict[str, str]:
+    """The env a pod would get from its Secrets: chart-made ones decoded, others made up."""
+    made = {(s["metadata"]["name"], k): base64.b64decode(v).decode()
+            for s in docs if s["kind"] == "Secret" for k, v in s.get("data", {}).items()}
+    env = {}
+    for e in container_env(docs, kind, name):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            env[e["name"]] = made.get((ref["name"], ref["key"]), f"external-{ref['name']}-{ref['key']}")
+    return env
+
+
+def check_config(text: str, env: dict[str, str], tmp_path: Path, monkeypatch) -> tuple[int, str]:
+    from gateway.cli import main
+
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["check-config", str(path)])
+    return code, out.getvalue() + err.getvalue()
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_rendered_configs_pass_check_config(rendered, name, tmp_path, monkeypatch):
+    docs = rendered(name)
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text("- {name: from-file, key: file-key-123456, models: ['*']}\n")
+    for cm_name, text in config_maps(docs).items():
+        kind, workload = (("Deployment", f"{RELEASE}-kvgate") if cm_name == f"{RELEASE}-kvgate-config"
+                          else ("StatefulSet", cm_name.removesuffix("-config")))
+        env = secret_env(docs, kind, workload)
+        if any(e["name"] == "KVGATE_KEYS_FILE" for e in container_env(docs, kind, workload)):
+            env["KVGATE_KEYS_FILE"] = str(keys_file)
+        code, output = check_config(text, env, tmp_path, monkeypatch)
+        assert code == 0, f"{cm_name}:\n{output}"
+
+
+def test_engine_config_with_tensor_parallelism_is_refused_clearly_until_the_engine_has_it(helm, tmp_path, monkeypatch):
+    docs = render(helm, [], ["engineDefaults.tensorParallelSize=2", "engineDefaults.device=cuda"])
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    assert code == 1
+    assert "tensor_parallel_size: this engine runs on one device so far" in output
+
+
+# ------------------------------------------------------------------------------ served for real
+
+def start_gateway(config_path: Path, port: int, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, monkeypatch):
+    """The created-secrets set: client keys, an engine key, two engine pods and a remote model.
+    Each engine pod becomes an in-process kvgate serving the rendered engine config with the
+    echo backend in place of the native engine; the gateway runs the rendered gateway config
+    as a subprocess with the env its pod would get."""
+    import openai
+    from servers import GatewayServer, free_port, wait_ready
+
+    docs = rendered("created-secrets")
+    engine_env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
+    for k, v in engine_env.items():
+        monkeypatch.setenv(k, v)
+    engine_cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
+    engine_cfg["models"][0]["deployments"] = [{"name": "echo", "backend": "echo", "settings": {"tokens_per_second": 10}}]
+    gateway_cfg = gateway_config(docs)
+
+    with contextlib.ExitStack() as stack:
+        counters = [RequestCounter() for _ in range(2)]
+        pods = [stack.enter_context(GatewayServer(yaml.safe_dump(engine_cfg), extra_plugins={"counter": c}))
+                for c in counters]
+        for model in gateway_cfg["models"]:
+            for i, d in enumerate(model["deployments"]):
+                d["settings"]["base_url"] = pods[i % 2].base_url + "/v1"
+                d["settings"]["metrics_poll_s"] = 0.2
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump(gateway_cfg))
+        port = free_port()
+        proc = start_gateway(path, port, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
+        stack.callback(stop, proc)
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, proc)
+
+        anonymous = openai.OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.models.list()
+        client = openai.OpenAI(base_url=base + "/v1", api_key=SENTINELS[0], max_retries=0)
+        assert {m.id for m in client.models.list()} >= {"smollm2-135m-instruct", "llama-remote"}
+        reply = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hello from the chart"}], max_tokens=4)
+        assert reply.choices[0].message.content.split() == ["hello", "from", "the", "chart"]
+
+        def slow_stream(_):  # several at once, so the load-aware policy spreads them
+            stream = client.completions.create(model="smollm2-135m-instruct", prompt="one two three",
+                                               max_tokens=3, stream=True)
+            return "".join(c.choices[0].text for c in stream if c.choices).split()
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(slow_stream, range(6))) == [["one", "two", "three"]] * 6
+        per_pod = [c.statuses for c in counters]
+        assert all(per_pod) and all(s == 200 for statuses in per_pod for s in statuses), per_pod
+
+
+class RequestCounter:
+    """A kvgate plugin that records how each request a (fake) engine pod served ended."""
+
+    def __init__(self):
+        self.statuses = []
+
+    @hookimpl
+    def request_finished(self, request_id, model, status, usage):
+        self.statuses.append(status)
+
+
+# ------------------------------------------------------------------------------ SIGTERM drain
+
+SLOW_ECHO = """
+server: {host: 127.0.0.1, port: 8000}
+models:
+  - name: echo
+    deployments:
+      - {name: echo-0, backend: echo, settings: {tokens_per_second: 10}}
+"""
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
+    """What a pod does after its preStop sleep: SIGTERM to `kvgate serve`."""
+    from servers import free_port, wait_ready
+
+    path = tmp_path / "slow.yaml"
+    path.write_text(SLOW_ECHO)
+    port = free_port()
+    proc = start_gateway(path, port, {})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        words = 20  # 2 s per stream at 10 tokens/s
+        prompt = " ".join(f"w{i}" for i in range(words))
+        started = [threading.Event() for _ in range(3)]
+        results: list[dict] = [{} for _ in started]
+
+        def stream(i):
+            body = {"model": "echo", "prompt": prompt, "max_tokens": words, "stream": True}
+            chunks, done = [], False
+            try:
+                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+                    results[i]["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            chunks.append(line)
+                            started[i].set()
+            except httpx.HTTPError as exc:
+                results[i]["error"] = repr(exc)
+            results[i].update(chunks=len(chunks), done=done)
+            started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(started))]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(10)
+        sent_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        try:
+            late = httpx.post(base + "/v1/completions", json={"model": "echo", "prompt": "late"}, timeout=5)
+            refused = late.status_code == 503
+            assert refused, f"a request after SIGTERM got {late.status_code}"
+        except httpx.ConnectError:
+            refused = True  # at the TCP level: the listening socket is closed
+        assert refused
+        for t in threads:
+            t.join(30)
+        proc.wait(timeout=35)
+        exited_after = time.monotonic() - sent_at
+    finally:
+        stop(proc)
+    for r in results:
+        assert r.get("status") == 200 and "error" not in r, results
+        assert r["done"] and r["chunks"] >= words, f"a stream was cut short: {results}"
+    # uvicorn re-raises the signal once drained: status -15 here, 143 in a container, as Kubernetes expects.
+    assert proc.returncode in (0, -signal.SIGTERM), proc.stderr.read().decode()[-2000:]
+    assert exited_after < 30, f"exited {exited_after:.1f}s after SIGTERM"
