@@ -74,12 +74,13 @@ async def health_live(request: Request) -> JSONResponse:
 
 
 async def health_ready(request: Request) -> JSONResponse:
-    registry = request.app.state.kvgate.registry
+    state = request.app.state.kvgate
+    registry = state.registry
     deployments = {
         d.name: ("ready" if d.available else (d.start_error or "not ready"))
         for d in registry.deployments()
     }
-    ready = registry.ready
+    ready = registry.ready(state.config.server.readiness)
     return JSONResponse(
         {"status": "ready" if ready else "not ready", "deployments": deployments},
         status_code=200 if ready else 503,

@@ -65,7 +65,7 @@ def _serve(args) -> int:
         host=args.host or server.host,
         port=server.port if args.port is None else args.port,
         log_level=server.log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=server.shutdown_timeout_s,
     )
     return 0
 

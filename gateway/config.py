@@ -34,6 +34,11 @@ class ServerConfig(StrictModel):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
     limits: RequestLimits = RequestLimits()
     log_level: str = Field("info", description="uvicorn/gateway log level.")
+    readiness: Literal["all", "any"] = Field(
+        "all", description="/health/ready is 200 when every deployment is up (all), or when every "
+        "model has at least one (any: for gateways in front of many engine replicas).")
+    shutdown_timeout_s: float = Field(
+        30.0, gt=0, description="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 
 
 class DeploymentConfig(StrictModel):

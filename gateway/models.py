@@ -108,9 +108,11 @@ class ModelRegistry:
     def deployments(self) -> list[Deployment]:
         return [d for p in self.pools for d in p.deployments]
 
-    @property
-    def ready(self) -> bool:
-        return all(d.started and d.backend.load().healthy for d in self.deployments())
+    def ready(self, mode: str = "all") -> bool:
+        """Every deployment up ("all"), or at least one per model ("any")."""
+        if mode == "any":
+            return all(any(_up(d) for d in p.deployments) for p in self.pools)
+        return all(_up(d) for d in self.deployments())
 
     async def start(self) -> None:
         """Start every backend not yet started, concurrently. A backend that fails to start is
@@ -119,6 +121,10 @@ class ModelRegistry:
 
     async def stop(self) -> None:
         await asyncio.gather(*(_stop(d) for d in self.deployments() if d.started))
+
+
+def _up(d: Deployment) -> bool:
+    return d.started and d.backend.load().healthy
 
 
 def deployment_key(model: str, d: DeploymentConfig) -> tuple:

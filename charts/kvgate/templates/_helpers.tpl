@@ -111,10 +111,16 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{/* The gateway's kvgate config (without secrets: keys are named by env var). */}}
 {{- define "kvgate.gatewayConfig" -}}
 {{- $root := . -}}
-{{- $server := dict "host" "0.0.0.0" "port" (int .Values.gateway.port) -}}
+{{- $g := .Values.gateway -}}
+{{- /* Ready while every model has a deployment up (one engine pod down must not take every
+       gateway out of its Service); in-flight requests get the grace period minus the preStop
+       sleep and a margin to finish. Both can be overridden under config.server. */ -}}
+{{- $drain := max 5 (sub (int $g.terminationGracePeriodSeconds) (add (int $g.preStopSleepSeconds) 5)) -}}
+{{- $server := dict "readiness" "any" "shutdown_timeout_s" $drain -}}
 {{- with .Values.config.server -}}
-{{- $server = mergeOverwrite (deepCopy .) $server -}}
+{{- $server = mergeOverwrite $server (deepCopy .) -}}
 {{- end -}}
+{{- $server = mergeOverwrite $server (dict "host" "0.0.0.0" "port" (int $g.port)) -}}
 {{- $cfg := dict "server" $server -}}
 {{- with .Values.config.sla_classes }}{{ $_ := set $cfg "sla_classes" . }}{{ end -}}
 {{- with .Values.config.default_sla_class }}{{ $_ := set $cfg "default_sla_class" . }}{{ end -}}
