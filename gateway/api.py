@@ -107,7 +107,7 @@ async def _serve(request: Request, parse, id_prefix: str):
             recorder.finish(499, None)
         raise
     if parsed.stream:
-        return EventStreamResponse(_stream(recorder, parsed, shape, choices))
+        return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams)
     finished, body = await run_until_disconnect(request.receive, _collect(recorder, parsed, shape, choices))
     # 499: the client closed the request (nginx's convention); nobody reads that response.
     recorder.finish(200 if finished else 499, body["usage"] if body else None,

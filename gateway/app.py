@@ -32,6 +32,8 @@ from gateway.tracing import make_tracer_provider
 
 log = logging.getLogger("kvgate.app")
 
+STREAM_FAREWELL_S = 3.0
+
 
 @dataclass
 class GatewayState:
@@ -50,6 +52,7 @@ class GatewayState:
     metrics: GatewayMetrics = None  # set by build_state
     limiter: KeyLimiter = field(default_factory=KeyLimiter)
     recent: RecentActivity = field(default_factory=RecentActivity)
+    streams: set = field(default_factory=set)  # tasks serving SSE streams right now
     started_at: float = field(default_factory=time.time)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -145,6 +148,8 @@ def create_app(state: GatewayState):
         try:
             yield
         finally:
+            if state.streams:  # streams cut by the shutdown timeout: let them send their last event
+                await asyncio.wait(set(state.streams), timeout=STREAM_FAREWELL_S)
             await state.registry.stop()
             if state.tracer_provider is not None:
                 state.tracer_provider.shutdown()  # flushes spans still in the batch queue

@@ -7,7 +7,7 @@ import json
 import logging
 from typing import AsyncIterator, Awaitable
 
-from gateway.errors import APIError, RequestTooLarge
+from gateway.errors import APIError, Overloaded, RequestTooLarge
 
 log = logging.getLogger("kvgate.asgi")
 
@@ -70,6 +70,12 @@ async def run_until_disconnect(receive, work: Awaitable):
     watcher = asyncio.create_task(wait_for_disconnect(receive))
     try:
         await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # We are cancelled ourselves (the server's shutdown ran out of time): stop the work too,
+        # so its cleanup runs (backends are aborted) before the cancellation goes on.
+        work_task.cancel()
+        await asyncio.gather(work_task, return_exceptions=True)
+        raise
     finally:
         watcher.cancel()
     if work_task.done():
@@ -87,11 +93,23 @@ class EventStreamResponse:
     producer the moment `http.disconnect` arrives.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 tracker: set | None = None):
         self.chunks = chunks
         self.headers = {"content-type": "text/event-stream", "cache-control": "no-cache", **(headers or {})}
+        self.tracker = tracker  # the tasks serving streams: shutdown waits for their last words
 
     async def __call__(self, scope, receive, send):
+        task = asyncio.current_task()
+        if self.tracker is not None:
+            self.tracker.add(task)
+        try:
+            await self._serve(receive, send)
+        finally:
+            if self.tracker is not None:
+                self.tracker.discard(task)
+
+    async def _serve(self, receive, send):
         raw_headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
 
@@ -107,5 +125,18 @@ class EventStreamResponse:
             finished, _ = await run_until_disconnect(receive, pump())
         except OSError:
             finished = False  # the socket died under a write: the same as a disconnect
+        except asyncio.CancelledError:
+            await _say_shutting_down(send)
+            raise
         if not finished:
             log.info("client disconnected mid-stream; generation aborted")
+
+
+async def _say_shutting_down(send) -> None:
+    """End a stream cut by shutdown with one error event and [DONE], not a truncated body."""
+    error = Overloaded("The server is shutting down; the stream was cut. Retry the request.", retry_after_s=1)
+    body = b"data: " + json.dumps(error.body()).encode() + b"\n\n" + b"data: [DONE]\n\n"
+    try:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except Exception:  # noqa: BLE001 - the connection may be gone already
+        log.debug("could not tell a client that its stream was cut", exc_info=True)
