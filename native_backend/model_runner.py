@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from native_backend.attention.metadata import AttentionMetadata, token_positions
+from native_backend.attention.metadata import AttentionMetadata
 from native_backend.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from native_backend.kv_cache import KVCache
 from native_backend.sampler import Sampler, SamplingRow
@@ -91,11 +91,11 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-        positions = token_positions(torch.tensor(query_lens), torch.tensor(context_lens))
+        input_ids = [t for c in chunks for t in c.token_ids]
+        positions = [p for c in chunks for p in range(c.start_pos, c.start_pos + len(c.token_ids))]
         return ModelInputs(
-            input_ids=input_ids.to(self.device),
-            positions=positions.to(self.device),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn_metadata=md,
             logits_indices=_logits_indices(chunks, query_lens).to(self.device),
         )

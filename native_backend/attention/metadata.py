@@ -13,7 +13,7 @@ of a prompt and a prefix-cache hit are the same case.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class AttentionMetadata:
     # Host copies, so CPU-side branching and per-sequence loops never wait on the device.
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # Per-step scratch a backend derives once from the fields above and every layer reuses
+    # (the reference backend keeps its gather indices, masks and workspaces here).
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -51,23 +54,29 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """From per-sequence lists; the slot of each new token follows from its block table."""
+        """From per-sequence lists; the slot of each new token follows from its block table.
+
+        Built with a few list comprehensions and one tensor per field: this runs every step.
+        """
         num_seqs = len(query_lens)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        tables = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.long)
-        for s, table in enumerate(block_tables):
-            tables[s, : len(table)] = torch.tensor(table, dtype=torch.long)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        ctx_lens = torch.tensor(context_lens, dtype=torch.int32)
-        start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=start_loc[1:])
-        slots = compute_slot_mapping(tables, q_lens, ctx_lens, block_size)
+        max_blocks = max(max((len(t) for t in block_tables), default=0), 1)
+        padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+        tables = torch.tensor(padded, dtype=torch.long).view(num_seqs, max_blocks)
+        start_loc = [0]
+        for n in query_lens:
+            start_loc.append(start_loc[-1] + n)
+        bs = block_size
+        slots = [
+            table[pos // bs] * bs + pos % bs
+            for table, n, ctx in zip(block_tables, query_lens, context_lens)
+            for pos in range(ctx - n, ctx)
+        ]
         return cls(
-            slot_mapping=slots.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=tables.to(device),
-            query_start_loc=start_loc.to(device),
-            query_lens=q_lens.to(device),
-            context_lens=ctx_lens.to(device),
+            query_start_loc=torch.tensor(start_loc, dtype=torch.int32, device=device),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             max_query_len=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
             block_size=block_size,

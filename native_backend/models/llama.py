@@ -27,6 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel; the same arithmetic as the lines below (weight * x * rsqrt(...)).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the model dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -76,15 +79,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (num_tokens, 1, head_dim // 2) each: broadcast over heads.
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """Once per step, shared by every layer: (cos, signed sin), each (num_tokens, 1, head_dim),
+        laid out for `apply_rope`: cos = [cos | cos], sin = [-sin | sin]."""
+        cos = self.cos.index_select(0, positions)  # (num_tokens, head_dim // 2)
+        sin = self.sin.index_select(0, positions)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, heads, head_dim). Rotates pairs (i, i + head_dim/2): HF's rotate_half."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """x: (num_tokens, heads, head_dim); cos, sin as `RotaryEmbedding` returns them.
+
+    Rotates pairs (i, i + head_dim/2), Hugging Face's rotate_half: with x = [x1 | x2],
+    [x1 cos - x2 sin | x2 cos + x1 sin] = x * [cos | cos] + [x2 | x1] * [-sin | sin],
+    and [x2 | x1] is x rolled by half its width.
+    """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 # ------------------------------------------------------------------------------ blocks
@@ -124,7 +134,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled():  # autograd needs the intermediate tensors intact
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # no temporaries: inference
 
 
 class LlamaDecoderLayer(nn.Module):

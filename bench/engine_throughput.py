@@ -1,0 +1,699 @@
+"""Engine throughput: kvgate's native engine against transformers `generate`, same requests, one run.
+
+Model: SmolLM2-135M-Instruct (the default Q4_1 GGUF, dequantized to fp32), CPU, `--threads` torch
+threads (default 2). Workload (fixed seed): `--requests` requests (default 64) whose prompts are
+token ids of real English text (the `pydoc_data.topics` strings, concatenated and tokenized with our
+tokenizer, no special tokens), cut at different, non-overlapping offsets to lengths uniform in
+[64, 512]; output lengths uniform in [64, 256]. Greedy, EOS ignored, so every request produces
+exactly its output length on every system.
+
+Systems, each measurement in its own subprocess (so peak RSS and warm caches don't mix; a child
+writes its result as JSON, this script collects them):
+- `kvgate`: the in-process `LLMEngine` (engine defaults unless --max-num-seqs / --max-num-batched-tokens
+  / --kv-cache-mib), all requests added at t=0, `step()` until done.
+- `hf_static16`: transformers `generate` on padded static batches of `--hf-batch-size` (16) requests
+  in submission order: left padding + attention_mask, max_new_tokens = the batch's longest output,
+  EOS disabled (eos_token_id=None: no early stop, nothing suppressed, like ignore_eos). Only each
+  request's own output length counts as useful tokens; the padding tail a batch computes beyond it
+  does not (`hf_static16_computed_tok_s` reports everything generated).
+- `hf_sequential`: `generate` one request at a time with its own max_new_tokens (slow: skip it with
+  --skip-sequential).
+- batch-1 decode: one 128-token prompt, 128 new tokens, on both systems (`--b1-repeats` different
+  prompts, median). Decode-only rate = (new tokens - 1) / (time of last token - time of first token),
+  i.e. prefill and the first token excluded; the total rate (new tokens / whole request) is reported too.
+
+"tok/s" is OUTPUT tokens per second of wall time (prompt tokens not counted) unless it says
+`total` (prompt + output). Warm-up requests (small, different text) run first in every child and
+are not timed. With --repeats R each throughput child runs R times (fresh process each: no warm
+prefix cache) and the median is reported.
+
+Correctness cross-check (never fails the bench): kvgate's greedy tokens from the throughput run
+against transformers' unbatched greedy tokens: all requests when hf_sequential ran, else the
+`--check` cheapest requests run one at a time by transformers. Also reported: kvgate vs the padded
+static batches, and the batch-1 runs. For a divergent sequence: how many tokens match before it.
+
+    .venv/bin/python bench/engine_throughput.py --quick            # smoke run, a few minutes
+    .venv/bin/python bench/engine_throughput.py                    # the full run (tens of minutes)
+    .venv/bin/python bench/engine_throughput.py --skip-sequential --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# From /work/shared/ANCHORS.md (2-core box): output tok/s.
+ANCHORS = {
+    "hf_batch1_fp32": 16.0,
+    "llama_cpp_q4_1_batch1": 125.0,
+    "hf_static16_mixed64": 50.0,
+    "llama_cpp_sequential_mixed64": 69.0,
+}
+
+WARMUP_REGION = 4096  # the first tokens of the text: warm-up and batch-1 prompts; requests come after
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def tokenizer_cache_dir() -> str:
+    """Where the GGUF's tokenizer is unpacked once (the same place the native plugin uses)."""
+    base = os.environ.get("KVGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvgate")
+    return os.path.join(base, "tokenizers")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+LOAD_PEAK_MIB: float | None = None  # the child's peak RSS up to the reset (loading, warm-up)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) so the measurement phase gets its own peak (Linux >= 4.0).
+
+    The kernel's ru_maxrss follows the reset too, so the peak so far is kept first."""
+    global LOAD_PEAK_MIB
+    LOAD_PEAK_MIB = max(maxrss_mib(), hwm_mib())
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def git_info() -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain") or ""
+    diff = git("diff", "HEAD") or ""
+    return {
+        "commit": (git("rev-parse", "HEAD") or "").strip() or None,
+        "dirty_paths": [line[3:] for line in status.splitlines() if line.strip()],
+        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
+    }
+
+
+def build_workload(args, model_path: str) -> dict:
+    """Token ids of real English text, cut into prompts at distinct offsets; fixed seed."""
+    from pydoc_data.topics import topics
+
+    from native_backend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(model_path, cache_dir=tokenizer_cache_dir())
+    ids = tok.encode("\n\n".join(topics.values()), add_special_tokens=False)
+    rng = random.Random(args.seed)
+    n = args.requests
+    prompt_lens = [rng.randint(args.prompt_min, args.prompt_max) for _ in range(n)]
+    output_lens = [rng.randint(args.output_min, args.output_max) for _ in range(n)]
+    stride = (len(ids) - WARMUP_REGION - args.prompt_max) // n
+    if stride < 1:
+        raise SystemExit(f"text too short for {n} requests ({len(ids)} tokens)")
+    # Non-overlapping windows when the text allows (no shared prefixes: the prefix cache stays cold).
+    jitter = max(0, stride - args.prompt_max)
+    offsets = [WARMUP_REGION + i * stride + rng.randint(0, jitter) for i in range(n)]
+    prompts = [ids[o:o + length] for o, length in zip(offsets, prompt_lens)]
+    b1_stride = 3 * args.b1_prompt // 2
+    if args.b1_repeats * b1_stride + args.b1_prompt > WARMUP_REGION - 512:
+        raise SystemExit("--b1-prompt x --b1-repeats too large for the reserved text region")
+    workload = {
+        "prompts": prompts,
+        "output_lens": output_lens,
+        "offsets": offsets,
+        "warmup_prompts": [ids[WARMUP_REGION - 480:WARMUP_REGION - 432], ids[WARMUP_REGION - 400:WARMUP_REGION - 320]],
+        "b1_prompts": [ids[r * b1_stride:r * b1_stride + args.b1_prompt] for r in range(args.b1_repeats)],
+        "text_tokens": len(ids),
+    }
+    blob = json.dumps([prompts, output_lens, workload["b1_prompts"]]).encode()
+    workload["sha256"] = hashlib.sha256(blob).hexdigest()[:16]
+    return workload
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def compare(ours: dict[int, list[int]], theirs: dict[int, list[int]]) -> dict:
+    common = sorted(set(ours) & set(theirs))
+    divergent = []
+    for i in common:
+        if ours[i] != theirs[i]:
+            divergent.append({"request": i, "matching_prefix": first_divergence(ours[i], theirs[i]),
+                              "length": len(theirs[i])})
+    return {"compared": len(common), "identical": len(common) - len(divergent), "divergent": divergent}
+
+
+# ---------------------------------------------------------------------------------------- children
+
+
+def child_main(name: str, spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    fn = {"kvgate": kvgate_throughput, "kvgate_batch1": kvgate_batch1, "hf_static": hf_static,
+          "hf_sequential": hf_sequential, "hf_batch1": hf_batch1}[name]
+    result = fn(spec)
+    # The whole child, loading included (the measurement phase alone: measure_peak_rss_mib).
+    result["load_peak_rss_mib"] = LOAD_PEAK_MIB
+    result["peak_rss_mib"] = max(maxrss_mib(), LOAD_PEAK_MIB or 0.0)
+    result["torch_threads"] = torch.get_num_threads()
+    Path(result_path).write_text(json.dumps(result))
+
+
+def _engine(spec):
+    from native_backend.engine import LLMEngine
+    from native_backend.engine_config import EngineConfig
+
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=spec["model"], num_threads=spec["threads"],
+                                    tokenizer_cache_dir=tokenizer_cache_dir(), **spec["engine_overrides"]))
+    return engine, time.perf_counter() - started
+
+
+def _greedy(max_tokens: int):
+    from native_backend.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _kvgate_run(engine, prompts: list[list[int]], output_lens: list[int], tag: str) -> dict:
+    """Add every request at once, step until done; per-request tokens and token arrival times."""
+    from native_backend.protocol import EngineRequest
+
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    tokens = {rid: [] for rid in ids}
+    times = {rid: [] for rid in ids}
+    finish = {}
+    steps = 0
+    start = time.perf_counter()
+    for rid, prompt, n in zip(ids, prompts, output_lens):
+        engine.add_request(EngineRequest(rid, list(prompt), _greedy(n)))
+    while engine.has_unfinished():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                tokens[out.request_id].extend(out.new_token_ids)
+                times[out.request_id].extend([now] * len(out.new_token_ids))
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    wall = time.perf_counter() - start
+    return {"ids": ids, "tokens": tokens, "times": times, "finish": finish, "start": start, "wall": wall, "steps": steps}
+
+
+def _kvgate_warmup(engine, spec) -> None:
+    _kvgate_run(engine, spec["workload"]["warmup_prompts"], [8, 8], "warmup-")
+
+
+def kvgate_throughput(spec) -> dict:
+    engine, load_s = _engine(spec)
+    _kvgate_warmup(engine, spec)
+    stats_before = engine.stats()
+    rss_loaded = rss_mib()
+    reset_ok = reset_peak_rss()
+    w = spec["workload"]
+    run = _kvgate_run(engine, w["prompts"], w["output_lens"], "r")
+    stats = engine.stats()
+    tokens = [run["tokens"][rid] for rid in run["ids"]]
+    out_tokens = sum(len(t) for t in tokens)
+    ttft = [run["times"][rid][0] - run["start"] for rid in run["ids"] if run["times"][rid]]
+    return {
+        "load_s": load_s,
+        "wall_s": run["wall"],
+        "out_tokens": out_tokens,
+        "out_tok_s": out_tokens / run["wall"],
+        "total_tok_s": (out_tokens + sum(map(len, w["prompts"]))) / run["wall"],
+        "lengths_ok": [len(t) for t in tokens] == w["output_lens"],
+        "finish_reasons": sorted(set(run["finish"].values())),
+        "ttft_median_s": statistics.median(ttft) if ttft else None,
+        "ttft_max_s": max(ttft) if ttft else None,
+        "steps": run["steps"],
+        "engine_stats": {k: stats[k] - stats_before.get(k, 0) if k.startswith(("num_steps", "num_step_tokens",
+                                                                               "prefix_cache", "num_preempt"))
+                         else stats[k] for k in stats},
+        "engine": engine.describe(),
+        "rss_after_load_mib": rss_loaded,
+        "measure_peak_rss_mib": hwm_mib() if reset_ok else None,
+        "tokens": tokens,
+    }
+
+
+def _b1_summary(per_prompt: list[dict]) -> dict:
+    return {
+        "decode_tok_s": statistics.median(p["decode_tok_s"] for p in per_prompt),
+        "total_tok_s": statistics.median(p["total_tok_s"] for p in per_prompt),
+        "ttft_s": statistics.median(p["ttft_s"] for p in per_prompt),
+        "runs": per_prompt,
+    }
+
+
+def _b1_numbers(start: float, times: list[float]) -> dict:
+    n = len(times)
+    return {
+        "new_tokens": n,
+        "ttft_s": times[0] - start,
+        "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
+        "total_tok_s": n / (times[-1] - start),
+    }
+
+
+def kvgate_batch1(spec) -> dict:
+    engine, load_s = _engine(spec)
+    _kvgate_warmup(engine, spec)
+    rss_loaded = rss_mib()
+    reset_ok = reset_peak_rss()
+    runs, tokens = [], []
+    for r, prompt in enumerate(spec["workload"]["b1_prompts"]):
+        run = _kvgate_run(engine, [prompt], [spec["b1_new"]], f"b1-{r}-")
+        rid = run["ids"][0]
+        runs.append(_b1_numbers(run["start"], run["times"][rid]))
+        tokens.append(run["tokens"][rid])
+    return {**_b1_summary(runs), "load_s": load_s, "tokens": tokens, "rss_after_load_mib": rss_loaded,
+            "measure_peak_rss_mib": hwm_mib() if reset_ok else None}
+
+
+def _hf_model(spec):
+    """transformers' own GGUF load (slow); the first child caches the fp32 weights for the others."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    started = time.perf_counter()
+    cache = Path(spec["hf_cache_dir"])
+    if (cache / "weights.pt").exists():
+        config = AutoConfig.from_pretrained(cache)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(torch.load(cache / "weights.pt", weights_only=True), strict=True)
+        model.generation_config = GenerationConfig.from_pretrained(cache)
+        source = "cached state dict (from transformers' GGUF load)"
+    else:
+        p = spec["model"]
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p),
+                                                     dtype=torch.float32)
+        cache.mkdir(parents=True, exist_ok=True)
+        model.config.to_json_file(cache / "config.json")
+        model.generation_config.to_json_file(cache / "generation_config.json")
+        torch.save(model.state_dict(), cache / "weights.pt.tmp")
+        os.replace(cache / "weights.pt.tmp", cache / "weights.pt")
+        source = "GGUF via transformers"
+    model.eval()
+    return model, time.perf_counter() - started, source
+
+
+def _gen_kwargs(model, max_new: int) -> dict:
+    # eos_token_id=None: no stopping on EOS and no suppression of it (our engine's ignore_eos).
+    return dict(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                pad_token_id=model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None
+                else 0)
+
+
+def _hf_generate_one(model, prompt: list[int], max_new: int, streamer=None) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
+                             **_gen_kwargs(model, max_new))
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _hf_generate_padded(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    import torch
+
+    width = max(map(len, prompts))
+    pad = _gen_kwargs(model, max_new)["pad_token_id"]
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, **_gen_kwargs(model, max_new))
+    return out[:, width:].tolist()
+
+
+def _hf_warmup(model, spec, batched: bool) -> None:
+    warm = spec["workload"]["warmup_prompts"]
+    if batched:
+        _hf_generate_padded(model, warm, 8)
+    else:
+        for p in warm:
+            _hf_generate_one(model, p, 8)
+
+
+def hf_static(spec) -> dict:
+    model, load_s, source = _hf_model(spec)
+    _hf_warmup(model, spec, batched=True)
+    rss_loaded = rss_mib()
+    reset_ok = reset_peak_rss()
+    w, bs = spec["workload"], spec["hf_batch_size"]
+    tokens, computed, lengths_ok = [], 0, True
+    start = time.perf_counter()
+    for b in range(0, len(w["prompts"]), bs):
+        prompts, outs = w["prompts"][b:b + bs], w["output_lens"][b:b + bs]
+        generated = _hf_generate_padded(model, prompts, max(outs))
+        computed += sum(len(g) for g in generated)
+        lengths_ok &= all(len(g) == max(outs) for g in generated)
+        tokens.extend(g[:n] for g, n in zip(generated, outs))  # useful: each request's own length
+    wall = time.perf_counter() - start
+    useful = sum(len(t) for t in tokens)
+    return {
+        "load_s": load_s, "load_source": source, "wall_s": wall, "out_tokens": useful, "out_tok_s": useful / wall,
+        "computed_tokens": computed, "computed_tok_s": computed / wall,
+        "total_tok_s": (useful + sum(map(len, w["prompts"]))) / wall,
+        "lengths_ok": lengths_ok and [len(t) for t in tokens] == w["output_lens"],
+        "rss_after_load_mib": rss_loaded, "measure_peak_rss_mib": hwm_mib() if reset_ok else None,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "tokens": tokens,
+    }
+
+
+def hf_sequential(spec) -> dict:
+    model, load_s, source = _hf_model(spec)
+    _hf_warmup(model, spec, batched=False)
+    rss_loaded = rss_mib()
+    reset_ok = reset_peak_rss()
+    w = spec["workload"]
+    start = time.perf_counter()
+    tokens = [_hf_generate_one(model, p, n) for p, n in zip(w["prompts"], w["output_lens"])]
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(t) for t in tokens)
+    return {
+        "load_s": load_s, "load_source": source, "wall_s": wall, "out_tokens": out_tokens,
+        "out_tok_s": out_tokens / wall, "total_tok_s": (out_tokens + sum(map(len, w["prompts"]))) / wall,
+        "lengths_ok": [len(t) for t in tokens] == w["output_lens"],
+        "rss_after_load_mib": rss_loaded, "measure_peak_rss_mib": hwm_mib() if reset_ok else None,
+        "tokens": tokens,
+    }
+
+
+def hf_batch1(spec) -> dict:
+    """Batch-1 decode rate (token arrival times from a streamer), then the correctness subset."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+            self.prompt_seen = False
+
+        def put(self, value):
+            if not self.prompt_seen:  # generate() puts the prompt first
+                self.prompt_seen = True
+                return
+            self.times.extend([time.perf_counter()] * value.numel())
+
+        def end(self):
+            pass
+
+    model, load_s, source = _hf_model(spec)
+    _hf_warmup(model, spec, batched=False)
+    rss_loaded = rss_mib()
+    reset_ok = reset_peak_rss()
+    runs, tokens = [], []
+    for prompt in spec["workload"]["b1_prompts"]:
+        clock = Clock()
+        start = time.perf_counter()
+        tokens.append(_hf_generate_one(model, prompt, spec["b1_new"], streamer=clock))
+        runs.append(_b1_numbers(start, clock.times))
+    measure_peak = hwm_mib() if reset_ok else None
+    w = spec["workload"]
+    check = {str(i): _hf_generate_one(model, w["prompts"][i], w["output_lens"][i]) for i in spec["check_indices"]}
+    return {**_b1_summary(runs), "load_s": load_s, "load_source": source, "tokens": tokens, "check_tokens": check,
+            "rss_after_load_mib": rss_loaded, "measure_peak_rss_mib": measure_peak}
+
+
+# ---------------------------------------------------------------------------------------- parent
+
+
+def run_child(name: str, spec: dict, workdir: Path) -> dict:
+    spec_path = workdir / "spec.json"
+    if not spec_path.exists():
+        spec_path.write_text(json.dumps(spec))
+    result_path = workdir / f"{name}.result.json"
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
+           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", name, "--spec", str(spec_path),
+                           "--result", str(result_path)], env=env, cwd=ROOT)
+    if proc.returncode != 0 or not result_path.exists():
+        raise SystemExit(f"child {name} failed (exit {proc.returncode})")
+    result = json.loads(result_path.read_text())
+    result["child_wall_s"] = time.perf_counter() - started
+    summary = {k: round(v, 2) for k, v in result.items() if k in ("out_tok_s", "decode_tok_s", "wall_s", "load_s")}
+    print(f"[{time.strftime('%H:%M:%S')}] {name} done in {result['child_wall_s']:.0f} s: {summary}", flush=True)
+    return result
+
+
+def median_of(results: list[dict], key: str):
+    values = [r[key] for r in results if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def strip_tokens(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("tokens", "check_tokens")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 8 requests, prompts 32-128, outputs 16-48, batch-1 32 new tokens x 2")
+    parser.add_argument("--requests", type=int, help="number of requests (default 64; --quick: 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every child")
+    parser.add_argument("--repeats", type=int, default=1, help="throughput runs per system (fresh process each); median")
+    parser.add_argument("--skip-sequential", action="store_true", help="skip hf_sequential (slow: ~10 min for 64)")
+    parser.add_argument("--skip-hf", action="store_true", help="kvgate only (no ratios, no cross-check)")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--check", type=int, default=4,
+                        help="requests cross-checked one at a time by transformers when hf_sequential is skipped")
+    parser.add_argument("--b1-prompt", type=int, default=128)
+    parser.add_argument("--b1-new", type=int, help="batch-1 new tokens (default 128; --quick: 32)")
+    parser.add_argument("--b1-repeats", type=int, help="batch-1 runs, one prompt each (default 3; --quick: 2)")
+    parser.add_argument("--max-num-seqs", type=int, help="engine override (default: EngineConfig's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="engine override (default: EngineConfig's)")
+    parser.add_argument("--kv-cache-mib", type=int, help="engine KV-cache budget override (CPU default: 2 GiB)")
+    parser.add_argument("--model", help="GGUF path (default: native_backend.loader.default_gguf_path())")
+    parser.add_argument("--out", help="JSON path (default bench/results/engine_throughput.json, "
+                                      "--quick: engine_throughput_quick.json)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child_main(args.child, args.spec, args.result)
+
+    q = args.quick
+    args.requests = args.requests or (8 if q else 64)
+    args.prompt_min, args.prompt_max = (32, 128) if q else (64, 512)
+    args.output_min, args.output_max = (16, 48) if q else (64, 256)
+    args.b1_new = args.b1_new or (32 if q else 128)
+    args.b1_repeats = args.b1_repeats or (2 if q else 3)
+    out_path = Path(args.out or ROOT / "bench/results" / ("engine_throughput_quick.json" if q else "engine_throughput.json"))
+
+    from native_backend.loader import default_gguf_path
+
+    model_path = args.model or default_gguf_path()
+    overrides = {}
+    if args.max_num_seqs:
+        overrides["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        overrides["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_mib:
+        overrides["kv_cache_bytes"] = args.kv_cache_mib << 20
+
+    workload = build_workload(args, model_path)
+    n = args.requests
+    # The cheapest requests (prompt + output) for the one-at-a-time cross-check.
+    cost = sorted(range(n), key=lambda i: (workload["output_lens"][i], len(workload["prompts"][i])))
+    check_indices = [] if (args.skip_hf or not args.skip_sequential) else sorted(cost[:min(args.check, n)])
+    load1 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="kvgate-engine-bench-") as tmp:
+        workdir = Path(tmp)
+        spec = {"model": model_path, "threads": args.threads, "workload": workload, "engine_overrides": overrides,
+                "hf_batch_size": args.hf_batch_size, "b1_new": args.b1_new, "check_indices": check_indices,
+                "hf_cache_dir": str(workdir / "hf-model")}
+        print(f"workload {workload['sha256']}: {n} requests, prompts {sum(map(len, workload['prompts']))} tokens, "
+              f"outputs {sum(workload['output_lens'])} tokens; load average {load1:.2f}", flush=True)
+        runs: dict[str, list[dict]] = {"kvgate": [run_child("kvgate", spec, workdir) for _ in range(args.repeats)]}
+        runs["kvgate_batch1"] = [run_child("kvgate_batch1", spec, workdir)]
+        if not args.skip_hf:
+            runs["hf_static16"] = [run_child("hf_static", spec, workdir) for _ in range(args.repeats)]
+            runs["hf_batch1"] = [run_child("hf_batch1", spec, workdir)]
+            if not args.skip_sequential:
+                runs["hf_sequential"] = [run_child("hf_sequential", spec, workdir) for _ in range(args.repeats)]
+
+    report = summarize(args, workload, model_path, overrides, runs, check_indices, load1)
+    print_table(report)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out_path}")
+
+
+def summarize(args, workload, model_path, overrides, runs, check_indices, load1) -> dict:
+    def med(system, key="out_tok_s"):
+        return median_of(runs[system], key) if system in runs else None
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    ours = dict(enumerate(runs["kvgate"][0]["tokens"]))
+    check = {}
+    if "hf_sequential" in runs:
+        check["kvgate_vs_hf_sequential"] = compare(ours, dict(enumerate(runs["hf_sequential"][0]["tokens"])))
+    if "hf_batch1" in runs:
+        if check_indices:
+            check["kvgate_vs_hf_one_at_a_time"] = compare(
+                ours, {int(i): t for i, t in runs["hf_batch1"][0]["check_tokens"].items()})
+        check["kvgate_vs_hf_batch1_prompts"] = compare(dict(enumerate(runs["kvgate_batch1"][0]["tokens"])),
+                                                       dict(enumerate(runs["hf_batch1"][0]["tokens"])))
+    if "hf_static16" in runs:
+        check["kvgate_vs_hf_static16_padded"] = compare(ours, dict(enumerate(runs["hf_static16"][0]["tokens"])))
+    if len(runs["kvgate"]) > 1:  # greedy and batch-invariant? at least run-to-run identical
+        check["kvgate_run_to_run"] = compare(ours, dict(enumerate(runs["kvgate"][1]["tokens"])))
+
+    kv, st, seq = med("kvgate"), med("hf_static16"), med("hf_sequential")
+    kv_b1, hf_b1 = med("kvgate_batch1", "decode_tok_s"), med("hf_batch1", "decode_tok_s")
+    return {
+        "tok_s_counts": "output tokens only (prompt tokens not counted) per second of wall time, warm-up excluded; "
+                        "hf_static16 counts each request's own output length (padding tail excluded)",
+        "kvgate_out_tok_s": kv,
+        "hf_static16_out_tok_s": st,
+        "hf_sequential_out_tok_s": seq,
+        "ratio_vs_hf_static16": ratio(kv, st),
+        "ratio_vs_hf_sequential": ratio(kv, seq),
+        "hf_static16_computed_tok_s": med("hf_static16", "computed_tok_s"),
+        "wall_s": {s: med(s, "wall_s") for s in ("kvgate", "hf_static16", "hf_sequential") if s in runs},
+        "batch1": {
+            "definition": f"{args.b1_prompt}-token prompt, {args.b1_new} new tokens, greedy; decode_tok_s = "
+                          "(new - 1) / (last token time - first token time), prefill and first token excluded; "
+                          f"median of {args.b1_repeats} prompts",
+            "kvgate_decode_tok_s": kv_b1,
+            "hf_decode_tok_s": hf_b1,
+            "ratio_decode": ratio(kv_b1, hf_b1),
+            "kvgate_total_tok_s": med("kvgate_batch1", "total_tok_s"),
+            "hf_total_tok_s": med("hf_batch1", "total_tok_s"),
+            "kvgate_ttft_s": med("kvgate_batch1", "ttft_s"),
+            "hf_ttft_s": med("hf_batch1", "ttft_s"),
+        },
+        "peak_rss_note": "each system in its own process; measurement_phase = peak RSS after load and warm-up "
+                         "(VmHWM reset), whole_child includes loading (hf: the first hf child converts the GGUF, the "
+                         "others load its cached fp32 state dict); kvgate's includes its zero-filled KV cache",
+        "peak_rss_mib": {s: {"whole_child": median_of(r, "peak_rss_mib"),
+                             "after_load": median_of(r, "rss_after_load_mib"),
+                             "measurement_phase": median_of(r, "measure_peak_rss_mib")} for s, r in runs.items()},
+        "correctness": check,
+        "anchors_tok_s": ANCHORS,
+        "config": {
+            "model": model_path, "dtype": "float32", "device": "cpu", "threads": args.threads,
+            "requests": args.requests, "prompt_len": [args.prompt_min, args.prompt_max],
+            "output_len": [args.output_min, args.output_max], "hf_batch_size": args.hf_batch_size,
+            "repeats": args.repeats, "engine_overrides": overrides, "quick": args.quick,
+            "engine": runs["kvgate"][0].get("engine"),
+            "hf_attn_implementation": runs["hf_static16"][0].get("attn_implementation") if "hf_static16" in runs else None,
+        },
+        "seed": args.seed,
+        "workload": {"sha256": workload["sha256"], "prompt_tokens": sum(map(len, workload["prompts"])),
+                     "output_tokens": sum(workload["output_lens"]), "text_tokens": workload["text_tokens"],
+                     "prompt_lens": [len(p) for p in workload["prompts"]], "output_lens": workload["output_lens"],
+                     "offsets": workload["offsets"], "check_indices": check_indices},
+        "git": git_info(),
+        "machine": {"cpus": os.cpu_count(), "load_average_at_start": load1, "load_average_at_end": os.getloadavg()[0]},
+        "python": sys.version.split()[0],
+        "versions": package_versions(),
+        "runs": {s: [strip_tokens(r) for r in rs] for s, rs in runs.items()},
+    }
+
+
+def package_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "transformers", "gguf", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def print_table(r: dict) -> None:
+    def f(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    rss = r["peak_rss_mib"]
+
+    def peak(s):
+        return f"{f(rss.get(s, {}).get('measurement_phase'), '.0f')} / {f(rss.get(s, {}).get('whole_child'), '.0f')}"
+
+    c = r["config"]
+    print()
+    print(f"SmolLM2-135M fp32 CPU, {c['threads']} threads; {c['requests']} requests, prompts {c['prompt_len']}, "
+          f"outputs {c['output_len']}; tok/s = OUTPUT tokens per second (warm-up excluded)")
+    print(f"{'system':<16}{'out tok/s':>11}{'wall s':>9}{'kvgate x':>10}   peak RSS MiB (measure / whole child)")
+    rows = [("kvgate", r["kvgate_out_tok_s"], None), ("hf_static16", r["hf_static16_out_tok_s"], r["ratio_vs_hf_static16"]),
+            ("hf_sequential", r["hf_sequential_out_tok_s"], r["ratio_vs_hf_sequential"])]
+    for name, tps, ratio in rows:
+        print(f"{name:<16}{f(tps):>11}{f(r['wall_s'].get(name)):>9}{f(ratio, '.2f'):>10}   {peak(name)}")
+    b = r["batch1"]
+    print(f"batch-1 decode ({b['definition'].split(';')[0]}): kvgate {f(b['kvgate_decode_tok_s'])} tok/s, "
+          f"transformers {f(b['hf_decode_tok_s'])} tok/s, ratio {f(b['ratio_decode'], '.2f')}; "
+          f"TTFT {f(b['kvgate_ttft_s'], '.3f')} s vs {f(b['hf_ttft_s'], '.3f')} s; "
+          f"peak RSS kvgate {peak('kvgate_batch1')}, hf {peak('hf_batch1')}")
+    if r["hf_static16_computed_tok_s"]:
+        print(f"hf_static16 including the padding tail: {f(r['hf_static16_computed_tok_s'])} tok/s generated")
+    for name, res in r["correctness"].items():
+        line = f"check {name}: {res['identical']}/{res['compared']} identical"
+        if res["divergent"]:
+            line += "; divergent (request: matching prefix/length): " + ", ".join(
+                f"{d['request']}: {d['matching_prefix']}/{d['length']}" for d in res["divergent"][:12])
+        print(line)
+    for name, rs in r["runs"].items():
+        bad = [x for x in rs if x.get("lengths_ok") is False]
+        if bad:
+            print(f"WARNING: {name} produced output lengths other than requested")
+    print(f"anchors (ANCHORS.md, 2-core box): {r['anchors_tok_s']}")
+    print(f"load average at start {r['machine']['load_average_at_start']:.2f}, end {r['machine']['load_average_at_end']:.2f}; "
+          f"git {str(r['git']['commit'])[:10]}{' (dirty)' if r['git']['dirty_paths'] else ''}")
+
+
+if __name__ == "__main__":
+    main()
