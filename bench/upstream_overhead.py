@@ -1,0 +1,263 @@
+"""What a gateway adds in front of an OpenAI-compatible upstream: kvgate (openai backend) vs LiteLLM.
+
+One fast fixed-response upstream (bench/bare_server.py: 16 chunks, no model) is called three ways
+in this one run, side by side, with the same requests:
+- `direct`:  the upstream itself (the floor);
+- `kvgate`:  `kvgate serve` with one `backend: openai` deployment pointing at the upstream;
+- `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
+  the upstream as an OpenAI-compatible text-completion model.
+An async httpx client drives each at concurrency 1, 32 and 128, streaming and not (/v1/completions,
+max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
+Reported: requests/s, client-side latency p50/p99 (streams: until [DONE]), the latency each
+gateway adds over `direct`, and the CPU time the server process (with its children) spent per
+request: on a shared 2-core machine that last column is the steadiest measure of a gateway's cost
+(for `direct` it is the upstream's own). All processes share the cores with the client.
+
+    .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from servers import free_port  # noqa: E402
+
+LITELLM_VENV = Path(os.environ.get("KVGATE_LITELLM_VENV", "/tmp/kvgate-litellm-venv"))
+MAX_TOKENS = 16
+PROMPT = "the quick brown fox jumps over the lazy dog " * 4
+CONCURRENCY = (1, 32, 128)
+# LiteLLM refuses to start without a master key; every target gets it (the others ignore it).
+BENCH_KEY = "sk-bench-" + "0123456789abcdef" * 4
+
+KVGATE_CONFIG = """
+server:
+  log_level: warning
+models:
+  - name: echo
+    deployments:
+      - name: upstream-0
+        backend: openai
+        settings:
+          base_url: {upstream}/v1
+          metrics: none
+"""
+LITELLM_CONFIG = """
+model_list:
+  - model_name: echo
+    litellm_params:
+      model: text-completion-openai/echo
+      api_base: {upstream}/v1
+      api_key: unused
+litellm_settings:
+  drop_params: true
+"""
+
+
+def ensure_litellm() -> Path:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        print(f"installing litellm[proxy] into {LITELLM_VENV} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+    return exe
+
+
+def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{cmd[0]} exited:\n{log.read().decode()[-3000:]}")
+        try:
+            if httpx.get(ready_url, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not become ready at {ready_url}")
+
+
+def start_servers(workdir: Path, with_litellm: bool) -> dict[str, tuple[subprocess.Popen, str]]:
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}"
+    servers = {"direct": (spawn([sys.executable, str(ROOT / "bench/bare_server.py"), str(port), str(MAX_TOKENS)],
+                                upstream + "/health/ready"), upstream)}
+    kv_port = free_port()
+    (workdir / "kvgate.yaml").write_text(KVGATE_CONFIG.format(upstream=upstream))
+    servers["kvgate"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
+                                "--port", str(kv_port)], f"http://127.0.0.1:{kv_port}/health/ready"),
+                         f"http://127.0.0.1:{kv_port}")
+    if with_litellm:
+        exe = ensure_litellm()
+        ll_port = free_port()
+        (workdir / "litellm.yaml").write_text(LITELLM_CONFIG.format(upstream=upstream))
+        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
+               "LITELLM_MASTER_KEY": BENCH_KEY}
+        servers["litellm"] = (spawn([str(exe), "--config", str(workdir / "litellm.yaml"), "--port", str(ll_port),
+                                     "--num_workers", "1"], f"http://127.0.0.1:{ll_port}/health/readiness", env),
+                              f"http://127.0.0.1:{ll_port}")
+    return servers
+
+
+async def one_request(client: httpx.AsyncClient, stream: bool) -> float:
+    body = {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
+    start = time.perf_counter()
+    if stream:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+    else:
+        r = await client.post("/v1/completions", json=body)
+        r.raise_for_status()
+    return time.perf_counter() - start
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat:
+                parents[int(entry)] = int(stat[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier and p not in tree]
+        tree.update(children)
+        frontier = children
+    ticks = sum(int(s[11]) + int(s[12]) for s in map(_stat, tree) if s)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # fields after the command name: state, ppid, ...
+
+
+async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"authorization": f"Bearer {BENCH_KEY}"}
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=120, headers=headers) as client:
+        await asyncio.gather(*(one_request(client, stream) for _ in range(min(concurrency, 16))))  # warm-up
+        latencies: list[float] = []
+        errors: list[str] = []
+        remaining = [total]
+
+        async def worker():
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                try:
+                    latencies.append(await one_request(client, stream))
+                except httpx.HTTPError as exc:  # counted and reported, not fatal to the run
+                    errors.append(type(exc).__name__)
+
+        cpu_before, start = tree_cpu_s(pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed, cpu = time.perf_counter() - start, tree_cpu_s(pid) - cpu_before
+    latencies.sort()
+    if not latencies:
+        raise RuntimeError(f"every request to {base} failed: {sorted(set(errors))}")
+    return {"rps": len(latencies) / elapsed, "errors": len(errors), "p50_ms": 1000 * statistics.median(latencies),
+            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "cpu_ms_per_req": 1000 * cpu / total}
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def measure(servers: dict, repeats: int, quick: bool) -> list[dict]:
+    rows = []
+    for stream in (False, True):
+        for concurrency in CONCURRENCY:
+            total = {1: 60 if quick else 200, 32: 300 if quick else 800, 128: 400 if quick else 1000}[concurrency]
+            runs: dict[str, list[dict]] = {name: [] for name in servers}
+            for _ in range(repeats):  # interleaved, so drift hits every target alike
+                for name, (proc, base) in servers.items():
+                    runs[name].append(asyncio.run(drive(base, concurrency, total, stream, proc.pid)))
+            cell = {name: median_of(r) for name, r in runs.items()}
+            for name, result in cell.items():
+                row = {"target": name, "stream": stream, "concurrency": concurrency, "requests": total, **result,
+                       "added_p50_ms": result["p50_ms"] - cell["direct"]["p50_ms"],
+                       "added_p99_ms": result["p99_ms"] - cell["direct"]["p99_ms"]}
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['target']:>8} stream={str(r['stream']):5} c={r['concurrency']:>3}  {r['rps']:8.1f} req/s  "
+          f"p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  added p50 {r['added_p50_ms']:+8.2f} ms  "
+          f"p99 {r['added_p99_ms']:+8.2f} ms  cpu {r['cpu_ms_per_req']:6.2f} ms/req"
+          + (f"  errors {r['errors']:.0f}" if r["errors"] else ""), flush=True)
+
+
+def verdict(rows: list[dict]) -> list[dict]:
+    """Per cell: kvgate's added p50 as a share of LiteLLM's, and its requests/s as a multiple."""
+    out = []
+    cells = {(r["stream"], r["concurrency"]): {} for r in rows}
+    for r in rows:
+        cells[(r["stream"], r["concurrency"])][r["target"]] = r
+    for (stream, concurrency), c in cells.items():
+        if "litellm" not in c:
+            continue
+        kv, ll = c["kvgate"], c["litellm"]
+        share = kv["added_p50_ms"] / ll["added_p50_ms"] if ll["added_p50_ms"] > 0 else float("nan")
+        out.append({"stream": stream, "concurrency": concurrency, "added_p50_share": share,
+                    "rps_multiple": kv["rps"] / ll["rps"],
+                    "goal_met": share < 0.25 and kv["rps"] / ll["rps"] >= 3})
+        print(f"stream={str(stream):5} c={concurrency:>3}: kvgate adds {share:5.1%} of LiteLLM's median latency, "
+              f"serves {kv['rps'] / ll['rps']:4.1f}x its requests/s -> goal {'met' if out[-1]['goal_met'] else 'MISSED'}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer requests and one repeat (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per cell (default 3, quick 1)")
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install)")
+    parser.add_argument("--out", default=str(ROOT / "bench/results/upstream_overhead.json"))
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = start_servers(Path(tmp), with_litellm=not args.no_litellm)
+        try:
+            rows = measure(servers, repeats, args.quick)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    summary = verdict(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
+                                          "rows": rows, "verdict": summary}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

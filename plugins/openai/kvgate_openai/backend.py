@@ -1,0 +1,269 @@
+"""The `openai` backend: any OpenAI-compatible server behind one shared httpx connection pool.
+
+Every choice becomes one streaming upstream request (stream=true, usage included), and every
+upstream chunk becomes a token event the moment it arrives. Refusals before the first token are
+raised as the matching gateway error; failures after it as BackendError or BackendTimeout, which
+the gateway sends as one error event.
+
+    generate ──POST──> upstream ──SSE──> SSEDecoder ──json──> chunk_event ──> TokenEvent
+       │                                                                     (held back only
+       └─ deadline: first_byte_s to the first token, then idle_s per chunk    at the finish, for
+                                                                              the usage chunk)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import replace
+
+import httpx
+
+from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
+from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
+from kvgate_openai import upstream_errors, wire
+from kvgate_openai.load import LoadTracker, poll_forever
+from kvgate_openai.pool import ClientPool
+from kvgate_openai.settings import OpenAISettings
+from kvgate_openai.sse import SSEDecoder
+
+log = logging.getLogger("kvgate.openai")
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+DONE = b"[DONE]"
+MAX_ERROR_BODY = 64 * 1024
+
+
+class OpenAIBackend:
+    def __init__(self, settings: OpenAISettings, name: str = "openai"):
+        self.settings = settings
+        self.name = name
+        self.tracker = LoadTracker(settings)
+        self._pool: ClientPool | None = None
+        self._poller: asyncio.Task | None = None
+        self._responses: dict[str, httpx.Response] = {}
+        self._aborted: set[str] = set()
+        self._scrub = upstream_errors.Scrubber(None)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        key = self._api_key()
+        self._scrub = upstream_errors.Scrubber(key)
+        s = self.settings
+        headers = {"content-type": "application/json"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        self._pool = ClientPool(
+            s.max_connections,
+            headers=headers,
+            # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
+            # a pooled connection counts towards the first byte.
+            timeout=httpx.Timeout(None, connect=s.connect_s, pool=s.first_byte_s),
+        )
+        url = s.scrape_url()
+        if url:
+            self._poller = asyncio.create_task(poll_forever(self._pool.any, url, self.tracker, self.name))
+
+    def _api_key(self) -> str | None:
+        env = self.settings.api_key_env
+        if env is None:
+            return None
+        key = os.environ.get(env)
+        if not key:
+            raise RuntimeError(f"deployment '{self.name}': environment variable {env} (settings.api_key_env) is not set")
+        return key
+
+    async def stop(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        if self._pool:
+            await self._pool.aclose()
+            self._pool = None
+
+    def load(self) -> LoadSnapshot:
+        return self.tracker.snapshot()
+
+    async def abort(self, request_id: str) -> None:
+        """Close the upstream response: the upstream sees the disconnect and stops generating."""
+        response = self._responses.get(request_id)
+        if response is not None:
+            self._aborted.add(request_id)
+            await response.aclose()
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest):
+        path, body = wire.request_body(request, self.settings.chat_max_tokens_field)
+        deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
+        pool = self._pool
+        if pool is None:
+            raise BackendError(f"The backend '{self.name}' is not started.")
+        slice_ = pool.take()
+        self.tracker.inflight += 1
+        response = None
+        try:
+            response = await self._send(pool.clients[slice_], path, body, request, deadline)
+            self._responses[request.request_id] = response
+            async for event in self._events(response, request, path == wire.CHAT, deadline):
+                yield event
+        finally:
+            pool.give_back(slice_)
+            self.tracker.inflight -= 1
+            self._responses.pop(request.request_id, None)
+            self._aborted.discard(request.request_id)
+            if response is not None:
+                await response.aclose()
+
+    async def _send(self, client: httpx.AsyncClient, path: str, body: dict, request: GenerationRequest,
+                    deadline: float) -> httpx.Response:
+        headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
+        content = json.dumps(body, separators=(",", ":")).encode()
+        upstream = client.build_request("POST", self.settings.base_url + path, content=content, headers=headers)
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await client.send(upstream, stream=True)
+        except TimeoutError:
+            raise self._first_byte_timeout() from None
+        except httpx.PoolTimeout:
+            raise Overloaded(f"All {self.settings.max_connections} connections to '{self.name}' are busy.") from None
+        except httpx.HTTPError as exc:
+            raise self._connection_failed(exc) from None
+        self.tracker.succeeded()
+        if response.status_code != 200:
+            raise await self._refusal(response, deadline)
+        return response
+
+    async def _refusal(self, response: httpx.Response, deadline: float) -> APIError:
+        try:
+            async with asyncio.timeout_at(deadline):
+                raw = await _read_some(response, MAX_ERROR_BODY)
+        except (TimeoutError, httpx.HTTPError):
+            raw = b""
+        finally:
+            await response.aclose()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {"error": {"message": raw.decode(errors="replace").strip()}} if raw.strip() else None
+        error = upstream_errors.for_status(response.status_code, body, response.headers, self.name, self._scrub)
+        if isinstance(error, (RateLimited, Overloaded)):
+            self.tracker.throttled(float(error.headers.get("retry-after-ms", 1000)) / 1000)
+        if response.status_code in (401, 403):
+            log.warning("deployment %s: the upstream rejected our credentials (HTTP %s)", self.name, response.status_code)
+        return error
+
+    async def _events(self, response: httpx.Response, request: GenerationRequest, chat: bool, deadline: float):
+        """Token events as chunks arrive; the finishing event waits for the usage chunk."""
+        decoder, chunks = SSEDecoder(), response.aiter_bytes()
+        finish: TokenEvent | None = None
+        usage: Usage | None = None
+        sent = 0
+        done = False
+        while not done:
+            try:
+                data = await self._next_chunk(chunks, deadline if not sent else None)
+            except (BackendError, BackendTimeout):
+                if finish is not None:  # it said all it had to say, then misbehaved
+                    break
+                if request.request_id in self._aborted:
+                    yield TokenEvent(finish_reason="abort", usage=usage)
+                    return
+                raise
+            payloads = decoder.close() if data is None else decoder.feed(data)
+            for payload in payloads:
+                if payload == DONE:
+                    done = True
+                    break
+                chunk = self._decode(payload, sent)
+                usage = wire.usage_of(chunk) or usage
+                event = wire.chunk_event(chunk, chat)
+                if event is None:
+                    continue
+                if event.finish_reason:
+                    finish = event
+                    continue
+                sent += 1
+                yield event
+            if data is None:
+                break
+        if done:
+            await self._drain(chunks)
+        yield self._last(finish, usage, sent, request, ended_cleanly=done)
+
+    async def _drain(self, chunks) -> None:
+        """Read the stream to its end after [DONE]: a response read to the end returns its
+        connection to the pool; one closed early costs a new TCP connection per request."""
+        try:
+            async with asyncio.timeout(self.settings.idle_s):
+                async for _ in chunks:
+                    pass
+        except (TimeoutError, httpx.HTTPError, httpx.StreamError):
+            pass  # the connection is closed instead of reused; the answer is complete either way
+
+    async def _next_chunk(self, chunks, deadline: float | None) -> bytes | None:
+        """The next bytes from upstream, None at the end of the stream, within the deadline."""
+        try:
+            if deadline is None:
+                async with asyncio.timeout(self.settings.idle_s):
+                    return await anext(chunks)
+            async with asyncio.timeout_at(deadline):
+                return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            if deadline is None:
+                raise BackendTimeout(
+                    f"The backend '{self.name}' sent nothing for {self.settings.idle_s:g} s mid-stream."
+                ) from None
+            raise self._first_byte_timeout() from None
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            log.warning("deployment %s: upstream stream broke: %s", self.name, type(exc).__name__)
+            raise BackendError(f"The backend '{self.name}' dropped the stream.") from None
+
+    def _decode(self, payload: bytes, sent: int) -> dict:
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not JSON.") from None
+        if not isinstance(chunk, dict):
+            raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not an object.")
+        if "error" in chunk or chunk.get("object") == "error":
+            error = upstream_errors.for_stream_error(chunk, self.name, self._scrub)
+            if sent and not isinstance(error, (BackendError, BackendTimeout)):
+                # After the first token the client can only learn of it as a failed stream.
+                error = BackendError(f"The backend '{self.name}' failed mid-stream: {error.message}")
+            raise error
+        return chunk
+
+    def _last(self, finish, usage, sent, request, ended_cleanly: bool) -> TokenEvent:
+        if finish is None:
+            if request.request_id in self._aborted:
+                return TokenEvent(finish_reason="abort", usage=usage)
+            if not ended_cleanly:
+                raise BackendError(f"The backend '{self.name}' ended the stream before it finished.")
+            finish = TokenEvent(finish_reason="stop")  # [DONE] without a finish_reason
+        return replace(finish, usage=usage or Usage(0, sent + (1 if finish.text else 0)))
+
+    def _first_byte_timeout(self) -> BackendTimeout:
+        return BackendTimeout(
+            f"The backend '{self.name}' sent no token within {self.settings.first_byte_s:g} s."
+        )
+
+    def _connection_failed(self, exc: Exception) -> BackendError:
+        self.tracker.failed()
+        log.warning("deployment %s: cannot reach the upstream: %s", self.name, type(exc).__name__)
+        return BackendError(f"The backend '{self.name}' cannot be reached.")
+
+
+async def _read_some(response: httpx.Response, limit: int) -> bytes:
+    out = b""
+    async for part in response.aiter_bytes():
+        out += part
+        if len(out) >= limit:
+            break
+    return out[:limit]

@@ -1,0 +1,96 @@
+"""How busy the upstream is: its own metrics while they are fresh, our in-flight count otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from gateway.backend import LoadSnapshot
+from kvgate_openai import metrics
+from kvgate_openai.settings import OpenAISettings
+
+log = logging.getLogger("kvgate.openai")
+
+
+class LoadTracker:
+    """Keeps the latest scrape, the in-flight count and the health verdict.
+
+    Health reflects the latest evidence: `unhealthy_after` failures in a row (scrapes that got no
+    answer, requests that could not connect) make the deployment unhealthy, one success heals it.
+    Without a poller nothing could heal it, so then connection failures only fail their request.
+    """
+
+    def __init__(self, settings: OpenAISettings):
+        self.settings = settings
+        self.inflight = 0
+        self.reading: metrics.Reading | None = None
+        self.read_at = 0.0
+        self.failures = 0
+        self.polling = False
+        self.throttled_until = 0.0  # the upstream said 429/503: it is full until then
+
+    def snapshot(self) -> LoadSnapshot:
+        now = time.monotonic()
+        extra = {"inflight": float(self.inflight)}
+        if self.throttled_until > now:
+            extra["throttled_s"] = self.throttled_until - now
+        if self.reading is not None:
+            extra["metrics_age_s"] = now - self.read_at
+        if self.reading is not None and now - self.read_at <= self.settings.stale_after_s:
+            r = self.reading
+            return LoadSnapshot(r.waiting, r.running, r.kv_cache_usage, self.settings.capacity, self.healthy, extra)
+        extra["metrics_stale"] = 1.0
+        return LoadSnapshot(0, self.inflight, 0.0, self.settings.capacity, self.healthy, extra)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.polling or self.failures < self.settings.unhealthy_after
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def failed(self) -> None:
+        self.failures += 1
+
+    def throttled(self, seconds: float) -> None:
+        self.throttled_until = max(self.throttled_until, time.monotonic() + seconds)
+
+    def record(self, reading: metrics.Reading | None) -> None:
+        self.succeeded()
+        if reading is not None:
+            self.reading = reading
+            self.read_at = time.monotonic()
+
+
+async def poll_forever(client: httpx.AsyncClient, url: str, tracker: LoadTracker, deployment: str) -> None:
+    """Scrape `url` every poll interval until cancelled (by the backend's stop())."""
+    s = tracker.settings
+    tracker.polling = True
+    timeout = httpx.Timeout(s.stale_after_s, connect=s.connect_s)
+    warned = False
+    while True:
+        try:
+            response = await client.get(url, timeout=timeout)
+        except httpx.HTTPError as exc:
+            tracker.failed()
+            log.debug("scrape of %s for %s failed: %s", url, deployment, type(exc).__name__)
+        else:
+            reading = _reading_of(response, s.metrics)
+            tracker.record(reading)
+            if reading is None and not warned:
+                warned = True
+                log.info("deployment %s: no load metrics at %s (HTTP %s); using in-flight counts",
+                         deployment, url, response.status_code)
+        await asyncio.sleep(s.metrics_poll_s)
+
+
+def _reading_of(response: httpx.Response, preset: str) -> metrics.Reading | None:
+    if response.status_code != 200 or "json" in response.headers.get("content-type", ""):
+        return None  # no metrics, or trtllm-serve's JSON stats at /metrics
+    try:
+        return metrics.parse(response.text, preset)
+    except ValueError:
+        return None

@@ -1,0 +1,82 @@
+"""What a deployment's `settings:` may hold for `backend: openai`."""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.config import format_path
+
+MetricsPreset = Literal["auto", "vllm", "sglang", "trtllm", "kvgate", "none"]
+
+
+class OpenAISettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_url: str = Field(description="The upstream's OpenAI API root, e.g. http://vllm:8000/v1.")
+    api_key_env: str | None = Field(
+        None, description="Name of the environment variable that holds the upstream's API key."
+    )
+    connect_s: float = Field(5.0, gt=0, description="Seconds to open a TCP connection.")
+    first_byte_s: float = Field(
+        60.0, gt=0, description="Seconds from sending a request to its first token (queue + prefill)."
+    )
+    idle_s: float = Field(30.0, gt=0, description="Longest gap between two stream chunks, in seconds.")
+    max_connections: int = Field(256, gt=0, description="Size of the shared connection pool.")
+    capacity: int = Field(0, ge=0, description="Concurrent requests the upstream can run; 0: unknown.")
+    metrics: MetricsPreset = Field(
+        "auto", description="Which Prometheus names carry the upstream's load; none: in-flight counts only."
+    )
+    metrics_url: str | None = Field(
+        None, description="Where to scrape; default: the base_url's origin + /metrics "
+        "(/prometheus/metrics for trtllm)."
+    )
+    metrics_poll_s: float = Field(1.0, gt=0, description="Seconds between two scrapes.")
+    metrics_stale_s: float | None = Field(
+        None, gt=0, description="A scrape older than this is ignored; default: 3 poll intervals."
+    )
+    unhealthy_after: int = Field(
+        3, gt=0, description="Consecutive failed scrapes or connections before the deployment is unhealthy."
+    )
+    chat_max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = Field(
+        "max_tokens", description="Name of the output limit on chat requests (OpenAI's reasoning "
+        "models only accept max_completion_tokens)."
+    )
+
+    @field_validator("base_url", "metrics_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("must be an http:// or https:// URL")
+        return url.rstrip("/")
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.metrics_stale_s or 3 * self.metrics_poll_s
+
+    def scrape_url(self) -> str | None:
+        if self.metrics == "none":
+            return None
+        if self.metrics_url:
+            return self.metrics_url
+        parts = urlsplit(self.base_url)
+        # trtllm-serve 1.2.x serves JSON iteration stats at /metrics, Prometheus text here.
+        path = "/prometheus/metrics" if self.metrics == "trtllm" else "/metrics"
+        return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def parse_settings(settings: dict, **defaults) -> OpenAISettings:
+    """Validate; errors read `settings.<field>: <message>` (the gateway adds the deployment path)."""
+    try:
+        return OpenAISettings.model_validate({**defaults, **settings})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        raise ValueError(f"settings.{format_path(err['loc'])}: {message}") from None

@@ -1,0 +1,133 @@
+"""Our request as an OpenAI request body, and OpenAI stream chunks as our token events.
+
+Only what differs from the OpenAI defaults is sent, so an upstream that lacks an extension never
+sees it unless the client asked for it. vLLM's extensions (top_k, min_p, repetition_penalty,
+ignore_eos, stop_token_ids) go out only when set.
+"""
+
+from __future__ import annotations
+
+from gateway.backend import GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob, Usage
+
+COMPLETIONS = "/completions"
+CHAT = "/chat/completions"
+STREAM_OPTIONS = {"include_usage": True}
+
+
+def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_tokens") -> tuple[str, dict]:
+    """(path, JSON body) for one choice; the upstream always streams, with usage at the end."""
+    body: dict = {"model": request.model, "stream": True, "stream_options": STREAM_OPTIONS}
+    chat = request.messages is not None
+    if chat:
+        body["messages"] = request.messages
+    else:
+        body["prompt"] = request.prompt
+    _sampling_fields(body, request.sampling, chat, chat_max_tokens_field)
+    if request.user:
+        body["user"] = request.user
+    return (CHAT if chat else COMPLETIONS), body
+
+
+def _sampling_fields(body: dict, s: SamplingParams, chat: bool, max_tokens_field: str) -> None:
+    if s.max_tokens is not None:
+        body[max_tokens_field if chat else "max_tokens"] = s.max_tokens
+    if s.temperature != 1.0:
+        body["temperature"] = s.temperature
+    if s.top_p != 1.0:
+        body["top_p"] = s.top_p
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.logprobs is not None:
+        if chat:
+            body["logprobs"] = True
+            body["top_logprobs"] = s.logprobs
+        else:
+            body["logprobs"] = s.logprobs
+    _vllm_extensions(body, s)
+
+
+def _vllm_extensions(body: dict, s: SamplingParams) -> None:
+    if s.top_k > 0:
+        body["top_k"] = s.top_k
+    if s.min_p > 0:
+        body["min_p"] = s.min_p
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+
+
+def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
+    """The token event in one stream chunk, or None when it carries nothing (role opener, usage)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return None
+    c = choices[0]
+    if chat:
+        text = (c.get("delta") or {}).get("content") or ""
+        logprobs = chat_logprobs(c.get("logprobs"))
+    else:
+        text = c.get("text") or ""
+        logprobs = completion_logprobs(c.get("logprobs"))
+    token_ids = tuple(c.get("token_ids") or ())  # vLLM sends them when asked (return_token_ids)
+    reason = finish_reason(c.get("finish_reason"))
+    if not (text or logprobs or reason or token_ids):
+        return None
+    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # Our protocol knows stop, length and abort; tool calls and content filters end like a stop.
+    if reason is None or reason in ("stop", "length", "abort"):
+        return reason
+    return "stop"
+
+
+def usage_of(chunk: dict) -> Usage | None:
+    u = chunk.get("usage")
+    if not u:
+        return None
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Usage(u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0, cached)
+
+
+def completion_logprobs(lp: dict | None) -> tuple[TokenLogprob, ...]:
+    """`{tokens, token_logprobs, top_logprobs: [{token: logprob}]}` to our logprobs."""
+    if not lp or not lp.get("tokens"):
+        return ()
+    tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    return tuple(
+        TokenLogprob(
+            token=token,
+            logprob=_number(logprob),
+            top=tuple(TopLogprob(t, _number(v)) for t, v in (top or {}).items()),
+        )
+        for token, logprob, top in zip(lp["tokens"], lp.get("token_logprobs") or (), tops)
+    )
+
+
+def chat_logprobs(lp: dict | None) -> tuple[TokenLogprob, ...]:
+    """`{content: [{token, logprob, top_logprobs: [{token, logprob}]}]}` to our logprobs."""
+    if not lp or not lp.get("content"):
+        return ()
+    return tuple(
+        TokenLogprob(
+            token=item["token"],
+            logprob=_number(item.get("logprob")),
+            top=tuple(TopLogprob(t["token"], _number(t.get("logprob"))) for t in item.get("top_logprobs") or ()),
+        )
+        for item in lp["content"]
+    )
+
+
+def _number(value) -> float:
+    # vLLM sends null (or -9999.0) for a logprob of -inf.
+    return float("-inf") if value is None else float(value)
