@@ -32,7 +32,7 @@ install() {
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     # Builds llama.cpp from source with CMake: about 6 minutes on 2 cores.
-    CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$VENV/bin/pip" install -q "llama-cpp-python[server]"
+    CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$VENV/bin/pip" install -q "llama-cpp-python[server]==0.3.36"
 }
 
 serve() {

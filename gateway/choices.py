@@ -50,7 +50,9 @@ class OpenChoice:
         idle_s = self.pool.config.timeouts.idle_s
         while not self.finished:
             try:
-                event = await asyncio.wait_for(anext(self.events), idle_s)
+                # asyncio.timeout, not wait_for: wait_for would start a task for every token.
+                async with asyncio.timeout(idle_s):
+                    event = await anext(self.events)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
@@ -200,7 +202,8 @@ async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request:
     events = deployment.backend.generate(request)
     timeout = pool.config.timeouts.first_token_s
     try:
-        first = await asyncio.wait_for(anext(events), timeout)
+        async with asyncio.timeout(timeout):
+            first = await anext(events)
     except StopAsyncIteration:
         deployment.breaker.record_failure()
         raise BackendError(f"Backend '{deployment.name}' ended the request without output.") from None
