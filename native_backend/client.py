@@ -339,6 +339,7 @@ def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
         num_prompt_tokens=later.num_prompt_tokens,
         num_cached_tokens=later.num_cached_tokens,
         num_output_tokens=later.num_output_tokens,
+        timings=later.timings,
     )
 
 

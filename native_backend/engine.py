@@ -31,11 +31,22 @@ ACTIVATION_RESERVE_BYTES = 512 << 20  # CUDA: room for activations and the alloc
 
 @dataclass
 class _TextState:
-    """Per-request output text: incremental detokenization, then stop-string holdback."""
+    """Per-request output text (incremental detokenization, then stop-string holdback) and the
+    request's milestones for its trace."""
 
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     want_logprobs: bool
+    arrived: float = 0.0  # unix seconds
+    scheduled: float | None = None
+    first_token: float | None = None
+    prefill_chunks: int = 0
+
+    def timings(self, finished: float, preemptions: int, cached_tokens: int) -> dict[str, float]:
+        marks = {"arrived": self.arrived, "scheduled": self.scheduled, "first_token": self.first_token,
+                 "finished": finished, "prefill_chunks": self.prefill_chunks, "preemptions": preemptions,
+                 "cached_tokens": cached_tokens}
+        return {k: float(v) for k, v in marks.items() if v is not None}
 
 
 class LLMEngine:
@@ -68,6 +79,7 @@ class LLMEngine:
         self._texts: dict[str, _TextState] = {}
         self.num_steps = 0
         self.num_step_tokens = 0
+        self.step_seconds = 0.0
         log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.describe())
 
     def describe(self) -> str:
@@ -105,6 +117,7 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             StopStringMatcher(sampling.stop),
             sampling.logprobs is not None,
+            arrived=request.arrival_time,
         )
 
     def _check_lengths(self, request: EngineRequest) -> None:
@@ -133,15 +146,29 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update; then turn token ids into text deltas."""
+        started = time.monotonic()
         scheduled = self.scheduler.schedule()
+        self._note_prefill(scheduled)
         runner_output = self.runner.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
+        outputs = [self._to_output(r) for r in results if r.request_id in self._texts]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
-        return [self._to_output(r) for r in results if r.request_id in self._texts]
+        self.step_seconds += time.monotonic() - started
+        return outputs
+
+    def _note_prefill(self, scheduled) -> None:
+        now = time.time()
+        for chunk in scheduled.chunks:
+            state = self._texts.get(chunk.request_id)
+            if state is not None and state.first_token is None:
+                state.scheduled = state.scheduled or now
+                state.prefill_chunks += 1
 
     def _to_output(self, result: StepResult) -> RequestOutput:
         state = self._texts[result.request_id]
+        if state.first_token is None and result.new_token_ids:
+            state.first_token = time.time()
         text, stopped = state.stops.push(state.detokenizer.push(result.new_token_ids))
         finish_reason = result.finish_reason
         if stopped:
@@ -151,8 +178,10 @@ class LLMEngine:
         elif result.finished:
             tail, _ = state.stops.finish(state.detokenizer.flush())
             text += tail
+        timings = None
         if finish_reason is not None:
             del self._texts[result.request_id]
+            timings = state.timings(time.time(), result.num_preemptions, result.num_cached_tokens)
         return RequestOutput(
             request_id=result.request_id,
             new_token_ids=list(result.new_token_ids),
@@ -162,6 +191,7 @@ class LLMEngine:
             num_prompt_tokens=result.num_prompt_tokens,
             num_cached_tokens=result.num_cached_tokens,
             num_output_tokens=result.num_output_tokens,
+            timings=timings,
         )
 
     def _logprobs(self, result: StepResult) -> list[TokenLogprobs] | None:
@@ -183,6 +213,7 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
             "num_step_tokens": self.num_step_tokens,
+            "step_seconds": self.step_seconds,
         }
 
 

@@ -55,6 +55,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # total so far, including new_token_ids
+    # On the last output: unix times of "arrived", "scheduled", "first_token", "finished", and the
+    # counters "prefill_chunks", "preemptions", "cached_tokens" (for the request's trace).
+    timings: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,7 @@ class StepResult:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # all output tokens so far, including new_token_ids
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
+    num_preemptions: int = 0  # times this request was preempted so far
 
     @property
     def finished(self) -> bool:
@@ -335,6 +336,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
         )
 
     @staticmethod

@@ -76,6 +76,13 @@ def test_span_tree_of_a_request_with_a_failover(traced):
     assert routes[0].attributes["kvgate.policy"] == "round_robin"
     assert list(routes[0].attributes["kvgate.candidates"]) == ["bad", "good"]
 
+    # the backend's own milestones become backdated phase spans under the attempt that served it
+    phases = {s.name: s for s in spans if s.name.startswith("engine.")}
+    assert set(phases) == {"engine.queued", "engine.prefill", "engine.decode"}
+    assert all(p.parent.span_id == attempts[1].context.span_id for p in phases.values())
+    assert phases["engine.prefill"].attributes["kvgate.engine.prefill_chunks"] == 1
+    assert phases["engine.prefill"].end_time <= phases["engine.decode"].start_time + 1000
+
     # each attempt's own span is the parent the backend was given
     sent = [tc["traceparent"].split("-")[2] for tc in seen]
     assert sent == [format(a.context.span_id, "016x") for a in attempts]

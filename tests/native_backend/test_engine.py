@@ -95,8 +95,21 @@ def test_preempted_requests_finish_with_the_same_greedy_output(engine_factory, p
     # 40 blocks x 16 tokens: far less than 16 requests need at once, so the scheduler preempts.
     small = engine_factory(max_num_batched_tokens=128, max_num_seqs=16, kv_cache_bytes=40 * 16 * 46080)
     requests = [EngineRequest(f"p{i}", p, GREEDY, priority=i % 3) for i, p in enumerate(prompts)]
+    timings = {}
+    original_step = small.step
+
+    def step():
+        outputs = original_step()
+        timings.update({o.request_id: o.timings for o in outputs if o.finished})
+        return outputs
+
+    small.step = step
     got = run_all(small, requests)
     assert small.stats()["num_preemptions"] > 0
+    assert sum(t["preemptions"] for t in timings.values()) == small.stats()["num_preemptions"]
+    for t in timings.values():  # the milestones each request reports for its trace, in order
+        assert t["arrived"] <= t["scheduled"] <= t["first_token"] <= t["finished"]
+        assert t["prefill_chunks"] >= 1
     for i in range(NUM_PROMPTS):
         assert got[f"p{i}"] == reference[i], f"prompt {i} diverges after preemption"
 

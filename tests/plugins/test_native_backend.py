@@ -151,3 +151,44 @@ def test_engine_death_fails_requests_clearly_and_readiness_turns_false():
         assert httpx.get(gw.base_url + "/health/live").status_code == 200
         echo = client.completions.create(model="echo", prompt="still serving", max_tokens=2)
         assert echo.choices[0].text == "still serving"
+
+
+def test_metrics_expose_the_engine_under_vllm_names(gw, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ask(client, "Hello again", max_tokens=2)
+    samples = {s.name: s for f in text_string_to_metric_families(httpx.get(gw.base_url + "/metrics").text)
+               for s in f.samples}
+    assert samples["vllm:num_requests_running"].labels == {"model_name": "smollm2", "engine": "native-0"}
+    assert samples["vllm:kv_cache_usage_perc"].value == 0.0
+    assert samples["vllm:prefix_cache_queries_total"].value > 0
+    assert samples["kvgate_engine_kv_blocks_total"].value > 0
+    assert samples["kvgate_engine_step_seconds_total"].value > 0
+
+
+def test_another_kvgate_in_front_reaches_the_engine_through_the_openai_backend(gw, client):
+    """Interop: kvgate (openai backend) -> kvgate (native engine), streaming and not."""
+    front_config = f"""
+models:
+  - name: front
+    deployments:
+      - name: upstream-kvgate
+        backend: openai
+        upstream_model: smollm2
+        settings: {{base_url: "{gw.base_url}/v1", metrics: kvgate, metrics_poll_s: 0.2}}
+"""
+    direct = ask(client, "What is the capital of France?", max_tokens=16).choices[0].message.content
+    with GatewayServer(front_config) as front:
+        front_client = front.openai(timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        out = front_client.chat.completions.create(model="front", messages=messages, max_tokens=16, temperature=0)
+        assert out.choices[0].message.content == direct
+        chunks = list(front_client.chat.completions.create(model="front", messages=messages, max_tokens=16,
+                                                           temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == direct
+        upstream = front.backend("upstream-kvgate")
+        deadline = time.monotonic() + 10
+        while "metrics_age_s" not in upstream.load().extra and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert upstream.load().healthy
+        assert "metrics_age_s" in upstream.load().extra  # load comes from the engine's own gauges

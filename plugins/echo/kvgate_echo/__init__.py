@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -94,10 +95,13 @@ class EchoBackend:
         if self.settings.first_token_delay_s:
             await asyncio.sleep(self.settings.first_token_delay_s)
         pieces, finish_reason = reply_pieces(words, request.sampling.seed or 0, max_tokens, request.sampling.stop)
+        marks = {"arrived": time.time()}  # milestones on the last event, as engines report them
+        marks["scheduled"] = marks["arrived"]
         for i, (word, piece) in enumerate(pieces):
             await self._pace(i)
             if request.request_id in self._aborted:
                 return
+            marks.setdefault("first_token", time.time())
             last = i + 1 == len(pieces)
             yield TokenEvent(
                 text=piece,
@@ -105,6 +109,7 @@ class EchoBackend:
                 logprobs=_logprobs(request, word),
                 finish_reason=finish_reason if last else None,
                 usage=Usage(len(words), len(pieces)) if last else None,
+                timings={**marks, "finished": time.time(), "prefill_chunks": 1.0} if last else None,
             )
         if not pieces:  # a stop string matched at the very start: nothing to send
             yield TokenEvent(finish_reason=finish_reason, usage=Usage(len(words), 0))

@@ -165,7 +165,7 @@ def _token_event(out: RequestOutput, want_logprobs: bool) -> TokenEvent:
         )
     return TokenEvent(
         text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=logprobs,
-        finish_reason=out.finish_reason, usage=usage,
+        finish_reason=out.finish_reason, usage=usage, timings=out.timings,
     )
 
 
