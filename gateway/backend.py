@@ -47,6 +47,9 @@ class GenerationRequest:
     priority: int = 0  # lower runs earlier (vLLM's convention); SLA classes map onto it
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate
     user: str | None = None
+    # Whether the client streams. A backend may answer a non-streaming request in one event
+    # (a remote server asked once, without SSE); it may also stream it anyway.
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
     """One GenerationRequest per choice: prompts x n, each choice with its own seed offset."""
     base = GenerationRequest(
         request_id=request_id, model=parsed.model, sampling=parsed.sampling, user=parsed.user,
-        priority=priority, trace_context=dict(trace_context or {}),
+        priority=priority, trace_context=dict(trace_context or {}), stream=parsed.stream,
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []

@@ -119,6 +119,7 @@ class Upstream:
 
     def __init__(self):
         self.seen_headers: list[dict] = []
+        self.seen_bodies: list[dict] = []
         self.disconnected = threading.Event()
         self.metrics_text = ""
         self.metrics_hang = False
@@ -148,6 +149,7 @@ class Upstream:
     async def completions(self, request: Request):
         body = await request.json()
         self.seen_headers.append(dict(request.headers))
+        self.seen_bodies.append(body)
         script = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         verb, _, arg = script.partition(":")
         if verb == "status":
@@ -514,3 +516,13 @@ def test_default_scrape_urls():
     assert url(metrics="trtllm") == "http://h:8000/prometheus/metrics"
     assert url(metrics="none") is None
     assert url(metrics_url="http://h:9000/m") == "http://h:9000/m"
+
+
+def test_upstream_streams_only_for_streaming_clients(front, upstream):
+    httpx.post(front.base_url + "/v1/completions", json={"model": "m", "prompt": "plain"}, timeout=10)
+    assert upstream.seen_bodies[-1]["stream"] is False and "stream_options" not in upstream.seen_bodies[-1]
+    with httpx.stream("POST", front.base_url + "/v1/completions",
+                      json={"model": "m", "prompt": "plain", "stream": True}, timeout=10) as r:
+        r.read()
+    assert upstream.seen_bodies[-1]["stream"] is True
+    assert upstream.seen_bodies[-1]["stream_options"] == {"include_usage": True}

@@ -109,8 +109,11 @@ class OpenAIBackend:
         try:
             response = await self._send(pool.clients[slice_], path, body, request, deadline)
             self._responses[request.request_id] = response
-            async for event in self._events(response, request, path == wire.CHAT, deadline):
-                yield event
+            if request.stream or _is_event_stream(response):  # some servers stream regardless
+                async for event in self._events(response, request, path == wire.CHAT, deadline):
+                    yield event
+            else:
+                yield await self._whole(response, request, path == wire.CHAT, deadline)
         finally:
             pool.give_back(slice_)
             self.tracker.inflight -= 1
@@ -195,6 +198,27 @@ class OpenAIBackend:
             await self._drain(chunks)
         yield self._last(finish, usage, sent, request, ended_cleanly=done)
 
+    async def _whole(self, response: httpx.Response, request: GenerationRequest, chat: bool,
+                     deadline: float) -> TokenEvent:
+        """The single event of a non-streamed answer, read whole within the first-byte deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                raw = await response.aread()
+        except TimeoutError:
+            raise self._first_byte_timeout() from None
+        except httpx.HTTPError as exc:
+            if request.request_id in self._aborted:
+                return TokenEvent(finish_reason="abort")
+            log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
+            raise BackendError(f"The backend '{self.name}' dropped the connection.") from None
+        try:
+            body = json.loads(raw)
+            if isinstance(body, dict) and "error" in body:
+                raise upstream_errors.for_stream_error(body, self.name, self._scrub)
+            return wire.whole_event(body, chat)
+        except (ValueError, AttributeError, TypeError):
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response.") from None
+
     async def _drain(self, chunks) -> None:
         """Read the stream to its end after [DONE]: a response read to the end returns its
         connection to the pool; one closed early costs a new TCP connection per request."""
@@ -258,6 +282,10 @@ class OpenAIBackend:
         self.tracker.failed()
         log.warning("deployment %s: cannot reach the upstream: %s", self.name, type(exc).__name__)
         return BackendError(f"The backend '{self.name}' cannot be reached.")
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
 async def _read_some(response: httpx.Response, limit: int) -> bytes:

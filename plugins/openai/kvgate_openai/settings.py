@@ -21,7 +21,8 @@ class OpenAISettings(BaseModel):
     )
     connect_s: float = Field(5.0, gt=0, description="Seconds to open a TCP connection.")
     first_byte_s: float = Field(
-        60.0, gt=0, description="Seconds from sending a request to its first token (queue + prefill)."
+        60.0, gt=0, description="Seconds from sending a request to its first token (queue + prefill); "
+        "for a non-streaming client, to the whole answer, which comes in one piece."
     )
     idle_s: float = Field(30.0, gt=0, description="Longest gap between two stream chunks, in seconds.")
     max_connections: int = Field(256, gt=0, description="Size of the shared connection pool.")

@@ -15,8 +15,12 @@ STREAM_OPTIONS = {"include_usage": True}
 
 
 def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_tokens") -> tuple[str, dict]:
-    """(path, JSON body) for one choice; the upstream always streams, with usage at the end."""
-    body: dict = {"model": request.model, "stream": True, "stream_options": STREAM_OPTIONS}
+    """(path, JSON body) for one choice. A streaming client's choice streams from upstream, with
+    usage at the end; a non-streaming client's is asked for in one piece (one read, not one per
+    token, and upstream errors keep their status)."""
+    body: dict = {"model": request.model, "stream": request.stream}
+    if request.stream:
+        body["stream_options"] = STREAM_OPTIONS
     chat = request.messages is not None
     if chat:
         body["messages"] = request.messages
@@ -82,6 +86,22 @@ def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
     if not (text or logprobs or reason or token_ids):
         return None
     return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def whole_event(body: dict, chat: bool) -> TokenEvent:
+    """The one event of a non-streamed answer: all its text, its finish reason and usage."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("the answer has no choices")
+    c = choices[0]
+    if chat:
+        text = (c.get("message") or {}).get("content") or ""
+        logprobs = chat_logprobs(c.get("logprobs"))
+    else:
+        text = c.get("text") or ""
+        logprobs = completion_logprobs(c.get("logprobs"))
+    return TokenEvent(text=text, token_ids=tuple(c.get("token_ids") or ()), logprobs=logprobs,
+                      finish_reason=finish_reason(c.get("finish_reason")) or "stop", usage=usage_of(body))
 
 
 def finish_reason(reason: str | None) -> str | None:
