@@ -7,7 +7,9 @@ Three servers run side by side in this one run, each in its own uvicorn process 
   extras (request validation, model lookup, backend call, response building);
 - `routed`: the gateway with the whole routing and admission path on: a pool of 8 echo
   deployments under `least_loaded`, API keys, and per-key request and token limits (set high
-  enough never to refuse, so every request pays for the checks).
+  enough never to refuse, so every request pays for the checks);
+- `traced`: `kvgate` with OpenTelemetry tracing on (every request sampled, spans batched to the
+  console exporter, its output discarded): what tracing costs, next to `kvgate` where it is off.
 An async httpx client drives each at concurrency 1, 8, 32 and 128, streaming and not, with the
 same requests (16 output tokens). Warm-up requests are excluded. Reported: requests/s, and
 client-side latency p50/p99 (for streams: until [DONE]). The client shares the machine's cores
@@ -53,13 +55,19 @@ models:
 """ % "\n".join(f"      - {{name: echo-{i}, backend: echo}}" for i in range(8))
 
 
+TRACED_CONFIG = (ROOT / "configs/echo.yaml").read_text() + """
+telemetry:
+  tracing: {exporter: console, sample_ratio: 1.0}
+"""
+
+
 def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if kind == "kvgate":
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(ROOT / "configs/echo.yaml"), "--port", str(port)]
-    elif kind == "routed":
-        config = workdir / "routed.yaml"
-        config.write_text(ROUTED_CONFIG)
+    elif kind in ("routed", "traced"):
+        config = workdir / f"{kind}.yaml"
+        config.write_text(ROUTED_CONFIG if kind == "routed" else TRACED_CONFIG)
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
     else:
         cmd = [sys.executable, str(Path(__file__).with_name("bare_server.py")), str(port), str(MAX_TOKENS)]
@@ -116,7 +124,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench/results/gateway_overhead.json"))
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
-    servers = {kind: start_server(kind, workdir) for kind in ("bare", "kvgate", "routed")}
+    servers = {kind: start_server(kind, workdir) for kind in ("bare", "kvgate", "routed", "traced")}
     rows = []
     try:
         for stream in (False, True):
