@@ -71,7 +71,7 @@ def ensure_litellm() -> Path:
     if not exe.exists():
         print(f"installing litellm[proxy] into {LITELLM_VENV} ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]==1.108.7"], check=True)
     return exe
 
 
