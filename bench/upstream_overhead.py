@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from servers import free_port  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from gateway_overhead import MAX_TOKENS, one_request  # noqa: E402  (the same requests as that bench)
+
 LITELLM_VENV = Path(os.environ.get("KVGATE_LITELLM_VENV", "/tmp/kvgate-litellm-venv"))
-MAX_TOKENS = 16
-PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 CONCURRENCY = (1, 32, 128)
 # LiteLLM refuses to start without a master key; every target gets it (the others ignore it).
 BENCH_KEY = "sk-bench-" + "0123456789abcdef" * 4
@@ -114,21 +115,6 @@ def start_servers(workdir: Path, with_litellm: bool) -> dict[str, tuple[subproce
                                      "--num_workers", "1"], f"http://127.0.0.1:{ll_port}/health/readiness", env),
                               f"http://127.0.0.1:{ll_port}")
     return servers
-
-
-async def one_request(client: httpx.AsyncClient, stream: bool) -> float:
-    body = {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
-    start = time.perf_counter()
-    if stream:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    break
-    else:
-        r = await client.post("/v1/completions", json=body)
-        r.raise_for_status()
-    return time.perf_counter() - start
 
 
 def tree_cpu_s(pid: int) -> float:
