@@ -157,7 +157,8 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int)
                 try:
                     latencies.append(await one_request(client, stream))
                 except httpx.HTTPError as exc:  # counted and reported, not fatal to the run
-                    errors.append(type(exc).__name__)
+                    status = getattr(getattr(exc, "response", None), "status_code", None)
+                    errors.append(f"{type(exc).__name__}{f' {status}' if status else ''}")
 
         cpu_before, start = tree_cpu_s(pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -165,7 +166,8 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int)
     latencies.sort()
     if not latencies:
         raise RuntimeError(f"every request to {base} failed: {sorted(set(errors))}")
-    return {"rps": len(latencies) / elapsed, "errors": len(errors), "p50_ms": 1000 * statistics.median(latencies),
+    return {"rps": len(latencies) / elapsed, "errors": len(errors), "error_kinds": sorted(set(errors)),
+            "p50_ms": 1000 * statistics.median(latencies),
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "cpu_ms_per_req": 1000 * cpu / total}
 
