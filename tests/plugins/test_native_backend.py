@@ -160,7 +160,7 @@ def test_metrics_expose_the_engine_under_vllm_names(gw, client):
     samples = {s.name: s for f in text_string_to_metric_families(httpx.get(gw.base_url + "/metrics").text)
                for s in f.samples}
     assert samples["vllm:num_requests_running"].labels == {"model_name": "smollm2", "engine": "native-0"}
-    assert samples["vllm:kv_cache_usage_perc"].value == 0.0
+    assert 0.0 <= samples["vllm:kv_cache_usage_perc"].value <= 1.0  # a snapshot: may trail the last step
     assert samples["vllm:prefix_cache_queries_total"].value > 0
     assert samples["kvgate_engine_kv_blocks_total"].value > 0
     assert samples["kvgate_engine_step_seconds_total"].value > 0
