@@ -75,12 +75,7 @@ def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
     if not choices:
         return None
     c = choices[0]
-    if chat:
-        text = (c.get("delta") or {}).get("content") or ""
-        logprobs = chat_logprobs(c.get("logprobs"))
-    else:
-        text = c.get("text") or ""
-        logprobs = completion_logprobs(c.get("logprobs"))
+    text, logprobs = _text_and_logprobs(c, chat, "delta")
     token_ids = tuple(c.get("token_ids") or ())  # vLLM sends them when asked (return_token_ids)
     reason = finish_reason(c.get("finish_reason"))
     if not (text or logprobs or reason or token_ids):
@@ -94,14 +89,16 @@ def whole_event(body: dict, chat: bool) -> TokenEvent:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ValueError("the answer has no choices")
     c = choices[0]
-    if chat:
-        text = (c.get("message") or {}).get("content") or ""
-        logprobs = chat_logprobs(c.get("logprobs"))
-    else:
-        text = c.get("text") or ""
-        logprobs = completion_logprobs(c.get("logprobs"))
+    text, logprobs = _text_and_logprobs(c, chat, "message")
     return TokenEvent(text=text, token_ids=tuple(c.get("token_ids") or ()), logprobs=logprobs,
                       finish_reason=finish_reason(c.get("finish_reason")) or "stop", usage=usage_of(body))
+
+
+def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, tuple[TokenLogprob, ...]]:
+    """A choice's text and logprobs; chat text sits in `delta` (stream) or `message` (whole)."""
+    if chat:
+        return (choice.get(chat_field) or {}).get("content") or "", chat_logprobs(choice.get("logprobs"))
+    return choice.get("text") or "", completion_logprobs(choice.get("logprobs"))
 
 
 def finish_reason(reason: str | None) -> str | None:
