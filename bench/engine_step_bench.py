@@ -7,7 +7,11 @@ In one process, on the default model (SmolLM2-135M-Instruct, GGUF, fp32):
   from the same GGUF file) stepping with its own KV cache; the two alternate in rounds so that
   load from other processes hits both alike;
 - our decode step (schedule-free: hand-made batches through `ModelRunner.execute`, which includes
-  preparing inputs and greedy sampling) at batch 1, 8, 16 and 32, contexts spread around 300.
+  preparing inputs and greedy sampling) at batch 1, 8, 16, 32 and 64, contexts spread around 300;
+- a sweep of every linear layer of the model at M rows, the C kernel against `F.linear` (MKL).
+
+"ours" runs with the engine's CPU kernels (C paged decode attention, C small-batch linears),
+"ours_torch" with torch alone (`EngineConfig.cpu_kernels=False`), side by side in one process.
 
 Every number is the median over repetitions; the machine is shared, so compare within one run.
 
@@ -41,6 +45,7 @@ from native_backend.kv_cache import KVCache  # noqa: E402
 from native_backend.loader import default_gguf_path, load_model  # noqa: E402
 from native_backend.model_runner import ModelRunner  # noqa: E402
 from native_backend.sampling_params import SamplingParams  # noqa: E402
+from native_backend.transforms.kernels import select_kernels  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 256
@@ -52,8 +57,9 @@ def median_ms(samples: list[float]) -> float:
 
 
 class Ours:
-    def __init__(self, num_blocks: int = 1024):
+    def __init__(self, num_blocks: int = 1024, cpu_kernels: bool = True):
         self.model = load_model(None)
+        self.kernels = select_kernels(self.model, "cpu", cpu_kernels)
         self.cache = KVCache.for_model(self.model.config, num_blocks=num_blocks, block_size=BLOCK_SIZE)
         self.runner = ModelRunner(self.model, self.cache)
         self._next_block = 1
@@ -126,6 +132,29 @@ class HF:
         return times
 
 
+def linear_sweep(model, rows: list[int], reps: int) -> dict:
+    """Every linear layer of the model (30 layers + lm_head, the weights streamed from memory as
+    in a real step) at M rows: the C kernel against F.linear, alternating."""
+    import torch.nn.functional as F
+
+    from native_backend import cpu_kernels
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    result = {}
+    for m in rows:
+        xs = {n: torch.randn(m, n) for n in {lin.in_features for lin in layers}}
+        times = {"kernel": [], "torch": []}
+        for _ in range(reps):
+            for name, fn in (("kernel", cpu_kernels.linear), ("torch", F.linear)):
+                t0 = time.perf_counter()
+                for lin in layers:
+                    fn(xs[lin.in_features], lin.weight, lin.bias)
+                times[name].append(time.perf_counter() - t0)
+        k, t = median_ms(times["kernel"]), median_ms(times["torch"])
+        result[str(m)] = {"kernel_ms": k, "torch_ms": t, "torch_over_kernel": t / k}
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -138,63 +167,77 @@ def main() -> None:
     rounds, steps, reps = (2, 16, 5) if args.quick else (3, 32, 9)
 
     gen = torch.Generator().manual_seed(0)
-    ours = Ours()
-    vocab = ours.model.config.vocab_size
+    systems = {"ours": Ours(cpu_kernels=True), "ours_torch": Ours(cpu_kernels=False)}
+    vocab = systems["ours"].model.config.vocab_size
     prompt = torch.randint(100, vocab - 100, (PROMPT_LEN,), generator=gen).tolist()
     hf = None if args.no_hf else HF()
+    decoders = {**systems, **({"hf": hf} if hf else {})}
 
     with torch.inference_mode():
-        # Prefill: same 256 tokens into fresh blocks each time.
-        ours.prefill(prompt, ours.blocks(PROMPT_LEN))
-        prefill = [ours.prefill(prompt, ours.blocks(PROMPT_LEN))[0] for _ in range(max(3, reps // 2))]
+        prefill = {}
+        for name, ours in systems.items():  # same 256 tokens into fresh blocks each time
+            ours.prefill(prompt, ours.blocks(PROMPT_LEN))
+            prefill[name] = [ours.prefill(prompt, ours.blocks(PROMPT_LEN))[0] for _ in range(max(3, reps // 2))]
 
-        # Batch-1 decode, ours and HF alternating (context 257 .. 256 + steps).
-        ours_b1, hf_b1 = [], []
-        ours.decode_run(prompt, 4)
-        if hf:
-            hf.decode_run(prompt, 4)
+        # Batch-1 decode, the systems alternating (context 257 .. 256 + steps).
+        b1 = {name: [] for name in decoders}
+        for d in decoders.values():
+            d.decode_run(prompt, 4)
         for _ in range(rounds):
-            ours_b1 += ours.decode_run(prompt, steps)
-            if hf:
-                hf_b1 += hf.decode_run(prompt, steps)
+            for name, d in decoders.items():
+                b1[name] += d.decode_run(prompt, steps)
 
-        batched = {b: ours.batch_decode(b, reps) for b in (1, 8, 16, 32)}
+        batches = (1, 8, 16, 32, 64)
+        batched = {name: {b: ours.batch_decode(b, reps) for b in batches} for name, ours in systems.items()}
+        sweep = linear_sweep(systems["ours"].model, [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512], max(3, reps // 2))
 
+    b1_s = {name: statistics.median(t) for name, t in b1.items()}
     result = {
         "label": args.label,
         "model": os.path.basename(default_gguf_path()),
         "threads": args.threads,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "kernels": {name: ours.kernels for name, ours in systems.items()},
         "loadavg_at_end": os.getloadavg(),
-        "prefill_256_ms": median_ms(prefill),
-        "prefill_256_tok_per_s": PROMPT_LEN / statistics.median(prefill),
+        "prefill_256_ms": {name: median_ms(t) for name, t in prefill.items()},
         "decode_b1": {
-            "ours_ms": median_ms(ours_b1),
-            "ours_tok_per_s": 1 / statistics.median(ours_b1),
-            "hf_ms": median_ms(hf_b1) if hf_b1 else None,
-            "hf_tok_per_s": 1 / statistics.median(hf_b1) if hf_b1 else None,
-            "ours_over_hf_speed": statistics.median(hf_b1) / statistics.median(ours_b1) if hf_b1 else None,
+            **{f"{name}_ms": t * 1e3 for name, t in b1_s.items()},
+            **{f"{name}_tok_per_s": 1 / t for name, t in b1_s.items()},
+            "ours_over_hf_speed": b1_s["hf"] / b1_s["ours"] if hf else None,
+            "ours_over_ours_torch_speed": b1_s["ours_torch"] / b1_s["ours"],
         },
         "decode_batched": {
-            str(b): {"step_ms": median_ms(t), "tok_per_s": b / statistics.median(t)} for b, t in batched.items()
+            name: {str(b): {"step_ms": median_ms(t), "tok_per_s": b / statistics.median(t)} for b, t in runs.items()}
+            for name, runs in batched.items()
         },
+        "linear_sweep_ms": sweep,
     }
-
-    print(f"\nengine step benchmark ({args.threads} threads, torch {torch.__version__}, load {result['loadavg_at_end'][0]:.1f})")
-    print(f"  prefill 256 tokens (ours)         {result['prefill_256_ms']:8.1f} ms   {result['prefill_256_tok_per_s']:7.1f} tok/s")
-    d = result["decode_b1"]
-    print(f"  decode batch 1, ctx ~{PROMPT_LEN}-{PROMPT_LEN + steps}:")
-    print(f"    ours                            {d['ours_ms']:8.1f} ms   {d['ours_tok_per_s']:7.1f} tok/s")
-    if hf_b1:
-        print(f"    transformers (DynamicCache)     {d['hf_ms']:8.1f} ms   {d['hf_tok_per_s']:7.1f} tok/s"
-              f"   (ours {d['ours_over_hf_speed']:.2f}x)")
-    print("  decode step (ours), ctx ~300:      batch    step ms     tok/s")
-    for b, r in result["decode_batched"].items():
-        print(f"                                    {b:>5} {r['step_ms']:10.1f} {r['tok_per_s']:9.1f}")
+    print_report(result, steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def print_report(r: dict, steps: int) -> None:
+    print(f"\nengine step benchmark ({r['threads']} threads, torch {r['torch']}, load {r['loadavg_at_end'][0]:.1f})")
+    print(f"  ours = {r['kernels']['ours']}; ours_torch = {r['kernels']['ours_torch']}")
+    for name, ms in r["prefill_256_ms"].items():
+        print(f"  prefill {PROMPT_LEN} tokens ({name:10})   {ms:8.1f} ms   {PROMPT_LEN / ms * 1e3:7.1f} tok/s")
+    d = r["decode_b1"]
+    print(f"  decode batch 1, ctx ~{PROMPT_LEN}-{PROMPT_LEN + steps}:")
+    for name in ("ours", "ours_torch", "hf"):
+        if f"{name}_ms" in d:
+            print(f"    {name:12}                    {d[name + '_ms']:8.1f} ms   {d[name + '_tok_per_s']:7.1f} tok/s")
+    if d["ours_over_hf_speed"]:
+        print(f"    ours vs transformers: {d['ours_over_hf_speed']:.2f}x; vs ours_torch: {d['ours_over_ours_torch_speed']:.2f}x")
+    print("  decode step, ctx ~300:   batch   ours ms  ours_torch ms   speed-up")
+    for b, o in r["decode_batched"]["ours"].items():
+        t = r["decode_batched"]["ours_torch"][b]
+        print(f"                          {b:>5} {o['step_ms']:9.1f} {t['step_ms']:14.1f} {t['step_ms'] / o['step_ms']:9.2f}x")
+    print("  all linear layers at M rows:   M   kernel ms   F.linear ms   F.linear/kernel")
+    for m, x in r["linear_sweep_ms"].items():
+        print(f"                             {m:>5} {x['kernel_ms']:10.1f} {x['torch_ms']:12.1f} {x['torch_over_kernel']:12.2f}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from native_backend.scheduler import Scheduler, SchedulerConfig, StepResult
 from native_backend.sequence import Sequence
 from native_backend.stop import StopStringMatcher
 from native_backend.tokenizer import Tokenizer
+from native_backend.transforms.kernels import select_kernels
 
 log = logging.getLogger("kvgate.engine")
 
@@ -58,6 +59,7 @@ class LLMEngine:
         started = time.monotonic()
         self.model = load_model(config.model, dtype=DTYPES[config.dtype], device=self.device)
         self.model_config = self.model.config
+        self.kernels = select_kernels(self.model, self.device, config.cpu_kernels)
         self.tokenizer = Tokenizer.from_pretrained(config.model, cache_dir=config.tokenizer_cache_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -84,7 +86,8 @@ class LLMEngine:
 
     def describe(self) -> str:
         p = self.plan
-        return (f"{self.config.model} on {self.device} ({self.config.dtype}); KV cache {p.kv_cache_bytes / 2**20:.0f} MiB = "
+        return (f"{self.config.model} on {self.device} ({self.config.dtype}, {self.kernels}); "
+                f"KV cache {p.kv_cache_bytes / 2**20:.0f} MiB = "
                 f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token), "
                 f"{p.full_context_sequences} sequences at full context {p.max_model_len}")
 

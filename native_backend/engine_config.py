@@ -22,3 +22,4 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads in the engine process; None: torch's default
     tokenizer_cache_dir: str | None = None  # where a GGUF's tokenizer is unpacked once
     seed: int = 0  # for requests without a seed
+    cpu_kernels: bool = True  # on CPU, kvgate's C kernels (decode attention, small-batch linears) when they build

@@ -1,12 +1,14 @@
 """Paged attention: write new K/V into cache slots, then attend over the cached blocks.
 
-Two implementations share one signature:
+Three implementations share one signature:
 
     write_kv(k, v, cache_k, cache_v, slot_mapping)
     paged_attention(q, cache_k, cache_v, metadata, scale) -> (num_tokens, num_heads, head_dim)
 
-`reference` (torch) runs on CPU; `triton_kernels` on CUDA. Triton is imported only when a CUDA
-backend is asked for, so CPU-only installs never need it.
+`reference` (torch) is the specification and the fallback; `cpu` sends short queries (decode) to
+kvgate's C kernel and the rest to the reference, on x86-64 CPUs where the kernels build;
+`triton_kernels` runs on CUDA. Triton is imported only when a CUDA backend is asked for, so
+CPU-only installs never need it.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ class AttentionBackend:
 
 
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """`name` forces "reference" or "triton"; by default CUDA gets Triton and the CPU the reference."""
+    """`name` forces "reference", "cpu" or "triton"; by default CUDA gets Triton, and the CPU gets
+    "cpu" where kvgate's C kernels are available, else the reference."""
     device = torch.device(device)
-    name = name or ("triton" if device.type == "cuda" else "reference")
+    name = name or ("triton" if device.type == "cuda" else _default_cpu_backend())
     if name == "reference":
         from native_backend.attention import reference as impl
+    elif name == "cpu":
+        from native_backend.attention import cpu as impl
     elif name == "triton":
         from native_backend.attention import triton_kernels as impl
     else:
         raise ValueError(f"unknown attention backend {name!r}")
     return AttentionBackend(name, impl.write_kv, impl.paged_attention)
+
+
+def _default_cpu_backend() -> str:
+    from native_backend import cpu_kernels
+
+    return "cpu" if cpu_kernels.available() else "reference"

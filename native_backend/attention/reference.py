@@ -60,12 +60,12 @@ def paged_attention(
     if len(plan.decode) == 1 and plan.decode[0].rows is None:  # every row decodes, one group
         return _decode(q, cache_k, cache_v, plan.decode[0], scale)
     if not plan.decode and len(plan.prefills) == 1 and plan.prefills[0].rows == slice(0, q.shape[0]):
-        return _prefill(q, cache_k, cache_v, plan.prefills[0], scale)
+        return prefill(q, cache_k, cache_v, plan.prefills[0], scale)
     out = torch.empty_like(q)
     for g in plan.decode:
         out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), cache_k, cache_v, g, scale))
     for p in plan.prefills:
-        out[p.rows] = _prefill(q[p.rows], cache_k, cache_v, p, scale)
+        out[p.rows] = prefill(q[p.rows], cache_k, cache_v, p, scale)
     return out
 
 
@@ -134,15 +134,21 @@ def _build_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device)
     start = 0
     for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
         if q_len != 1:
-            mask = None
-            if q_len != ctx:  # bottom-right causal: query i sits at position ctx - q_len + i
-                q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
-                hidden = torch.arange(ctx, device=device)[None, :] > q_pos
-                mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            ids = md.block_tables[s, : -(-ctx // bs)].long()
-            prefills.append(_PrefillSeq(slice(start, start + q_len), ids, ctx, mask))
+            prefills.append(prefill_seq(md, s, start, dtype, device))
         start += q_len
     return _Plan(decode, prefills)
+
+
+def prefill_seq(md: AttentionMetadata, s: int, start: int, dtype: torch.dtype, device) -> _PrefillSeq:
+    """What `prefill` needs for sequence `s`, whose rows of q begin at `start`."""
+    q_len, ctx = md.query_lens_cpu[s], md.context_lens_cpu[s]
+    mask = None
+    if q_len != ctx:  # bottom-right causal: query i sits at position ctx - q_len + i
+        q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+        hidden = torch.arange(ctx, device=device)[None, :] > q_pos
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    ids = md.block_tables[s, : -(-ctx // md.block_size)].long()
+    return _PrefillSeq(slice(start, start + q_len), ids, ctx, mask)
 
 
 # Decodes are grouped by context length so that short ones are not padded to the longest: a
@@ -200,7 +206,7 @@ def _gather_into(g: _DecodeGroup, name: str, cache: torch.Tensor) -> torch.Tenso
     return torch.index_select(cache, 0, g.block_ids, out=buf)
 
 
-def _prefill(q, cache_k, cache_v, p: _PrefillSeq, scale: float) -> torch.Tensor:
+def prefill(q, cache_k, cache_v, p: _PrefillSeq, scale: float) -> torch.Tensor:
     """q: (q_len, num_heads, head_dim) of one sequence -> (q_len, num_heads, head_dim)."""
     k = cache_k.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx]  # (ctx, kv_heads, head_dim)
     v = cache_v.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx]

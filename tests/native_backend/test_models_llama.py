@@ -15,6 +15,7 @@ from native_backend.kv_cache import KVCache
 from native_backend.loader import load_hf_model
 from native_backend.model_runner import ModelRunner
 from native_backend.sampling_params import SamplingParams
+from native_backend.transforms.kernels import select_kernels
 
 torch.set_num_threads(2)
 ATOL = 1e-4
@@ -40,10 +41,14 @@ def make_checkpoint(tmp_path, *, tie: bool, rope_scaling: dict | None):
     return hf, load_hf_model(str(tmp_path))
 
 
-@pytest.fixture(scope="module", params=[(False, None), (True, LLAMA3_SCALING)], ids=["untied-rope", "tied-llama3"])
+@pytest.fixture(scope="module", params=[(False, None, True), (True, LLAMA3_SCALING, True), (False, None, False)],
+                ids=["untied-rope", "tied-llama3", "untied-rope-torch-only"])
 def models(request, tmp_path_factory):
-    tie, scaling = request.param
-    return make_checkpoint(tmp_path_factory.mktemp("llama"), tie=tie, rope_scaling=scaling)
+    """The C kernels (decode attention, small-batch linears) where they build, and torch alone."""
+    tie, scaling, cpu_kernels = request.param
+    hf, ours = make_checkpoint(tmp_path_factory.mktemp("llama"), tie=tie, rope_scaling=scaling)
+    select_kernels(ours, "cpu", cpu_kernels)
+    return hf, ours
 
 
 def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""Paged attention on x86-64 CPUs: short queries through the C kernel, long ones through torch.
+
+Rows of a sequence with few new tokens this step (decode: one; a short chunk, or the k+1 rows of
+a speculative verification: up to `SHORT_QUERY_MAX`) are attended by `cpu_kernels.paged_decode`,
+which reads every key and value once, straight from its block: no gathered copy of the cache,
+no padding, one call per layer for the whole batch. Row i of a sequence whose last q_len
+positions are new sees its first ctx - q_len + i + 1 positions (causal):
+
+    sequence s, ctx 7, q_len 2:   positions 0 1 2 3 4 5 6
+                                  row 0 sees ^---------^       (6 keys)
+                                  row 1 sees ^-----------^     (7 keys)
+
+Longer chunks (prompts) are compute-bound, where torch's flash SDPA is good: they go one
+sequence at a time through the reference's `prefill`. The per-step plan is built by the first
+layer and kept on the metadata for the others.
+
+Float32 cache and queries with head_dim a multiple of 8 only; anything else (or no kernels)
+runs the reference implementation unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from native_backend import cpu_kernels
+from native_backend.attention import reference
+from native_backend.attention.metadata import AttentionMetadata
+
+write_kv = reference.write_kv
+
+SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
+_PLAN_KEY = "cpu_plan"
+
+
+@dataclass
+class _Plan:
+    short_rows: torch.Tensor | None  # (n,) int64 rows of q for the kernel; None: every row
+    row_seq: torch.Tensor  # (n,) int64: the sequence of each of those rows
+    row_keys: torch.Tensor  # (n,) int64: how many leading positions each row attends to
+    prefills: list  # reference._PrefillSeq for the longer chunks
+
+
+def supports(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
+    return (q.dtype == torch.float32 and cache_k.dtype == torch.float32 and q.shape[-1] % 8 == 0
+            and cache_k.is_contiguous() and cpu_kernels.available())
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    cache_v: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    if not supports(q, cache_k):
+        return reference.paged_attention(q, cache_k, cache_v, metadata, scale)
+    plan = metadata.scratch.get(_PLAN_KEY)
+    if plan is None:
+        plan = metadata.scratch[_PLAN_KEY] = _build_plan(metadata, q.dtype, q.device)
+    tables = metadata.block_tables
+    if plan.short_rows is None and not plan.prefills:  # the common decode step: every row
+        return cpu_kernels.paged_decode(q, cache_k, cache_v, tables, plan.row_seq, plan.row_keys, scale)
+    out = torch.empty_like(q)
+    if plan.row_seq.numel():
+        short_q = q.index_select(0, plan.short_rows)
+        out.index_copy_(0, plan.short_rows, cpu_kernels.paged_decode(
+            short_q, cache_k, cache_v, tables, plan.row_seq, plan.row_keys, scale))
+    for p in plan.prefills:
+        out[p.rows] = reference.prefill(q[p.rows], cache_k, cache_v, p, scale)
+    return out
+
+
+def _build_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:
+    rows, row_seq, row_keys, prefills = [], [], [], []
+    start = 0
+    for s, (q_len, ctx) in enumerate(zip(md.query_lens_cpu, md.context_lens_cpu)):
+        if q_len <= SHORT_QUERY_MAX:
+            rows.extend(range(start, start + q_len))
+            row_seq.extend([s] * q_len)
+            row_keys.extend(range(ctx - q_len + 1, ctx + 1))
+        else:
+            prefills.append(reference.prefill_seq(md, s, start, dtype, device))
+        start += q_len
+    every_row = len(rows) == start
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return _Plan(None if every_row else as_tensor(rows), as_tensor(row_seq), as_tensor(row_keys), prefills)

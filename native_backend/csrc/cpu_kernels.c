@@ -1,0 +1,288 @@
+/* CPU kernels of the native engine (x86-64, AVX2 + FMA), loaded with ctypes by cpu_kernels.py.
+ *
+ * Two memory-bound operations that torch does poorly on this hardware:
+ *
+ * - paged decode attention: torch needs the K/V of every decoding sequence gathered into one
+ *   padded tensor (one copy of the cache per layer per step) before SDPA; this kernel reads each
+ *   key and value once, straight from its block, the way vLLM's paged-attention kernels do;
+ * - small-batch linear layers (a few rows against a large weight): MKL's sgemv/sgemm reach about
+ *   a third of the memory bandwidth there, and decode at small batch is nothing but weight reads.
+ *
+ * Threads: OpenMP. The library is built with -fopenmp and loaded after torch, so the dynamic
+ * loader binds it to the libgomp that torch already loaded (same soname): one thread pool, sized
+ * by torch.set_num_threads, no oversubscription.
+ *
+ * Every pointer is to contiguous float32 data unless said otherwise; shapes are in the comments.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define KVG_API __attribute__((visibility("default")))
+
+KVG_API int kvgate_cpu_kernels_version(void) { return 1; }
+
+/* ------------------------------------------------------------------------------- helpers */
+
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial,
+ * relative error ~2e-7; inputs below -87 flush to 0. */
+static inline __m256 exp256_nonpos(__m256 x) {
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, ln2_hi, x);
+    x = _mm256_fnmadd_ps(n, ln2_lo, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+/* ------------------------------------------------------------------------------- attention */
+
+/* Attention of single query rows over a paged cache (decode, and the few rows of a speculative
+ * verification): row r belongs to sequence row_seq[r] and sees its first row_keys[r] positions.
+ *
+ *   position p of a sequence lives in block table[p / block_size], slot offset p % block_size;
+ *   one slot holds every KV head:  cache[block][offset][kv_head][0 .. head_dim)
+ *
+ * The keys of each row are cut into chunks of whole blocks (flash-decoding): a work item is one
+ * (row, chunk) and attends all heads of the row to that chunk, reading its blocks front to back
+ * (each cache line once, in address order: the hardware prefetcher follows). It leaves, per
+ * query head, the chunk's max score m, its sum of exp(score - m) l and the unnormalised sum of
+ * exp(score - m) * v; the chunks of a row are then merged:
+ *
+ *   M = max_c m_c,   out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c
+ *
+ * Within a chunk the softmax is exact two-pass (scores, max, exp, then the values). */
+
+typedef struct {
+    const float *cache_k, *cache_v;
+    int64_t num_heads, kv_heads, group, head_dim, block_size;
+    float scale;
+} cache_view;
+
+/* Blocks of one sequence are scattered, so the hardware prefetcher loses the stream at every
+ * block boundary: while a block is read, the same slot of the next block is fetched. */
+static inline void prefetch_slot(const float *slot, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(slot + f), _MM_HINT_T0);
+}
+
+/* scores[h * n + i] = q_h . k_i * scale for the n keys at positions p0 .. p0+n-1 (p0 at a block start). */
+static void chunk_scores(const cache_view *c, const float *q, const int64_t *table, int64_t p0, int64_t n,
+                         float *scores) {
+    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
+    for (int64_t i = 0; i < n; i += c->block_size) {
+        const int64_t in_block = n - i < c->block_size ? n - i : c->block_size;
+        const float *kb = c->cache_k + table[(p0 + i) / c->block_size] * c->block_size * slot_stride;
+        const float *next = i + c->block_size < n ? c->cache_k + table[(p0 + i) / c->block_size + 1] * c->block_size * slot_stride : NULL;
+        for (int64_t o = 0; o < in_block; o++) {
+            const float *ks = kb + o * slot_stride;
+            if (next) prefetch_slot(next + o * slot_stride, slot_stride);
+            for (int64_t h = 0; h < c->num_heads; h++) {
+                const float *k = ks + (h / c->group) * D, *qh = q + h * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t d = 0;
+                for (; d + 16 <= D; d += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+                }
+                if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
+                scores[h * n + i + o] = hsum256(_mm256_add_ps(a0, a1)) * c->scale;
+            }
+        }
+    }
+}
+
+/* In place: s[i] = exp(s[i] - max); returns the sum, *max_out = max. */
+static float exp_and_sum(float *s, int64_t n, float *max_out) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+        _mm256_storeu_ps(s + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum256(vsum);
+    for (; i < n; i++) sum += (s[i] = expf(s[i] - mx));
+    *max_out = mx;
+    return sum;
+}
+
+/* acc[h][0..D) = sum_i weights[h * n + i] * v_i[kv_head(h)] over the chunk's n keys. */
+static void chunk_values(const cache_view *c, const float *weights, const int64_t *table, int64_t p0, int64_t n,
+                         float *acc) {
+    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
+    for (int64_t j = 0; j < c->num_heads * D; j += 8) _mm256_storeu_ps(acc + j, _mm256_setzero_ps());
+    for (int64_t i = 0; i < n; i += c->block_size) {
+        const int64_t in_block = n - i < c->block_size ? n - i : c->block_size;
+        const float *vb = c->cache_v + table[(p0 + i) / c->block_size] * c->block_size * slot_stride;
+        const float *next = i + c->block_size < n ? c->cache_v + table[(p0 + i) / c->block_size + 1] * c->block_size * slot_stride : NULL;
+        for (int64_t o = 0; o < in_block; o++) {
+            const float *vs = vb + o * slot_stride;
+            if (next) prefetch_slot(next + o * slot_stride, slot_stride);
+            for (int64_t h = 0; h < c->num_heads; h++) {
+                const float *v = vs + (h / c->group) * D;
+                const __m256 w = _mm256_set1_ps(weights[h * n + i + o]);
+                float *a = acc + h * D;
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+            }
+        }
+    }
+}
+
+/* out (num_heads, D) of one row from its chunks' partials: part[c] = {acc (H*D), m (H), l (H)}. */
+static void merge_chunks(float *out, const float *parts, int64_t num_chunks, int64_t H, int64_t D) {
+    const int64_t part_len = H * (D + 2);
+    for (int64_t h = 0; h < H; h++) {
+        float M = -INFINITY, L = 0.0f;
+        for (int64_t ch = 0; ch < num_chunks; ch++) {
+            const float m = parts[ch * part_len + H * D + h];
+            M = m > M ? m : M;
+        }
+        for (int64_t d = 0; d < D; d++) out[h * D + d] = 0.0f;
+        for (int64_t ch = 0; ch < num_chunks; ch++) {
+            const float *p = parts + ch * part_len;
+            const float w = expf(p[H * D + h] - M);
+            L += w * p[H * D + H + h];
+            for (int64_t d = 0; d < D; d++) out[h * D + d] += w * p[h * D + d];
+        }
+        const float inv = 1.0f / L;
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv;
+    }
+}
+
+/*   out, q:        (num_rows, num_heads, head_dim)
+ *   cache_k/v:     (num_blocks, block_size, kv_heads, head_dim)
+ *   block_tables:  (num_seqs, table_stride) int64
+ *   row_seq:       (num_rows,) int64;  row_keys: (num_rows,) int64, each >= 1
+ *   chunk_blocks:  blocks per work item (> 0)
+ * head_dim must be a multiple of 8. Returns 0, or < 0 on bad arguments / no memory. */
+KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
+                                    const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
+                                    const int64_t *row_keys, int64_t num_rows, int64_t num_heads,
+                                    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                    int64_t chunk_blocks) {
+    if (head_dim % 8 != 0 || num_heads % kv_heads != 0 || chunk_blocks < 1 || num_rows < 1) return -1;
+    const cache_view c = {cache_k, cache_v, num_heads, kv_heads, num_heads / kv_heads, head_dim, block_size, scale};
+    const int64_t chunk_keys = chunk_blocks * block_size, part_len = num_heads * (head_dim + 2);
+    int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (num_rows + 1));
+    if (!first_item) return -2;
+    first_item[0] = 0;
+    for (int64_t r = 0; r < num_rows; r++) first_item[r + 1] = first_item[r] + (row_keys[r] + chunk_keys - 1) / chunk_keys;
+    const int64_t num_items = first_item[num_rows];
+    float *parts = (float *)malloc(sizeof(float) * num_items * part_len);
+    int64_t *item_row = (int64_t *)malloc(sizeof(int64_t) * num_items);
+    if (!parts || !item_row) {
+        free(first_item), free(parts), free(item_row);
+        return -2;
+    }
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t it = first_item[r]; it < first_item[r + 1]; it++) item_row[it] = r;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * num_heads * chunk_keys);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < num_items; it++) {
+            if (!scores) continue;
+            const int64_t r = item_row[it], p0 = (it - first_item[r]) * chunk_keys;
+            const int64_t n = row_keys[r] - p0 < chunk_keys ? row_keys[r] - p0 : chunk_keys;
+            const int64_t *table = block_tables + row_seq[r] * table_stride;
+            float *part = parts + it * part_len, *m = part + num_heads * head_dim, *l = m + num_heads;
+            chunk_scores(&c, q + r * num_heads * head_dim, table, p0, n, scores);
+            for (int64_t h = 0; h < num_heads; h++) l[h] = exp_and_sum(scores + h * n, n, m + h);
+            chunk_values(&c, scores, table, p0, n, part);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++)
+            merge_chunks(out + r * num_heads * head_dim, parts + first_item[r] * part_len,
+                         first_item[r + 1] - first_item[r], num_heads, head_dim);
+        free(scores);
+    }
+    free(first_item), free(parts), free(item_row);
+    return failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------------------- linear */
+
+/* Rows n0 .. n0+3 of W against x rows m0, m0+1: a 4 x 2 tile of y, every weight loaded once per
+ * pair of x rows (the tile stays in L1 while the next pair of x rows is done). */
+static inline void tile_4x2(const float *x0, const float *x1, const float *w, int64_t K, float *acc) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
+           a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
+           a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
+        __m256 v = _mm256_loadu_ps(w0 + k);
+        a00 = _mm256_fmadd_ps(v, xa, a00), a01 = _mm256_fmadd_ps(v, xb, a01);
+        v = _mm256_loadu_ps(w1 + k);
+        a10 = _mm256_fmadd_ps(v, xa, a10), a11 = _mm256_fmadd_ps(v, xb, a11);
+        v = _mm256_loadu_ps(w2 + k);
+        a20 = _mm256_fmadd_ps(v, xa, a20), a21 = _mm256_fmadd_ps(v, xb, a21);
+        v = _mm256_loadu_ps(w3 + k);
+        a30 = _mm256_fmadd_ps(v, xa, a30), a31 = _mm256_fmadd_ps(v, xb, a31);
+    }
+    acc[0] = hsum256(a00), acc[1] = hsum256(a01), acc[2] = hsum256(a10), acc[3] = hsum256(a11);
+    acc[4] = hsum256(a20), acc[5] = hsum256(a21), acc[6] = hsum256(a30), acc[7] = hsum256(a31);
+}
+
+static inline float dot(const float *a, const float *b, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    return hsum256(acc);
+}
+
+/* y (M, N) = x (M, K) @ W (N, K)^T + bias (N,) (bias may be NULL). K must be a multiple of 8.
+ * For small M only: each weight row is streamed from memory once for all M rows of x. */
+KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K,
+                              int64_t N) {
+    if (K % 8 != 0) return -1;
+    const int64_t n_tiles = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n_tiles; t++) {
+        const int64_t n0 = t * 4;
+        if (n0 + 4 <= N) {
+            float acc[8];
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                tile_4x2(x + m * K, x + (m + 1) * K, w + n0 * K, K, acc);
+                for (int j = 0; j < 4; j++) {
+                    const float b = bias ? bias[n0 + j] : 0.0f;
+                    y[m * N + n0 + j] = acc[2 * j] + b;
+                    y[(m + 1) * N + n0 + j] = acc[2 * j + 1] + b;
+                }
+            }
+            for (; m < M; m++)  /* an odd last row */
+                for (int j = 0; j < 4; j++)
+                    y[m * N + n0 + j] = dot(x + m * K, w + (n0 + j) * K, K) + (bias ? bias[n0 + j] : 0.0f);
+        } else {
+            for (int64_t n = n0; n < N; n++)
+                for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+        }
+    }
+    return 0;
+}

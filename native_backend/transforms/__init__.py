@@ -1,0 +1,1 @@
+"""Transforms applied to a plain, loaded model: they swap modules, never branch inside the model."""

@@ -1,0 +1,47 @@
+"""Small-batch linear layers through kvgate's C kernel on x86-64 CPUs.
+
+A decode step multiplies a few rows of activations by every weight of the model: it is weight
+reads, nothing else. MKL's sgemv/sgemm reach about a third of the memory bandwidth there on the
+CPUs we measured (bench/engine_step_bench.py), the C kernel most of it; from a few hundred rows up
+(prefill chunks) MKL's blocked GEMM is faster again, so those rows keep `F.linear`.
+
+`use_kernel_linears(model)` turns every `nn.Linear` of a model into a `KernelLinear` in place: same
+parameters (tied weights stay tied), same state dict, same result within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from native_backend import cpu_kernels
+
+# Rows up to which the kernel beats MKL on the 2-core AVX2 box we measure on (both ~equal at
+# 160-250 rows, MKL ahead from 256: bench/engine_step_bench.py's linear sweep).
+KERNEL_MAX_ROWS = 128
+
+
+class KernelLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_fits(x):
+            return cpu_kernels.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def _kernel_fits(self, x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and self.in_features % 8 == 0
+                and x.device.type == "cpu" and self.weight.is_contiguous() and not torch.is_grad_enabled())
+
+
+def use_kernel_linears(model: nn.Module) -> int:
+    """Swap every plain nn.Linear of `model` for a KernelLinear; the number swapped (0 when the
+    kernels are unavailable here: the model is left as it was)."""
+    if not cpu_kernels.available():
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = KernelLinear  # in place: parameters, hooks and ties are untouched
+            swapped += 1
+    return swapped

@@ -1,0 +1,27 @@
+"""Which kernels a loaded model runs with on its device: the one place that decides."""
+
+from __future__ import annotations
+
+import torch
+
+from native_backend import cpu_kernels
+from native_backend.attention import get_attention_backend
+from native_backend.transforms.cpu_linear import use_kernel_linears
+
+
+def select_kernels(model: torch.nn.Module, device: torch.device | str, use_cpu_kernels: bool = True) -> str:
+    """Set the model's attention backend and, on CPU, swap in the C-kernel linear layers.
+
+    Returns what was chosen, for the engine's start-up log."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        model.attn_backend = get_attention_backend(device)
+        return f"attention {model.attn_backend.name}"
+    if not use_cpu_kernels:
+        model.attn_backend = get_attention_backend(device, "reference")
+        return "torch kernels (C kernels off)"
+    swapped = use_kernel_linears(model)
+    model.attn_backend = get_attention_backend(device)
+    if not swapped:
+        return f"torch kernels (C kernels unavailable: {cpu_kernels.unavailable_reason()})"
+    return f"C kernels (attention '{model.attn_backend.name}', {swapped} linear layers)"

@@ -1,0 +1,92 @@
+"""The C kernel library: the linear kernel against F.linear, and how the library is built, cached,
+refused and loaded (in subprocesses where the process-wide load state or the environment matters)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from native_backend import cpu_kernels
+
+torch.set_num_threads(2)
+pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 33, 128])
+@pytest.mark.parametrize("k,n", [(8, 1), (576, 576), (576, 7), (64, 1538), (1536, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    torch.testing.assert_close(cpu_kernels.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_reads_a_non_contiguous_input():
+    x = torch.randn(6, 1152)[:, ::2]  # (6, 576), stride 2
+    w = torch.randn(40, 576)
+    torch.testing.assert_close(cpu_kernels.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, timeout=240)
+
+
+def test_built_once_into_the_cache_then_reused(tmp_path):
+    code = """
+        import torch
+        from native_backend import cpu_kernels
+        lib = cpu_kernels.load()
+        assert lib is not None, cpu_kernels.unavailable_reason()
+        print(lib._name)
+    """
+    first = _run(code, KVGATE_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    path = first.stdout.strip()
+    assert path.startswith(str(tmp_path / "kernels")) and os.path.exists(path)
+    mtime = os.stat(path).st_mtime_ns
+    second = _run(code, KVGATE_CACHE_DIR=str(tmp_path), CC="/nonexistent-compiler")  # needs no compiler now
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == path and os.stat(path).st_mtime_ns == mtime
+    assert not [p for p in os.listdir(tmp_path / "kernels") if p.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("env,reason", [
+    ({"KVGATE_CPU_KERNELS": "0"}, "disabled by KVGATE_CPU_KERNELS"),
+    ({"CC": "false"}, "false failed"),  # a compiler that fails: no library, the torch paths stay
+])
+def test_unavailable_says_why_and_the_engine_keeps_torch(tmp_path, env, reason):
+    done = _run("""
+        import torch
+        from native_backend import cpu_kernels
+        from native_backend.attention import get_attention_backend
+        assert cpu_kernels.load() is None
+        print(cpu_kernels.unavailable_reason())
+        print(get_attention_backend("cpu").name)
+    """, KVGATE_CACHE_DIR=str(tmp_path), **env)
+    assert done.returncode == 0, done.stderr
+    why, backend = done.stdout.strip().splitlines()
+    assert reason in why and backend == "reference"
+    assert "CPU kernels unavailable" in done.stderr  # logged once, as a warning
+
+
+def test_the_library_shares_torchs_openmp_runtime():
+    """Loaded after torch, the kernels bind to the libgomp torch brought: one thread pool."""
+    done = _run("""
+        import torch
+        from native_backend import cpu_kernels
+        assert cpu_kernels.load() is not None
+        maps = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+        print(len(maps), *maps)
+    """)
+    assert done.returncode == 0, done.stderr
+    count, *paths = done.stdout.split()
+    assert count == "1" and "torch" in paths[0]
