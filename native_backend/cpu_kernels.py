@@ -1,7 +1,8 @@
 """The engine's C kernels for x86-64 CPUs (csrc/cpu_kernels.c): built once, loaded with ctypes.
 
 The library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
-into the kvgate cache (`KVGATE_CACHE_DIR`, default ~/.cache/kvgate, under `kernels/`), named by
+into the kvgate cache (`KVGATE_CACHE_DIR`, default ~/.cache/kvgate, under `kernels/`; or
+`KVGATE_KERNELS_DIR`), named by
 a hash of the source and the flags, so an edit builds anew, a library built elsewhere can be
 copied in, and concurrent builds never see each other's half-written file (`python -m
 native_backend.cpu_kernels` builds it ahead of time and prints its path). No compiler, a CPU without AVX2/FMA,
@@ -109,11 +110,14 @@ def _compiler() -> str:
 
 
 def library_path() -> Path:
-    """Where the library for this source and these flags lives (built or not): a machine without
-    a compiler can use one built elsewhere (a container's build stage) and copied there."""
+    """Where the library for this source and these flags lives, built or not: `KVGATE_KERNELS_DIR`
+    if set (a container image builds it there in its build stage, for a runtime without a
+    compiler), else `kernels/` in the kvgate cache."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    base = os.environ.get("KVGATE_CACHE_DIR") or Path.home() / ".cache" / "kvgate"
-    return Path(base) / "kernels" / f"cpu_kernels-{key}.so"
+    folder = os.environ.get("KVGATE_KERNELS_DIR")
+    if not folder:
+        folder = Path(os.environ.get("KVGATE_CACHE_DIR") or Path.home() / ".cache" / "kvgate") / "kernels"
+    return Path(folder) / f"cpu_kernels-{key}.so"
 
 
 def _built_library() -> Path:

@@ -228,13 +228,32 @@ KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cac
 
 /* ------------------------------------------------------------------------------- linear */
 
-/* Rows n0 .. n0+3 of W against x rows m0, m0+1: a 4 x 2 tile of y, every weight loaded once per
- * pair of x rows (the tile stays in L1 while the next pair of x rows is done). */
-static inline void tile_4x2(const float *x0, const float *x1, const float *w, int64_t K, float *acc) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-           a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-           a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+/* y (M, N) = x (M, K) @ W (N, K)^T + bias: each weight row is streamed from memory once for all M
+ * rows of x, in register tiles of a few weight rows x a few x rows that reduce along K (W stays
+ * in its (N, K) layout, no packing). Two tile shapes:
+ *
+ *   4 weight rows x 2 x rows (8 accumulators): for a handful of rows, where the step is nothing
+ *     but weight reads and the tile must not leave x rows over;
+ *   3 weight rows x 4 x rows (12 accumulators, 7 loads per 12 FMAs): from a dozen rows up, where
+ *     the FMAs are the limit.
+ *
+ * The tile of weight rows stays in L1 while every tile of x rows goes past it. */
+
+static inline float dot(const float *a, const float *b, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    return hsum256(acc);
+}
+
+static inline void store(float *y, int64_t N, int64_t m, int64_t n, float v, const float *bias) {
+    y[m * N + n] = v + (bias ? bias[n] : 0.0f);
+}
+
+/* Weight rows n0..n0+3 against x rows m, m+1. */
+static inline void tile_4x2(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
+                            int64_t K, int64_t N) {
+    const float *x0 = x + m * K, *x1 = x0 + K, *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t k = 0; k < K; k += 8) {
         const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
         __m256 v = _mm256_loadu_ps(w0 + k);
@@ -246,43 +265,66 @@ static inline void tile_4x2(const float *x0, const float *x1, const float *w, in
         v = _mm256_loadu_ps(w3 + k);
         a30 = _mm256_fmadd_ps(v, xa, a30), a31 = _mm256_fmadd_ps(v, xb, a31);
     }
-    acc[0] = hsum256(a00), acc[1] = hsum256(a01), acc[2] = hsum256(a10), acc[3] = hsum256(a11);
-    acc[4] = hsum256(a20), acc[5] = hsum256(a21), acc[6] = hsum256(a30), acc[7] = hsum256(a31);
+    store(y, N, m, n0, hsum256(a00), bias), store(y, N, m + 1, n0, hsum256(a01), bias);
+    store(y, N, m, n0 + 1, hsum256(a10), bias), store(y, N, m + 1, n0 + 1, hsum256(a11), bias);
+    store(y, N, m, n0 + 2, hsum256(a20), bias), store(y, N, m + 1, n0 + 2, hsum256(a21), bias);
+    store(y, N, m, n0 + 3, hsum256(a30), bias), store(y, N, m + 1, n0 + 3, hsum256(a31), bias);
 }
 
-static inline float dot(const float *a, const float *b, int64_t K) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    return hsum256(acc);
+/* Weight rows n0..n0+2 against x rows m..m+3. */
+static inline void tile_3x4(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
+                            int64_t K, int64_t N) {
+    const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    const float *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k), v2 = _mm256_loadu_ps(w2 + k);
+        __m256 xv = _mm256_loadu_ps(x0 + k);
+        a00 = _mm256_fmadd_ps(v0, xv, a00), a10 = _mm256_fmadd_ps(v1, xv, a10), a20 = _mm256_fmadd_ps(v2, xv, a20);
+        xv = _mm256_loadu_ps(x1 + k);
+        a01 = _mm256_fmadd_ps(v0, xv, a01), a11 = _mm256_fmadd_ps(v1, xv, a11), a21 = _mm256_fmadd_ps(v2, xv, a21);
+        xv = _mm256_loadu_ps(x2 + k);
+        a02 = _mm256_fmadd_ps(v0, xv, a02), a12 = _mm256_fmadd_ps(v1, xv, a12), a22 = _mm256_fmadd_ps(v2, xv, a22);
+        xv = _mm256_loadu_ps(x3 + k);
+        a03 = _mm256_fmadd_ps(v0, xv, a03), a13 = _mm256_fmadd_ps(v1, xv, a13), a23 = _mm256_fmadd_ps(v2, xv, a23);
+    }
+    store(y, N, m, n0, hsum256(a00), bias), store(y, N, m + 1, n0, hsum256(a01), bias);
+    store(y, N, m + 2, n0, hsum256(a02), bias), store(y, N, m + 3, n0, hsum256(a03), bias);
+    store(y, N, m, n0 + 1, hsum256(a10), bias), store(y, N, m + 1, n0 + 1, hsum256(a11), bias);
+    store(y, N, m + 2, n0 + 1, hsum256(a12), bias), store(y, N, m + 3, n0 + 1, hsum256(a13), bias);
+    store(y, N, m, n0 + 2, hsum256(a20), bias), store(y, N, m + 1, n0 + 2, hsum256(a21), bias);
+    store(y, N, m + 2, n0 + 2, hsum256(a22), bias), store(y, N, m + 3, n0 + 2, hsum256(a23), bias);
 }
 
-/* y (M, N) = x (M, K) @ W (N, K)^T + bias (N,) (bias may be NULL). K must be a multiple of 8.
- * For small M only: each weight row is streamed from memory once for all M rows of x. */
+/* Weight rows n0 .. n_end-1 against x rows m0 .. M-1, one dot product each (tile edges). */
+static void edge(float *y, const float *x, const float *w, const float *bias, int64_t m0, int64_t M, int64_t n0,
+                 int64_t n_end, int64_t K, int64_t N) {
+    for (int64_t n = n0; n < n_end; n++)
+        for (int64_t m = m0; m < M; m++) store(y, N, m, n, dot(x + m * K, w + n * K, K), bias);
+}
+
+#define WIDE_TILE_MIN_ROWS 12  /* from here the 3 x 4 tile is faster (measured: equal at 8, 10% ahead at 16) */
+
+/* bias may be NULL. K must be a multiple of 8. */
 KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K,
                               int64_t N) {
     if (K % 8 != 0) return -1;
-    const int64_t n_tiles = (N + 3) / 4;
+    const int wide = M >= WIDE_TILE_MIN_ROWS;
+    const int64_t tile_n = wide ? 3 : 4, tile_m = wide ? 4 : 2, n_tiles = (N + tile_n - 1) / tile_n;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n_tiles; t++) {
-        const int64_t n0 = t * 4;
-        if (n0 + 4 <= N) {
-            float acc[8];
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                tile_4x2(x + m * K, x + (m + 1) * K, w + n0 * K, K, acc);
-                for (int j = 0; j < 4; j++) {
-                    const float b = bias ? bias[n0 + j] : 0.0f;
-                    y[m * N + n0 + j] = acc[2 * j] + b;
-                    y[(m + 1) * N + n0 + j] = acc[2 * j + 1] + b;
-                }
-            }
-            for (; m < M; m++)  /* an odd last row */
-                for (int j = 0; j < 4; j++)
-                    y[m * N + n0 + j] = dot(x + m * K, w + (n0 + j) * K, K) + (bias ? bias[n0 + j] : 0.0f);
-        } else {
-            for (int64_t n = n0; n < N; n++)
-                for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+        const int64_t n0 = t * tile_n;
+        if (n0 + tile_n > N) {
+            edge(y, x, w, bias, 0, M, n0, N, K, N);
+            continue;
         }
+        int64_t m = 0;
+        for (; m + tile_m <= M; m += tile_m) {
+            if (wide) tile_3x4(y, x, w, bias, m, n0, K, N);
+            else tile_4x2(y, x, w, bias, m, n0, K, N);
+        }
+        edge(y, x, w, bias, m, M, n0, n0 + tile_n, K, N);
     }
     return 0;
 }

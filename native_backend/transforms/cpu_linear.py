@@ -2,8 +2,9 @@
 
 A decode step multiplies a few rows of activations by every weight of the model: it is weight
 reads, nothing else. MKL's sgemv/sgemm reach about a third of the memory bandwidth there on the
-CPUs we measured (bench/engine_step_bench.py), the C kernel most of it; from a few hundred rows up
-(prefill chunks) MKL's blocked GEMM is faster again, so those rows keep `F.linear`.
+CPU we measured (bench/engine_step_bench.py), the C kernel most of it, and its register tiles
+stay ahead of MKL up to a few hundred rows; longer prefill chunks keep `F.linear` (MKL's blocked
+GEMM).
 
 `use_kernel_linears(model)` turns every `nn.Linear` of a model into a `KernelLinear` in place: same
 parameters (tied weights stay tied), same state dict, same result within float32 rounding.
@@ -17,9 +18,9 @@ from torch import nn
 
 from native_backend import cpu_kernels
 
-# Rows up to which the kernel beats MKL on the 2-core AVX2 box we measure on (both ~equal at
-# 160-250 rows, MKL ahead from 256: bench/engine_step_bench.py's linear sweep).
-KERNEL_MAX_ROWS = 128
+# Rows up to which the kernel beats MKL on the 2-core AVX2 box we measure on (1.3-2.6x at 1-64
+# rows, ~1.06x at 256, equal near 384, MKL ahead at 512: bench/engine_step_bench.py's linear sweep).
+KERNEL_MAX_ROWS = 256
 
 
 class KernelLinear(nn.Linear):

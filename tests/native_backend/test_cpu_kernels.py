@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C ke
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 33, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 13, 15, 33, 128])
 @pytest.mark.parametrize("k,n", [(8, 1), (576, 576), (576, 7), (64, 1538), (1536, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(m, k, n, with_bias):
@@ -90,3 +90,22 @@ def test_the_library_shares_torchs_openmp_runtime():
     assert done.returncode == 0, done.stderr
     count, *paths = done.stdout.split()
     assert count == "1" and "torch" in paths[0]
+
+
+def test_prebuilt_ahead_of_time_into_a_kernels_dir(tmp_path):
+    """A container's build stage runs `python -m native_backend.cpu_kernels`; its runtime, with no
+    compiler, loads what was built."""
+    env = {"KVGATE_KERNELS_DIR": str(tmp_path / "kernels"), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
+    built = subprocess.run([sys.executable, "-m", "native_backend.cpu_kernels"], capture_output=True, text=True,
+                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, timeout=240)
+    assert built.returncode == 0, built.stderr
+    path = built.stdout.strip()
+    assert os.path.dirname(path) == str(tmp_path / "kernels") and os.path.exists(path)
+    loaded = _run("""
+        import torch
+        from native_backend import cpu_kernels
+        assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
+        print(cpu_kernels.load()._name)
+    """, CC="false", **env)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == path and not (tmp_path / "cache").exists()

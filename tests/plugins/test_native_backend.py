@@ -192,3 +192,13 @@ models:
             time.sleep(0.1)
         assert upstream.load().healthy
         assert "metrics_age_s" in upstream.load().extra  # load comes from the engine's own gauges
+
+
+def test_cpu_kernels_setting_reaches_the_engine_and_is_validated():
+    import pydantic
+    from kvgate_native.backend import NativeSettings
+
+    assert NativeSettings().engine_config().cpu_kernels is True
+    assert NativeSettings(cpu_kernels=False).engine_config().cpu_kernels is False
+    with pytest.raises(pydantic.ValidationError, match="cpu_kernels"):
+        NativeSettings(cpu_kernels="sometimes")

@@ -49,6 +49,8 @@ class NativeSettings(BaseModel):
     memory_fraction: float = Field(0.9, gt=0, le=1, description="Of GPU memory, when on CUDA.")
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, gt=0, description="torch threads in the engine process.")
+    cpu_kernels: bool = Field(True, description="On CPU, kvgate's C kernels (decode attention, small-batch "
+                              "linears) where they build; false: torch alone.")
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
