@@ -18,9 +18,10 @@ from torch import nn
 
 from native_backend import cpu_kernels
 
-# Rows up to which the kernel beats MKL on the 2-core AVX2 box we measure on (1.3-2.6x at 1-64
-# rows, ~1.06x at 256, equal near 384, MKL ahead at 512: bench/engine_step_bench.py's linear sweep).
-KERNEL_MAX_ROWS = 256
+# Rows up to which the kernel beats MKL on the 2-core AVX2 box we measure on: 1.4-3x at 1-64 rows,
+# 1.1-1.2x at 96-224 over the model's layers, MKL ahead from 256 (bench/engine_step_bench.py's
+# linear sweep, and a layers-only sweep at 96-256 rows).
+KERNEL_MAX_ROWS = 224
 
 
 class KernelLinear(nn.Linear):
