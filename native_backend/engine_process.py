@@ -70,7 +70,7 @@ def run_engine_process(packed_factory: bytes, inbox: Connection, outbox: Connect
         _send_quietly(outbox, (STARTUP_FAILED, _summary(exc), traceback.format_exc()))
         sys.exit(1)
     try:
-        outbox.send((READY, core.stats()))
+        outbox.send((READY, {**core.stats(), "engine": _describe(core)}))  # what it runs, for the log
         EngineLoop(core, inbox, outbox, stats_interval_s).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent went away: nobody is left to serve
@@ -155,3 +155,8 @@ def _send_quietly(conn: Connection, message: tuple) -> None:
         conn.send(message)
     except (OSError, EOFError):
         pass  # the parent is gone; the exit code is all it could have learned anyway
+
+
+def _describe(core) -> str | None:
+    describe = getattr(core, "describe", None)
+    return describe() if callable(describe) else None

@@ -87,6 +87,7 @@ class NativeBackend:
         if not os.path.exists(self.config.model):
             raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model} does not exist")
         await self.client.start()  # loads the model and unpacks the tokenizer into the cache
+        log.info("native deployment '%s': %s", self.name, (self.client.stats() or {}).get("engine"))
         self.tokenizer = await asyncio.to_thread(
             Tokenizer.from_pretrained, self.config.model, cache_dir=self.config.tokenizer_cache_dir
         )
