@@ -1,13 +1,12 @@
 """The engine's C kernels for x86-64 CPUs (csrc/cpu_kernels.c): built once, loaded with ctypes.
 
 The library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
-into the kvgate cache (`KVGATE_CACHE_DIR`, default ~/.cache/kvgate, under `kernels/`; or
-`KVGATE_KERNELS_DIR`), named by
-a hash of the source and the flags, so an edit builds anew, a library built elsewhere can be
-copied in, and concurrent builds never see each other's half-written file (`python -m
-native_backend.cpu_kernels` builds it ahead of time and prints its path). No compiler, a CPU without AVX2/FMA,
-or `KVGATE_CPU_KERNELS=0` in the environment: `load()` returns None, says why in
-`unavailable_reason()`, and callers keep their torch paths.
+into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_CACHE_DIR`,
+default ~/.cache/kvgate), named by a hash of the source and the flags: an edit builds anew, a
+library built elsewhere can be copied in, and concurrent builds never see each other's
+half-written file. `python -m native_backend.cpu_kernels` builds it ahead of time and prints its
+path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
+returns None, `unavailable_reason()` says why, and callers keep their torch paths.
 
 It must be loaded after torch: built with -fopenmp, it then shares torch's libgomp (and so its
 thread pool and torch.set_num_threads) instead of starting a second OpenMP runtime.
@@ -16,6 +15,7 @@ thread pool and torch.set_num_threads) instead of starting a second OpenMP runti
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,9 +41,9 @@ _SIGNATURES = {
     "kvgate_paged_decode_f32": ([_ptr] * 5 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
     # y, x, w, bias, M, K, N
     "kvgate_linear_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
+    # cache_k, cache_v, k, v, slots, n, row
+    "kvgate_write_kv_f32": ([_ptr] * 5 + [_i64] * 2, ctypes.c_int),
 }
-
-_state: dict = {}  # "lib": the loaded library or None, "reason": why None
 
 
 def _cpu_flags() -> set[str]:
@@ -64,13 +64,7 @@ PLATFORM_SUPPORTED = (platform.machine().lower() in ("x86_64", "amd64")
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, building it if needed; None when it cannot be had here (logged once)."""
-    if "lib" not in _state:
-        try:
-            _state["lib"] = _load()
-        except _Unavailable as exc:
-            _state["lib"], _state["reason"] = None, str(exc)
-            log.warning("CPU kernels unavailable (%s): using the torch paths", exc)
-    return _state["lib"]
+    return _loaded()[0]
 
 
 def available() -> bool:
@@ -78,8 +72,16 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    load()
-    return _state.get("reason")
+    return _loaded()[1]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        return _load(), None
+    except _Unavailable as exc:
+        log.warning("CPU kernels unavailable (%s): using the torch paths", exc)
+        return None, str(exc)
 
 
 class _Unavailable(Exception):
@@ -95,10 +97,13 @@ def _load() -> ctypes.CDLL:
     if missing:
         raise _Unavailable(f"the CPU lacks {', '.join(missing)}")
     path = _built_library()
-    lib = ctypes.CDLL(str(path))
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    except (OSError, AttributeError) as exc:  # a foreign or damaged file in the cache
+        raise _Unavailable(f"cannot load {path}: {exc}") from None
     return lib
 
 
@@ -125,8 +130,11 @@ def _built_library() -> Path:
     if target.exists():
         return target
     cc = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    except OSError as exc:
+        raise _Unavailable(f"cannot write to {target.parent}: {exc}") from None
     os.close(fd)
     try:
         try:
@@ -157,8 +165,17 @@ def paged_decode(
     scale: float,
     chunk_blocks: int | None = None,  # blocks per work item; None: `default_chunk_blocks`
 ) -> torch.Tensor:  # (num_rows, num_heads, head_dim)
-    """One query per row, attending its sequence's first row_keys[r] cached positions."""
+    """One query per row, attending its sequence's first row_keys[r] cached positions. The values of
+    row_seq, row_keys and the block tables are trusted (the runner checks every block table
+    against its context length); their types and layouts are checked here."""
+    _check(q, cache_k, cache_v, dtype=torch.float32)
+    _check(block_tables, row_seq, row_keys, dtype=torch.int64)
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous() and block_tables.stride(1) == 1):
+        raise ValueError("paged_decode needs contiguous caches and block-table rows")
+    if row_seq.numel() != q.shape[0] or row_keys.numel() != q.shape[0]:
+        raise ValueError("paged_decode: one row_seq and row_keys entry per query row")
     q = q.contiguous()
+    row_seq, row_keys = row_seq.contiguous(), row_keys.contiguous()
     out = torch.empty_like(q)
     num_rows, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = cache_k.shape
@@ -171,6 +188,13 @@ def paged_decode(
     return out
 
 
+def _check(*tensors: torch.Tensor, dtype: torch.dtype) -> None:
+    """The kernels read raw pointers: a wrong dtype or device would read the wrong memory."""
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"CPU kernel argument: {dtype} on the CPU expected, got {t.dtype} on {t.device}")
+
+
 def default_chunk_blocks(row_keys: torch.Tensor, block_size: int) -> int:
     """Blocks per work item of `paged_decode`: about 8 items per thread, so that a batch of one long
     sequence still keeps every thread busy, and at most 32 blocks (few merges for long rows)."""
@@ -180,6 +204,16 @@ def default_chunk_blocks(row_keys: torch.Tensor, block_size: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for float32 x (M, K) with small M; weight (N, K) contiguous, K a multiple of 8."""
+    _check(x, weight, *([bias] if bias is not None else []), dtype=torch.float32)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight (N, {x.shape[-1]}) expected")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError("linear: bias must be a contiguous (N,) tensor")
+    return linear_unchecked(x, weight, bias)
+
+
+def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` for callers that have checked dtypes and shapes already (KernelLinear, per call)."""
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
@@ -189,6 +223,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rc != 0:
         raise RuntimeError(f"kvgate_linear_f32 failed ({rc})")
     return y
+
+
+def write_kv(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim) float32
+    v: torch.Tensor,
+    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous
+    cache_v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64, each < num_blocks * block_size
+) -> None:
+    """The reference's write_kv (each new token's K/V into its slot), both caches in one call."""
+    _check(k, v, cache_k, cache_v, dtype=torch.float32)
+    _check(slot_mapping, dtype=torch.int64)
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous()) or k.shape[1:] != cache_k.shape[2:]:
+        raise ValueError("write_kv: contiguous caches whose rows match k and v expected")
+    if slot_mapping.numel() != k.shape[0] or v.shape != k.shape:
+        raise ValueError("write_kv: one slot per new token, k and v alike")
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    load().kvgate_write_kv_f32(cache_k.data_ptr(), cache_v.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
 
 
 if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the path

@@ -28,7 +28,13 @@ from native_backend import cpu_kernels
 from native_backend.attention import reference
 from native_backend.attention.metadata import AttentionMetadata
 
-write_kv = reference.write_kv
+def write_kv(k, v, cache_k, cache_v, slot_mapping) -> None:
+    """The reference's write_kv; float32 caches through one C call for both."""
+    if cache_k.dtype == torch.float32 and k.dtype == torch.float32 and cpu_kernels.available():
+        cpu_kernels.write_kv(k, v, cache_k, cache_v, slot_mapping)
+    else:
+        reference.write_kv(k, v, cache_k, cache_v, slot_mapping)
+
 
 SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
 _PLAN_KEY = "cpu_plan"

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define KVG_API __attribute__((visibility("default")))
 
@@ -325,6 +326,20 @@ KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const fl
             else tile_4x2(y, x, w, bias, m, n0, K, N);
         }
         edge(y, x, w, bias, m, M, n0, n0 + tile_n, K, N);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------- KV write */
+
+/* cache_k[slot[i]] = k[i], cache_v[slot[i]] = v[i] for the step's n new tokens, one row being
+ * kv_heads * head_dim floats; both caches in one call (two index_copy_ per layer cost more in
+ * dispatch than in copying at decode). */
+KVG_API int kvgate_write_kv_f32(float *cache_k, float *cache_v, const float *k, const float *v,
+                                const int64_t *slots, int64_t n, int64_t row) {
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(cache_k + slots[i] * row, k + i * row, sizeof(float) * row);
+        memcpy(cache_v + slots[i] * row, v + i * row, sizeof(float) * row);
     }
     return 0;
 }

@@ -83,3 +83,17 @@ def test_plan_is_built_once_per_step():
     cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
     assert md.scratch["cpu_plan"] is plan
     assert plan.short_rows.tolist() == [0, 21] and plan.row_keys.tolist() == [33, 64] and len(plan.prefills) == 1
+
+
+def test_write_kv_puts_each_row_in_its_slot_like_the_reference():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(5, 3, 8, generator=g), torch.randn(5, 3, 8, generator=g)
+    slots = torch.tensor([17, 0, 9, 31, 4])
+    ours = [torch.zeros(8, 4, 3, 8) for _ in range(2)]
+    ref = [torch.zeros(8, 4, 3, 8) for _ in range(2)]
+    cpu.write_kv(k, v, *ours, slots)
+    reference.write_kv(k, v, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    assert torch.equal(ours[0].view(-1, 3, 8)[31], k[3]) and torch.equal(ours[1].view(-1, 3, 8)[0], v[1])
+    with pytest.raises(ValueError, match="one slot per new token"):
+        cpu_kernels.write_kv(k, v, *ours, slots[:4])

@@ -35,6 +35,27 @@ def test_linear_reads_a_non_contiguous_input():
     torch.testing.assert_close(cpu_kernels.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("args,match", [
+    (lambda: (torch.randn(3, 16, dtype=torch.float64), torch.randn(5, 16)), "float32"),
+    (lambda: (torch.randn(3, 16), torch.randn(16, 5).t()), "contiguous weight"),
+    (lambda: (torch.randn(3, 16), torch.randn(5, 8)), "contiguous weight"),
+    (lambda: (torch.randn(3, 16), torch.randn(5, 16), torch.randn(4)), "bias"),
+])
+def test_linear_refuses_what_it_cannot_read(args, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_kernels.linear(*args())
+
+
+def test_paged_decode_refuses_wrong_index_types():
+    q, cache = torch.randn(2, 4, 8), torch.zeros(4, 4, 2, 8)
+    tables, rows, keys = torch.zeros(2, 1, dtype=torch.long), torch.arange(2), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.paged_decode(q, cache, cache, tables.int(), rows, keys, 1.0)
+    with pytest.raises(ValueError, match="one row_seq"):
+        cpu_kernels.paged_decode(q, cache, cache, tables, rows[:1], keys, 1.0)
+    assert cpu_kernels.paged_decode(q, cache, cache, tables, rows, keys, 1.0).shape == q.shape
+
+
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, timeout=240)
@@ -62,8 +83,10 @@ def test_built_once_into_the_cache_then_reused(tmp_path):
 @pytest.mark.parametrize("env,reason", [
     ({"KVGATE_CPU_KERNELS": "0"}, "disabled by KVGATE_CPU_KERNELS"),
     ({"CC": "false"}, "false failed"),  # a compiler that fails: no library, the torch paths stay
+    ({"KVGATE_KERNELS_DIR": "/proc/kvgate-kernels"}, "cannot write to /proc/kvgate-kernels"),
 ])
 def test_unavailable_says_why_and_the_engine_keeps_torch(tmp_path, env, reason):
+    env = {"KVGATE_CACHE_DIR": str(tmp_path), **env}
     done = _run("""
         import torch
         from native_backend import cpu_kernels
@@ -71,7 +94,7 @@ def test_unavailable_says_why_and_the_engine_keeps_torch(tmp_path, env, reason):
         assert cpu_kernels.load() is None
         print(cpu_kernels.unavailable_reason())
         print(get_attention_backend("cpu").name)
-    """, KVGATE_CACHE_DIR=str(tmp_path), **env)
+    """, **env)
     assert done.returncode == 0, done.stderr
     why, backend = done.stdout.strip().splitlines()
     assert reason in why and backend == "reference"
