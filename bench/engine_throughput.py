@@ -72,8 +72,9 @@ WARMUP_REGION = 4096  # the first tokens of the text: warm-up and batch-1 prompt
 
 def tokenizer_cache_dir() -> str:
     """Where the GGUF's tokenizer is unpacked once (the same place the native plugin uses)."""
-    base = os.environ.get("KVGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvgate")
-    return os.path.join(base, "tokenizers")
+    from native_backend.cache_dir import kvgate_cache_dir
+
+    return str(kvgate_cache_dir() / "tokenizers")
 
 
 def rss_mib() -> float:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from native_backend.cache_dir import kvgate_cache_dir
+
 log = logging.getLogger("kvgate.engine")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -35,7 +37,6 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "kvgate_cpu_kernels_version": ([], ctypes.c_int),
     # out, q, cache_k, cache_v, block_tables, table_stride, row_seq, row_keys,
     # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
     "kvgate_paged_decode_f32": ([_ptr] * 5 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
@@ -57,9 +58,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _platform_problem() -> str | None:
+    """Why this machine cannot run the kernels' instructions, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 machine ({platform.machine()})"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
 # An x86-64 CPU with the instructions the kernels are compiled for (a compiler may still be missing).
-PLATFORM_SUPPORTED = (platform.machine().lower() in ("x86_64", "amd64")
-                      and all(f in _cpu_flags() for f in REQUIRED_CPU_FLAGS))
+PLATFORM_SUPPORTED = _platform_problem() is None
 
 
 def load() -> ctypes.CDLL | None:
@@ -91,11 +99,8 @@ class _Unavailable(Exception):
 def _load() -> ctypes.CDLL:
     if os.environ.get("KVGATE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         raise _Unavailable("disabled by KVGATE_CPU_KERNELS")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise _Unavailable(f"not an x86-64 machine ({platform.machine()})")
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise _Unavailable(f"the CPU lacks {', '.join(missing)}")
+    if not PLATFORM_SUPPORTED:
+        raise _Unavailable(_platform_problem())
     path = _built_library()
     try:
         lib = ctypes.CDLL(str(path))
@@ -121,7 +126,7 @@ def library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     folder = os.environ.get("KVGATE_KERNELS_DIR")
     if not folder:
-        folder = Path(os.environ.get("KVGATE_CACHE_DIR") or Path.home() / ".cache" / "kvgate") / "kernels"
+        folder = kvgate_cache_dir() / "kernels"
     return Path(folder) / f"cpu_kernels-{key}.so"
 
 

@@ -28,6 +28,10 @@ from native_backend import cpu_kernels
 from native_backend.attention import reference
 from native_backend.attention.metadata import AttentionMetadata
 
+SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
+_PLAN_KEY = "cpu_plan"
+
+
 def write_kv(k, v, cache_k, cache_v, slot_mapping) -> None:
     """The reference's write_kv; float32 caches through one C call for both."""
     if cache_k.dtype == torch.float32 and k.dtype == torch.float32 and cpu_kernels.available():
@@ -36,15 +40,12 @@ def write_kv(k, v, cache_k, cache_v, slot_mapping) -> None:
         reference.write_kv(k, v, cache_k, cache_v, slot_mapping)
 
 
-SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
-_PLAN_KEY = "cpu_plan"
-
-
 @dataclass
 class _Plan:
     short_rows: torch.Tensor | None  # (n,) int64 rows of q for the kernel; None: every row
     row_seq: torch.Tensor  # (n,) int64: the sequence of each of those rows
     row_keys: torch.Tensor  # (n,) int64: how many leading positions each row attends to
+    chunk_blocks: int  # blocks per work item of the kernel, the same for every layer
     prefills: list  # reference._PrefillSeq for the longer chunks
 
 
@@ -65,17 +66,20 @@ def paged_attention(
     plan = metadata.scratch.get(_PLAN_KEY)
     if plan is None:
         plan = metadata.scratch[_PLAN_KEY] = _build_plan(metadata, q.dtype, q.device)
-    tables = metadata.block_tables
     if plan.short_rows is None and not plan.prefills:  # the common decode step: every row
-        return cpu_kernels.paged_decode(q, cache_k, cache_v, tables, plan.row_seq, plan.row_keys, scale)
+        return _short_rows(q, cache_k, cache_v, metadata, plan, scale)
     out = torch.empty_like(q)
     if plan.row_seq.numel():
         short_q = q.index_select(0, plan.short_rows)
-        out.index_copy_(0, plan.short_rows, cpu_kernels.paged_decode(
-            short_q, cache_k, cache_v, tables, plan.row_seq, plan.row_keys, scale))
+        out.index_copy_(0, plan.short_rows, _short_rows(short_q, cache_k, cache_v, metadata, plan, scale))
     for p in plan.prefills:
         out[p.rows] = reference.prefill(q[p.rows], cache_k, cache_v, p, scale)
     return out
+
+
+def _short_rows(q, cache_k, cache_v, md: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
+    return cpu_kernels.paged_decode(q, cache_k, cache_v, md.block_tables, plan.row_seq, plan.row_keys, scale,
+                                    chunk_blocks=plan.chunk_blocks)
 
 
 def _build_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:
@@ -91,4 +95,6 @@ def _build_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device)
         start += q_len
     every_row = len(rows) == start
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return _Plan(None if every_row else as_tensor(rows), as_tensor(row_seq), as_tensor(row_keys), prefills)
+    keys = as_tensor(row_keys)
+    chunk_blocks = cpu_kernels.default_chunk_blocks(keys, md.block_size) if row_keys else 1
+    return _Plan(None if every_row else as_tensor(rows), as_tensor(row_seq), keys, chunk_blocks, prefills)

@@ -22,8 +22,6 @@
 
 #define KVG_API __attribute__((visibility("default")))
 
-KVG_API int kvgate_cpu_kernels_version(void) { return 1; }
-
 /* ------------------------------------------------------------------------------- helpers */
 
 static inline float hsum256(__m256 v) {
@@ -84,17 +82,32 @@ static inline void prefetch_slot(const float *slot, int64_t floats) {
     for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(slot + f), _MM_HINT_T0);
 }
 
+/* The block holding keys i .. of a chunk that starts at position p0 (a block start) and has n
+ * keys: its first slot in `cache`, how many of the chunk's keys it holds, and the first slot of
+ * the chunk's next block (NULL in the last one), for prefetching. */
+typedef struct {
+    const float *base, *next;
+    int64_t count;
+} chunk_block;
+
+static inline chunk_block block_of_chunk(const cache_view *c, const float *cache, const int64_t *table, int64_t p0,
+                                         int64_t i, int64_t n) {
+    const int64_t block_floats = c->block_size * c->kv_heads * c->head_dim, b = (p0 + i) / c->block_size;
+    const chunk_block blk = {cache + table[b] * block_floats,
+                             i + c->block_size < n ? cache + table[b + 1] * block_floats : NULL,
+                             n - i < c->block_size ? n - i : c->block_size};
+    return blk;
+}
+
 /* scores[h * n + i] = q_h . k_i * scale for the n keys at positions p0 .. p0+n-1 (p0 at a block start). */
 static void chunk_scores(const cache_view *c, const float *q, const int64_t *table, int64_t p0, int64_t n,
                          float *scores) {
     const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
     for (int64_t i = 0; i < n; i += c->block_size) {
-        const int64_t in_block = n - i < c->block_size ? n - i : c->block_size;
-        const float *kb = c->cache_k + table[(p0 + i) / c->block_size] * c->block_size * slot_stride;
-        const float *next = i + c->block_size < n ? c->cache_k + table[(p0 + i) / c->block_size + 1] * c->block_size * slot_stride : NULL;
-        for (int64_t o = 0; o < in_block; o++) {
-            const float *ks = kb + o * slot_stride;
-            if (next) prefetch_slot(next + o * slot_stride, slot_stride);
+        const chunk_block blk = block_of_chunk(c, c->cache_k, table, p0, i, n);
+        for (int64_t o = 0; o < blk.count; o++) {
+            const float *ks = blk.base + o * slot_stride;
+            if (blk.next) prefetch_slot(blk.next + o * slot_stride, slot_stride);
             for (int64_t h = 0; h < c->num_heads; h++) {
                 const float *k = ks + (h / c->group) * D, *qh = q + h * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -133,12 +146,10 @@ static void chunk_values(const cache_view *c, const float *weights, const int64_
     const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
     for (int64_t j = 0; j < c->num_heads * D; j += 8) _mm256_storeu_ps(acc + j, _mm256_setzero_ps());
     for (int64_t i = 0; i < n; i += c->block_size) {
-        const int64_t in_block = n - i < c->block_size ? n - i : c->block_size;
-        const float *vb = c->cache_v + table[(p0 + i) / c->block_size] * c->block_size * slot_stride;
-        const float *next = i + c->block_size < n ? c->cache_v + table[(p0 + i) / c->block_size + 1] * c->block_size * slot_stride : NULL;
-        for (int64_t o = 0; o < in_block; o++) {
-            const float *vs = vb + o * slot_stride;
-            if (next) prefetch_slot(next + o * slot_stride, slot_stride);
+        const chunk_block blk = block_of_chunk(c, c->cache_v, table, p0, i, n);
+        for (int64_t o = 0; o < blk.count; o++) {
+            const float *vs = blk.base + o * slot_stride;
+            if (blk.next) prefetch_slot(blk.next + o * slot_stride, slot_stride);
             for (int64_t h = 0; h < c->num_heads; h++) {
                 const float *v = vs + (h / c->group) * D;
                 const __m256 w = _mm256_set1_ps(weights[h * n + i + o]);

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage
 from gateway.config import format_path
 from gateway.errors import APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
+from native_backend.cache_dir import kvgate_cache_dir
 from native_backend.client import AsyncEngineClient
 from native_backend.engine_config import EngineConfig
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
@@ -71,8 +72,7 @@ class NativeSettings(BaseModel):
 
 
 def tokenizer_cache_dir() -> Path:
-    base = os.environ.get("KVGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvgate")
-    return Path(base) / "tokenizers"
+    return kvgate_cache_dir() / "tokenizers"
 
 
 class NativeBackend:
