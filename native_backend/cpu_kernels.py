@@ -1,8 +1,8 @@
-"""The engine's C kernels for x86-64 CPUs (csrc/cpu_kernels.c): built once, loaded with ctypes.
+"""The engine's C kernels for x86-64 CPUs (csrc/*.c): built once, loaded with ctypes.
 
 The library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
 into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_CACHE_DIR`,
-default ~/.cache/kvgate), named by a hash of the source and the flags: an edit builds anew, a
+default ~/.cache/kvgate), named by a hash of the sources and the flags: an edit builds anew, a
 library built elsewhere can be copied in, and concurrent builds never see each other's
 half-written file. `python -m native_backend.cpu_kernels` builds it ahead of time and prints its
 path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
@@ -31,7 +31,9 @@ from native_backend.cache_dir import kvgate_cache_dir
 
 log = logging.getLogger("kvgate.engine")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "layer_ops.c")  # one library
+HEADERS = (CSRC / "simd_math.h",)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
@@ -44,6 +46,12 @@ _SIGNATURES = {
     "kvgate_linear_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
     # cache_k, cache_v, k, v, slots, n, row
     "kvgate_write_kv_f32": ([_ptr] * 5 + [_i64] * 2, ctypes.c_int),
+    # residual, delta, weight, out, M, D, eps
+    "kvgate_add_rms_norm_f32": ([_ptr] * 4 + [_i64] * 2 + [_f32], ctypes.c_int),
+    # q, k, positions, cos, sin, n, q_heads, k_heads, head_dim
+    "kvgate_rope_qk_f32": ([_ptr] * 5 + [_i64] * 4, ctypes.c_int),
+    # out, gate, up, M, N
+    "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
 }
 
 
@@ -123,7 +131,10 @@ def library_path() -> Path:
     """Where the library for this source and these flags lives, built or not: `KVGATE_KERNELS_DIR`
     if set (a container image builds it there in its build stage, for a runtime without a
     compiler), else `kernels/` in the kvgate cache."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
     folder = os.environ.get("KVGATE_KERNELS_DIR")
     if not folder:
         folder = kvgate_cache_dir() / "kernels"
@@ -143,7 +154,7 @@ def _built_library() -> Path:
     os.close(fd)
     try:
         try:
-            done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
             raise _Unavailable(f"{cc} does not run: {exc}") from None
@@ -247,6 +258,60 @@ def write_kv(
     k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
     load().kvgate_write_kv_f32(cache_k.data_ptr(), cache_v.data_ptr(), k.data_ptr(), v.data_ptr(),
                                slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
+
+
+def add_rms_norm_(
+    residual: torch.Tensor,  # (M, D) float32, contiguous: gets `delta` added in place
+    delta: torch.Tensor | None,  # (M, D) float32, or None: only the norm
+    weight: torch.Tensor,  # (D,) float32
+    eps: float,
+) -> torch.Tensor:  # (M, D): rms_norm(residual) * weight, a new tensor
+    """residual += delta; return F.rms_norm(residual, (D,), weight, eps), in one pass per row."""
+    tensors = (residual, weight) if delta is None else (residual, delta, weight)
+    _check(*tensors, dtype=torch.float32)
+    d = residual.shape[-1]
+    if not residual.is_contiguous() or residual.dim() != 2 or weight.shape != (d,) or d % 8 != 0:
+        raise ValueError("add_rms_norm_: a contiguous (M, D) residual with D a multiple of 8 and a (D,) weight")
+    if delta is not None and delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm_: delta {tuple(delta.shape)} does not match {tuple(residual.shape)}")
+    delta = delta.contiguous() if delta is not None else None
+    weight = weight.contiguous()
+    out = torch.empty_like(residual)
+    load().kvgate_add_rms_norm_f32(residual.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                   weight.data_ptr(), out.data_ptr(), residual.shape[0], d, eps)
+    return out
+
+
+def rope_qk_(
+    q: torch.Tensor,  # (n, q_heads, D) float32, contiguous: rotated in place
+    k: torch.Tensor,  # (n, k_heads, D) float32, contiguous: rotated in place
+    positions: torch.Tensor,  # (n,) int64, each < cos.shape[0]
+    cos: torch.Tensor,  # (max_positions, D // 2) float32: cos(p * inv_freq)
+    sin: torch.Tensor,  # (max_positions, D // 2) float32
+) -> None:
+    """Rotary embedding of q and k in place, pairs (i, i + D/2) as Hugging Face's rotate_half."""
+    _check(q, k, cos, sin, dtype=torch.float32)
+    _check(positions, dtype=torch.int64)
+    n, _, d = q.shape
+    if not (q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_qk_: contiguous q, k and tables expected")
+    if k.dim() != 3 or k.shape[0] != n or k.shape[2] != d or d % 16 != 0 or cos.shape != (cos.shape[0], d // 2):
+        raise ValueError("rope_qk_: q (n, Hq, D), k (n, Hk, D) and (P, D/2) tables, D a multiple of 16")
+    if positions.shape != (n,) or sin.shape != cos.shape:
+        raise ValueError("rope_qk_: one position per token, cos and sin alike")
+    positions = positions.contiguous()
+    load().kvgate_rope_qk_f32(q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                              n, q.shape[1], k.shape[1], d)
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up written into gate (both (M, N) float32, contiguous, N a multiple of 8)."""
+    _check(gate, up, dtype=torch.float32)
+    if not (gate.is_contiguous() and up.is_contiguous()) or gate.shape != up.shape or gate.dim() != 2 \
+            or gate.shape[1] % 8 != 0:
+        raise ValueError("silu_mul_: contiguous (M, N) gate and up alike, N a multiple of 8")
+    load().kvgate_silu_mul_f32(gate.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1])
+    return gate
 
 
 if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the path

@@ -9,95 +9,28 @@ sharding, int4 weight-only quantization) can swap them without touching this fil
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from native_backend.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from native_backend.config import ModelConfig
 from native_backend.kv_cache import KVCache
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel; the same arithmetic as the lines below (weight * x * rsqrt(...)).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-# ------------------------------------------------------------------------------ rotary embedding
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim // 2,) inverse frequencies, with the config's scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    rope_type = (scaling or {}).get("rope_type", "default")
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":  # positions divided by the factor == frequencies divided by it
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed once for every position; a forward step only indexes them."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))  # (max_pos, head_dim // 2)
-        # Not persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step, shared by every layer: (cos, signed sin), each (num_tokens, 1, head_dim),
-        laid out for `apply_rope`: cos = [cos | cos], sin = [-sin | sin]."""
-        cos = self.cos.index_select(0, positions)  # (num_tokens, head_dim // 2)
-        sin = self.sin.index_select(0, positions)
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, heads, head_dim); cos, sin as `RotaryEmbedding` returns them.
-
-    Rotates pairs (i, i + head_dim/2), Hugging Face's rotate_half: with x = [x1 | x2],
-    [x1 cos - x2 sin | x2 cos + x1 sin] = x * [cos | cos] + [x2 | x1] * [-sin | sin],
-    and [x2 | x1] is x rolled by half its width.
-    """
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+from native_backend.models.layers import TORCH_OPS, RMSNorm, RotaryEmbedding, TorchOps, apply_rope  # noqa: F401
 
 
 # ------------------------------------------------------------------------------ blocks
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step shares."""
+
+    rope: object  # ops.rope_tables(...) for the step's positions
+    md: AttentionMetadata
+    backend: AttentionBackend
+    ops: TorchOps
 
 
 class LlamaAttention(nn.Module):
@@ -112,15 +45,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
-    def forward(self, x, rope, kv: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata, backend):
+    def forward(self, x, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext):
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = ctx.ops.rope(q, k, ctx.rope)
         cache_k, cache_v = kv
-        backend.write_kv(k, v, cache_k, cache_v, md.slot_mapping)
-        o = backend.paged_attention(q, cache_k, cache_v, md, self.scale)  # (num_tokens, num_heads, head_dim)
+        ctx.backend.write_kv(k, v, cache_k, cache_v, ctx.md.slot_mapping)
+        o = ctx.backend.paged_attention(q, cache_k, cache_v, ctx.md, self.scale)  # (num_tokens, num_heads, head_dim)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -133,11 +66,8 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if torch.is_grad_enabled():  # autograd needs the intermediate tensors intact
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # no temporaries: inference
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,9 +78,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h, rope, kv, md, backend):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, md, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, residual: torch.Tensor | None, delta: torch.Tensor, kv, ctx: StepContext):
+        """The stream is carried as (residual, delta of the last block): each add is fused with the
+        norm that reads its sum. Returns this layer's (residual, delta)."""
+        residual, x = ctx.ops.add_rms_norm(residual, delta, self.input_layernorm)
+        delta = self.self_attn(x, kv, ctx)
+        residual, x = ctx.ops.add_rms_norm(residual, delta, self.post_attention_layernorm)
+        return residual, self.mlp(x, ctx.ops)
 
 
 class LlamaModel(nn.Module):
@@ -171,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn_backend = attn_backend  # None: chosen from the input's device on first use
+        self.ops: TorchOps = TORCH_OPS  # a device's fused ops replace these (transforms.kernels)
 
     def forward(
         self,
@@ -181,11 +116,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (num_tokens, hidden) after the final norm
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
-        rope = self.model.rotary_emb(positions)  # shared by every layer
-        h = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        ops = self.ops
+        ctx = StepContext(ops.rope_tables(self.model.rotary_emb, positions), attn_metadata, self.attn_backend, ops)
+        residual, delta = None, self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, kv_cache.layer(i), attn_metadata, self.attn_backend)
-        return self.model.norm(h)
+            residual, delta = layer(residual, delta, kv_cache.layer(i), ctx)
+        return ops.add_rms_norm(residual, delta, self.model.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab) fp32. Pass only the rows that will be sampled."""

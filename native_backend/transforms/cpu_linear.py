@@ -26,17 +26,19 @@ KERNEL_MAX_ROWS = 224
 
 class KernelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel_fits(x):
-            return cpu_kernels.linear_unchecked(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        params = self._parameters  # one dict read; `self.weight` goes through nn.Module.__getattr__
+        w, b = params["weight"], params["bias"]
+        if _kernel_fits(x, w, b):
+            return cpu_kernels.linear_unchecked(x, w, b)
+        return F.linear(x, w, b)
 
-    def _kernel_fits(self, x: torch.Tensor) -> bool:
-        """Called for every projection of every step: the cheap tests on x first."""
-        w, b = self.weight, self.bias
-        return (x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32
-                and x.device.type == "cpu" and not torch.is_grad_enabled() and self.in_features % 8 == 0
-                and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-                and (b is None or (b.dtype == torch.float32 and b.is_contiguous())))
+
+def _kernel_fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Called for every projection of every step: the cheap tests on x first."""
+    return (x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and w.shape[1] % 8 == 0
+            and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+            and (b is None or (b.dtype == torch.float32 and b.is_contiguous())))
 
 
 def use_kernel_linears(model: nn.Module) -> int:

@@ -6,14 +6,18 @@ import torch
 
 from native_backend import cpu_kernels
 from native_backend.attention import get_attention_backend
+from native_backend.models.layers import TORCH_OPS
 from native_backend.transforms.cpu_linear import use_kernel_linears
+from native_backend.transforms.cpu_ops import KERNEL_OPS
 
 
 def select_kernels(model: torch.nn.Module, device: torch.device | str, use_cpu_kernels: bool = True) -> str:
-    """Set the model's attention backend and, on CPU, swap in the C-kernel linear layers.
+    """Set the model's attention backend and, on CPU, swap in the C-kernel linear layers and
+    layer ops (norms, RoPE, SwiGLU's gate).
 
     Returns what was chosen, for the engine's start-up log."""
     device = torch.device(device)
+    model.ops = TORCH_OPS
     if device.type != "cpu":
         model.attn_backend = get_attention_backend(device)
         return f"attention {model.attn_backend.name}"
@@ -24,4 +28,5 @@ def select_kernels(model: torch.nn.Module, device: torch.device | str, use_cpu_k
     model.attn_backend = get_attention_backend(device)
     if not swapped:
         return f"torch kernels (C kernels unavailable: {cpu_kernels.unavailable_reason()})"
-    return f"C kernels (attention '{model.attn_backend.name}', {swapped} linear layers)"
+    model.ops = KERNEL_OPS
+    return f"C kernels (attention '{model.attn_backend.name}', {swapped} linear layers, fused layer ops)"
