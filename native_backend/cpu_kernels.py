@@ -32,8 +32,8 @@ from native_backend.cache_dir import kvgate_cache_dir
 log = logging.getLogger("kvgate.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "layer_ops.c")  # one library
-HEADERS = (CSRC / "simd_math.h",)
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "layer_ops.c", CSRC / "decode_step.c")  # one library
+HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "kvgate_rope_qk_f32": ([_ptr] * 5 + [_i64] * 4, ctypes.c_int),
     # out, gate, up, M, N
     "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
+    # layers, num_layers, dims, step, final_norm, h, out, M (structs: transforms/cpu_decode.py)
+    "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
 }
 
 

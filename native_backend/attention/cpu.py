@@ -63,9 +63,7 @@ def paged_attention(
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     if not supports(q, cache_k):
         return reference.paged_attention(q, cache_k, cache_v, metadata, scale)
-    plan = metadata.scratch.get(_PLAN_KEY)
-    if plan is None:
-        plan = metadata.scratch[_PLAN_KEY] = _build_plan(metadata, q.dtype, q.device)
+    plan = step_plan(metadata, q.dtype, q.device)
     if plan.short_rows is None and not plan.prefills:  # the common decode step: every row
         return _short_rows(q, cache_k, cache_v, metadata, plan, scale)
     out = torch.empty_like(q)
@@ -75,6 +73,14 @@ def paged_attention(
     for p in plan.prefills:
         out[p.rows] = reference.prefill(q[p.rows], cache_k, cache_v, p, scale)
     return out
+
+
+def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:
+    """The step's plan, built by the first layer that asks and kept on the metadata."""
+    plan = md.scratch.get(_PLAN_KEY)
+    if plan is None:
+        plan = md.scratch[_PLAN_KEY] = _build_plan(md, dtype, device)
+    return plan
 
 
 def _short_rows(q, cache_k, cache_v, md: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:

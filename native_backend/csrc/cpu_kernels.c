@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 /* ------------------------------------------------------------------------------- attention */

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 #define PARALLEL_MIN_ROWS 32

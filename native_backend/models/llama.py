@@ -106,6 +106,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn_backend = attn_backend  # None: chosen from the input's device on first use
         self.ops: TorchOps = TORCH_OPS  # a device's fused ops replace these (transforms.kernels)
+        # A device's whole-stack decode step (transforms.cpu_decode.FusedDecode), or None: called
+        # first, it returns None for any step it does not take.
+        self.fused_decode = None
 
     def forward(
         self,
@@ -116,6 +119,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (num_tokens, hidden) after the final norm
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
+        if self.fused_decode is not None:
+            hidden = self.fused_decode(input_ids, positions, kv_cache, attn_metadata)
+            if hidden is not None:
+                return hidden
         ops = self.ops
         ctx = StepContext(ops.rope_tables(self.model.rotary_emb, positions), attn_metadata, self.attn_backend, ops)
         residual, delta = None, self.model.embed_tokens(input_ids)  # (num_tokens, hidden)

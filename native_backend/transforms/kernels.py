@@ -7,6 +7,8 @@ import torch
 from native_backend import cpu_kernels
 from native_backend.attention import get_attention_backend
 from native_backend.models.layers import TORCH_OPS
+from native_backend.models.llama import LlamaForCausalLM
+from native_backend.transforms.cpu_decode import FusedDecode
 from native_backend.transforms.cpu_linear import use_kernel_linears
 from native_backend.transforms.cpu_ops import KERNEL_OPS
 
@@ -17,7 +19,7 @@ def select_kernels(model: torch.nn.Module, device: torch.device | str, use_cpu_k
 
     Returns what was chosen, for the engine's start-up log."""
     device = torch.device(device)
-    model.ops = TORCH_OPS
+    model.ops, model.fused_decode = TORCH_OPS, None
     if device.type != "cpu":
         model.attn_backend = get_attention_backend(device)
         return f"attention {model.attn_backend.name}"
@@ -29,4 +31,7 @@ def select_kernels(model: torch.nn.Module, device: torch.device | str, use_cpu_k
     if not swapped:
         return f"torch kernels (C kernels unavailable: {cpu_kernels.unavailable_reason()})"
     model.ops = KERNEL_OPS
-    return f"C kernels (attention '{model.attn_backend.name}', {swapped} linear layers, fused layer ops)"
+    fused = ""
+    if isinstance(model, LlamaForCausalLM):  # decode steps through the whole stack in one C call
+        model.fused_decode, fused = FusedDecode(model), ", one-call decode steps"
+    return f"C kernels (attention '{model.attn_backend.name}', {swapped} linear layers, fused layer ops{fused})"

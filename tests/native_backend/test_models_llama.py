@@ -8,37 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from native_backend.batch import ScheduledChunk, SchedulerOutput
 from native_backend.kv_cache import KVCache
-from native_backend.loader import load_hf_model
 from native_backend.model_runner import ModelRunner
 from native_backend.sampling_params import SamplingParams
 from native_backend.transforms.kernels import select_kernels
+from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
 ATOL = 1e-4
 BLOCK_SIZE = 4
-VOCAB = 96
 
 LLAMA3_SCALING = {
     "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-
-
-def make_checkpoint(tmp_path, *, tie: bool, rope_scaling: dict | None):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-        rope_theta=500.0, rope_scaling=rope_scaling, tie_word_embeddings=tie,
-        initializer_range=0.15,  # large enough that logits differ by whole units between tokens
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    return hf, load_hf_model(str(tmp_path))
 
 
 @pytest.fixture(scope="module", params=[(False, None, True), (True, LLAMA3_SCALING, True), (False, None, False)],

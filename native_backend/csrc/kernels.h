@@ -1,0 +1,20 @@
+/* The kernels' entry points, for the sources that call each other (decode_step.c). */
+#ifndef KVGATE_KERNELS_H
+#define KVGATE_KERNELS_H
+
+#include <stdint.h>
+
+int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
+                            const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
+                            const int64_t *row_keys, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, int64_t chunk_blocks);
+int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K, int64_t N);
+int kvgate_write_kv_f32(float *cache_k, float *cache_v, const float *k, const float *v, const int64_t *slots,
+                        int64_t n, int64_t row);
+int kvgate_add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out, int64_t M,
+                            int64_t D, float eps);
+int kvgate_rope_qk_f32(float *q, float *k, const int64_t *positions, const float *cos, const float *sin, int64_t n,
+                       int64_t q_heads, int64_t k_heads, int64_t D);
+int kvgate_silu_mul_f32(float *out, const float *gate, const float *up, int64_t M, int64_t N);
+
+#endif

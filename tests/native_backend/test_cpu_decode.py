@@ -1,0 +1,151 @@
+"""FusedDecode (a decode step's whole decoder stack in one C call) against the Python path it
+replaces, bit for bit, and against transformers; and every step it must leave to Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from native_backend import cpu_kernels
+from native_backend.batch import ScheduledChunk, SchedulerOutput
+from native_backend.kv_cache import KVCache
+from native_backend.model_runner import ModelRunner
+from native_backend.sampling_params import SamplingParams
+from native_backend.transforms.cpu_decode import FusedDecode
+from native_backend.transforms.cpu_linear import KERNEL_MAX_ROWS
+from native_backend.transforms.kernels import select_kernels
+from llama_checkpoints import VOCAB, make_checkpoint
+
+torch.set_num_threads(2)
+pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "qkvo-bias"])
+def models(request, tmp_path_factory):
+    hf, ours = make_checkpoint(tmp_path_factory.mktemp("llama"), tie=False, rope_scaling=None,
+                               attention_bias=request.param)
+    assert "one-call decode steps" in select_kernels(ours, "cpu")
+    return hf, ours
+
+
+class Counting:
+    """Wraps the model's FusedDecode: how many steps it took and how many it left to Python."""
+
+    def __init__(self, fused: FusedDecode):
+        self.fused, self.taken, self.declined = fused, 0, 0
+
+    def __call__(self, *args):
+        out = self.fused(*args)
+        if out is None:
+            self.declined += 1
+        else:
+            self.taken += 1
+        return out
+
+
+def tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def chunk(rid, toks, start, table):
+    return ScheduledChunk(rid, list(toks), start, list(table), True, SamplingParams(temperature=0.0))
+
+
+# Three sequences: prompts, then steps of single decodes and of short multi-token chunks (<= 8 rows
+# each: still the kernel's rows), the cache blocks handed out scrambled.
+SEQS = {"a": tokens(30, 1), "b": tokens(21, 2), "c": tokens(26, 3)}
+PROMPTS = {"a": 11, "b": 5, "c": 9}
+STEPS = [{"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 8, "c": 1}, {"a": 1, "b": 1}, {"a": 7, "b": 2, "c": 8},
+         {"a": 1, "b": 1, "c": 1}]
+TABLES = {"a": [3, 17, 8, 25, 1, 30, 12, 6], "b": [9, 2, 28, 14, 21, 5], "c": [19, 11, 27, 4, 23, 15, 7]}
+
+
+def run_steps(model) -> list[dict[str, torch.Tensor]]:
+    """Every step's logits rows per sequence (all rows of each chunk)."""
+    runner = ModelRunner(model, KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK_SIZE))
+    pos = dict.fromkeys(SEQS, 0)
+    results = []
+    for step in [PROMPTS, *STEPS]:
+        chunks = [chunk(r, SEQS[r][pos[r]: pos[r] + n], pos[r], TABLES[r]) for r, n in step.items()]
+        results.append(runner.compute_logits(SchedulerOutput(chunks), all_tokens=True))
+        for r, n in step.items():
+            pos[r] += n
+    return results
+
+
+def test_decode_steps_are_bit_identical_to_the_python_path_and_match_hf(models):
+    hf, ours = models
+    counting = ours.fused_decode = Counting(ours.fused_decode)
+    try:
+        fused = run_steps(ours)
+        ours.fused_decode = None
+        python = run_steps(ours)
+    finally:
+        ours.fused_decode = counting.fused
+    assert (counting.taken, counting.declined) == (len(STEPS), 1)  # the prompt step goes to Python
+    for step_fused, step_python in zip(fused, python):
+        for rid in step_python:
+            assert torch.equal(step_fused[rid], step_python[rid]), rid
+    with torch.no_grad():
+        reference = {r: hf(torch.tensor([s])).logits[0] for r, s in SEQS.items()}
+    pos = dict(PROMPTS)
+    for step, logits in zip(STEPS, fused[1:]):
+        for r, n in step.items():
+            torch.testing.assert_close(logits[r], reference[r][pos[r]: pos[r] + n], atol=1e-4, rtol=0)
+            pos[r] += n
+
+
+def step_inputs(model, num_rows: int, kv_cache: KVCache):
+    runner = ModelRunner(model, kv_cache)
+    chunks = [chunk(f"r{i}", [i % VOCAB], 3, [i]) for i in range(num_rows)]
+    return runner.prepare_inputs(chunks)
+
+
+def test_steps_it_cannot_take_go_back_to_python(models):
+    _, ours = models
+    fused = ours.fused_decode
+    cache = KVCache.for_model(ours.config, num_blocks=KERNEL_MAX_ROWS + 1, block_size=BLOCK_SIZE)
+    inputs = step_inputs(ours, 4, cache)
+    call = lambda i: fused(i.input_ids, i.positions, cache, i.attn_metadata)  # noqa: E731
+    with torch.inference_mode():
+        assert call(inputs) is not None
+        assert call(step_inputs(ours, KERNEL_MAX_ROWS + 1, cache)) is None  # beyond the linear kernel
+    with torch.enable_grad():
+        assert call(inputs) is None  # autograd: the Python path
+    bf16_cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE, dtype="bfloat16")
+    with torch.inference_mode():
+        bf16_inputs = step_inputs(ours, 2, bf16_cache)
+        assert fused(bf16_inputs.input_ids, bf16_inputs.positions, bf16_cache, bf16_inputs.attn_metadata) is None
+
+
+def test_the_pointer_table_follows_a_new_cache_and_moved_weights(models):
+    _, ours = models
+    fused = FusedDecode(ours)
+    results = []
+    with torch.inference_mode():
+        for _ in range(2):  # two caches with the same contents: a rebuilt table, the same answer
+            cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE)
+            inputs = step_inputs(ours, 3, cache)
+            results.append(fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata))
+        assert torch.equal(results[0], results[1])
+        first_key = fused._key
+        weight = ours.model.layers[0].mlp.up_proj.weight
+        original = weight.data
+        weight.data = original.clone()  # what model.to(...) does to every parameter
+        try:
+            again = fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata)
+            assert fused._key != first_key and again is not None
+            weight.data = original.double()
+            assert fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata) is None
+        finally:
+            weight.data = original
+
+
+def test_positions_beyond_the_rotary_tables_are_refused(models):
+    _, ours = models
+    cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE)
+    inputs = step_inputs(ours, 2, cache)
+    inputs.positions[1] = ours.config.max_position_embeddings
+    with torch.inference_mode(), pytest.raises(IndexError, match="rotary tables"):
+        ours.fused_decode(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata)
