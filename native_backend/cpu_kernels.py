@@ -32,7 +32,7 @@ from native_backend.cache_dir import kvgate_cache_dir
 log = logging.getLogger("kvgate.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "layer_ops.c", CSRC / "decode_step.c")  # one library
+SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c"))
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "kvgate_rope_qk_f32": ([_ptr] * 5 + [_i64] * 4, ctypes.c_int),
     # out, gate, up, M, N
     "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
+    # out, q, cache_k, cache_v, blocks, q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale
+    "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
     # layers, num_layers, dims, step, final_norm, h, out, M (structs: transforms/cpu_decode.py)
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
 }
@@ -203,6 +205,41 @@ def paged_decode(
         head_dim, block_size, scale, chunk_blocks or default_chunk_blocks(row_keys, block_size))
     if rc != 0:
         raise RuntimeError(f"kvgate_paged_decode_f32 failed ({rc})")
+    return out
+
+
+PREFILL_HEAD_DIMS = range(32, 257, 32)  # what the prefill kernel's register tiles take
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (q_len, num_heads, head_dim) float32: the sequence's newest q_len positions
+    cache_k: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim) float32
+    cache_v: torch.Tensor,
+    block_ids: torch.Tensor,  # (>= cdiv(ctx, block_size),) int64: the sequence's block table
+    ctx: int,  # cached + new positions; query i sits at ctx - q_len + i
+    scale: float,
+) -> torch.Tensor:  # (q_len, num_heads, head_dim)
+    """Causal attention of one sequence's prompt chunk over its cached keys (bottom-right: a chunk
+    after a cached prefix sees the prefix). The block ids' values are trusted (the runner checks
+    every block table against its context length); types, shapes and layouts are checked here."""
+    _check(q, cache_k, cache_v, dtype=torch.float32)
+    _check(block_ids, dtype=torch.int64)
+    q_len, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = cache_k.shape
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous() and block_ids.is_contiguous()):
+        raise ValueError("prefill_attention needs contiguous caches and block ids")
+    if head_dim not in PREFILL_HEAD_DIMS or cache_k.shape[3] != head_dim or num_heads % kv_heads:
+        raise ValueError(f"prefill_attention: head_dim {head_dim} (a multiple of 32 up to 256) and "
+                         f"{num_heads} heads over {kv_heads} KV heads")
+    if not 1 <= q_len <= ctx or block_ids.numel() * block_size < ctx:
+        raise ValueError(f"prefill_attention: {q_len} queries, {ctx} positions, {block_ids.numel()} blocks")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rc = load().kvgate_prefill_attention_f32(out.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                                             block_ids.data_ptr(), q_len, ctx, num_heads, kv_heads, head_dim,
+                                             block_size, scale)
+    if rc != 0:
+        raise RuntimeError(f"kvgate_prefill_attention_f32 failed ({rc})")
     return out
 
 

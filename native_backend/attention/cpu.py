@@ -10,9 +10,10 @@ positions are new sees its first ctx - q_len + i + 1 positions (causal):
                                   row 0 sees ^---------^       (6 keys)
                                   row 1 sees ^-----------^     (7 keys)
 
-Longer chunks (prompts) are compute-bound, where torch's flash SDPA is good: they go one
-sequence at a time through the reference's `prefill`. The per-step plan is built by the first
-layer and kept on the metadata for the others.
+Longer chunks (prompts) go one sequence at a time through `cpu_kernels.prefill_attention`, a
+FlashAttention-style causal kernel over the sequence's blocks (head sizes that are multiples of
+32; others through the reference's SDPA `prefill`). The per-step plan is built by the first layer
+and kept on the metadata for the others.
 
 Float32 cache and queries with head_dim a multiple of 8 only; anything else (or no kernels)
 runs the reference implementation unchanged.
@@ -71,8 +72,15 @@ def paged_attention(
         short_q = q.index_select(0, plan.short_rows)
         out.index_copy_(0, plan.short_rows, _short_rows(short_q, cache_k, cache_v, metadata, plan, scale))
     for p in plan.prefills:
-        out[p.rows] = reference.prefill(q[p.rows], cache_k, cache_v, p, scale)
+        out[p.rows] = _prefill(q[p.rows], cache_k, cache_v, p, scale)
     return out
+
+
+def _prefill(q, cache_k, cache_v, p, scale: float) -> torch.Tensor:
+    """One sequence's prompt chunk: the C kernel where its register tiles fit the head size."""
+    if q.shape[-1] in cpu_kernels.PREFILL_HEAD_DIMS:
+        return cpu_kernels.prefill_attention(q, cache_k, cache_v, p.block_ids, p.ctx, scale)
+    return reference.prefill(q, cache_k, cache_v, p, scale)
 
 
 def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:

@@ -8,6 +8,9 @@ int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, co
                             const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                             const int64_t *row_keys, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, int64_t chunk_blocks);
+int kvgate_prefill_attention_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
+                                 const int64_t *blocks, int64_t q_len, int64_t ctx, int64_t num_heads,
+                                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
 int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K, int64_t N);
 int kvgate_write_kv_f32(float *cache_k, float *cache_v, const float *k, const float *v, const int64_t *slots,
                         int64_t n, int64_t row);

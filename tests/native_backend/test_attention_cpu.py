@@ -1,6 +1,7 @@
-"""The "cpu" attention backend (C paged decode kernel for short queries, the reference's SDPA for
-long chunks) against the dense computation and the reference, on ragged lengths, GQA ratios,
-block sizes, head sizes, short multi-token chunks and rows long enough to be split into chunks."""
+"""The "cpu" attention backend (C paged decode kernel for short queries, C prefill kernel for long
+chunks, the reference's SDPA for head sizes the prefill kernel does not take) against the dense
+computation and the reference, on ragged lengths, GQA ratios, block sizes, head sizes, short
+multi-token chunks, chunks after a cached prefix and rows long enough to be split into chunks."""
 
 from __future__ import annotations
 
@@ -97,3 +98,49 @@ def test_write_kv_puts_each_row_in_its_slot_like_the_reference():
     assert torch.equal(ours[0].view(-1, 3, 8)[31], k[3]) and torch.equal(ours[1].view(-1, 3, 8)[0], v[1])
     with pytest.raises(ValueError, match="one slot per new token"):
         cpu_kernels.write_kv(k, v, *ours, slots[:4])
+
+
+# ------------------------------------------------------------------------------ prefill kernel
+
+
+@pytest.mark.parametrize("num_kv_heads,group", GQA + [(1, 8)])  # group 9 and 8: heads split over items
+@pytest.mark.parametrize("seqs", [[(600, 600)], [(520, 200), (47, 47)], [(31, 30), (16, 9), (2, 2)]],
+                         ids=["long-prompt", "after-prefix", "tile-edges"])
+def test_prefill_kernel_matches_dense(seqs, num_kv_heads, group):
+    q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=num_kv_heads, group=group)
+    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_prefill_kernel_head_and_block_sizes(head_dim, block_size):
+    seqs = [(3 * block_size + 20, 3 * block_size + 20), (40, 25)]
+    q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=2, group=3, head_dim=head_dim,
+                                                block_size=block_size)
+    got = cpu.paged_attention(q, cache_k, cache_v, md, head_dim**-0.5)
+    torch.testing.assert_close(got, dense(q, ks, vs, md, head_dim**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_is_stable_with_large_scores():
+    """Scores in the hundreds: the online softmax rescales instead of overflowing."""
+    q, ks, vs, cache_k, cache_v, md = make_case([(300, 300)], num_kv_heads=3, group=3, seed=3)
+    q = q * 40
+    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_read():
+    q, cache = torch.randn(4, 6, 64), torch.zeros(8, 4, 2, 64)
+    ids = torch.arange(2)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        cpu_kernels.prefill_attention(torch.randn(4, 6, 24), torch.zeros(8, 4, 2, 24), torch.zeros(8, 4, 2, 24),
+                                      ids, 8, 1.0)
+    with pytest.raises(ValueError, match="2 blocks"):
+        cpu_kernels.prefill_attention(q, cache, cache, ids, 9, 1.0)  # 9 positions need 3 blocks of 4
+    with pytest.raises(ValueError, match="4 queries, 3 positions"):
+        cpu_kernels.prefill_attention(q, cache, cache, ids, 3, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.prefill_attention(q, cache, cache, ids.int(), 8, 1.0)
+    assert cpu_kernels.prefill_attention(q, cache, cache, ids, 8, 1.0).shape == q.shape
