@@ -9,7 +9,7 @@
  *   out = O / l
  *
  * Both products are register tiles that reuse each load several times (the QK tile broadcasts a
- * query element against 16 keys, the PV tile a probability against 32 values), so they run near
+ * query element against 16 keys, the PV tile a probability against 16 values), so they run near
  * the FMA limit, where torch's SDPA on this CPU calls small GEMMs with a 64-wide inner dimension.
  *
  * The sequence's queries sit at positions ctx - q_len .. ctx - 1 (a chunk after a cached prefix
@@ -114,26 +114,24 @@ static float tile_softmax(__m256 s[2], int64_t j0, int64_t limit, float *m, floa
     return alpha;
 }
 
-/* o[r][half*32 .. +32) += sum_j p[r][j] v_j for 3 rows r0..r0+2 (those past n skipped), 16 keys. */
-static void tile_values(const float *const *v, const float p[MAX_ROWS][KEY_TILE], float *o, int64_t D, int r0,
-                        int64_t n, int64_t d0) {
-    __m256 acc[3][4];
-    for (int r = 0; r < 3; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+/* o[r][d0 .. d0+16) += sum_j p[r][j] v_j[d0 .. d0+16) for the tile's 16 keys, all 6 rows (those
+ * past n computed from zero probabilities and not stored): 12 accumulators, 2 value loads and 6
+ * broadcasts per key, within AVX2's 16 registers. */
+static void tile_values(const float *const *v, const float p[MAX_ROWS][KEY_TILE], float *o, int64_t D, int64_t n,
+                        int64_t d0) {
+    __m256 acc[MAX_ROWS][2];
+    for (int r = 0; r < MAX_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int j = 0; j < KEY_TILE; j++) {
-        const float *vj = v[j] + d0;
-        const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8), v2 = _mm256_loadu_ps(vj + 16),
-                     v3 = _mm256_loadu_ps(vj + 24);
-        for (int r = 0; r < 3; r++) {
-            const __m256 pr = _mm256_broadcast_ss(&p[r0 + r][j]);
+        const __m256 v0 = _mm256_loadu_ps(v[j] + d0), v1 = _mm256_loadu_ps(v[j] + d0 + 8);
+        for (int r = 0; r < MAX_ROWS; r++) {
+            const __m256 pr = _mm256_broadcast_ss(&p[r][j]);
             acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(pr, v2, acc[r][2]), acc[r][3] = _mm256_fmadd_ps(pr, v3, acc[r][3]);
         }
     }
-    for (int r = 0; r < 3 && r0 + r < n; r++) {
-        float *orow = o + (r0 + r) * D + d0;
-        for (int c = 0; c < 4; c++)
-            _mm256_storeu_ps(orow + 8 * c, _mm256_add_ps(_mm256_loadu_ps(orow + 8 * c), acc[r][c]));
+    for (int r = 0; r < n; r++) {
+        float *orow = o + r * D + d0;
+        _mm256_storeu_ps(orow, _mm256_add_ps(_mm256_loadu_ps(orow), acc[r][0]));
+        _mm256_storeu_ps(orow + 8, _mm256_add_ps(_mm256_loadu_ps(orow + 8), acc[r][1]));
     }
 }
 
@@ -159,8 +157,7 @@ static void attend_rows(const prefill_args *a, const row_set *rs, int64_t g) {
         }
         const float *v[KEY_TILE];
         value_rows(a, g, j0, v);
-        for (int r0 = 0; r0 < rs->n; r0 += 3)
-            for (int64_t d0 = 0; d0 < D; d0 += 32) tile_values(v, (const float(*)[KEY_TILE])p, o, D, r0, rs->n, d0);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) tile_values(v, (const float(*)[KEY_TILE])p, o, D, rs->n, d0);
     }
     for (int64_t r = 0; r < rs->n; r++) {
         float *dst = a->out + (rs->pos[r] * a->num_heads + rs->head[r]) * D;
