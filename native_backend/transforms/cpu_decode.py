@@ -47,6 +47,11 @@ class _Step(ctypes.Structure):
         ("cos", _f32p), ("sin", _f32p), ("table_stride", _i64), ("chunk_blocks", _i64)]
 
 
+def _int64_ready(*tensors: torch.Tensor) -> bool:
+    """The C side reads these as int64 arrays (block-table rows contiguous)."""
+    return all(t.dtype == torch.int64 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
 def _fp32_ready(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
@@ -61,7 +66,7 @@ class FusedDecode:
         """The final hidden states (num_tokens, hidden) of a decode step, or None: run the Python path."""
         n = input_ids.shape[0]
         if (torch.is_grad_enabled() or n > KERNEL_MAX_ROWS or md.max_query_len > cpu_attention.SHORT_QUERY_MAX
-                or input_ids.device.type != "cpu"):
+                or input_ids.device.type != "cpu" or not _int64_ready(positions, md.slot_mapping, md.block_tables)):
             return None
         table = self._table_for(kv_cache)
         if table is None:

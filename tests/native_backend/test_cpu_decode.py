@@ -111,6 +111,7 @@ def test_steps_it_cannot_take_go_back_to_python(models):
     with torch.inference_mode():
         assert call(inputs) is not None
         assert call(step_inputs(ours, KERNEL_MAX_ROWS + 1, cache)) is None  # beyond the linear kernel
+        assert fused(inputs.input_ids, inputs.positions.int(), cache, inputs.attn_metadata) is None  # not int64
     with torch.enable_grad():
         assert call(inputs) is None  # autograd: the Python path
     bf16_cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE, dtype="bfloat16")
