@@ -70,13 +70,6 @@ WARMUP_REGION = 4096  # the first tokens of the text: warm-up and batch-1 prompt
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def tokenizer_cache_dir() -> str:
-    """Where the GGUF's tokenizer is unpacked once (the same place the native plugin uses)."""
-    from native_backend.cache_dir import kvgate_cache_dir
-
-    return str(kvgate_cache_dir() / "tokenizers")
-
-
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -134,9 +127,10 @@ def build_workload(args, model_path: str) -> dict:
     """Token ids of real English text, cut into prompts at distinct offsets; fixed seed."""
     from pydoc_data.topics import topics
 
+    from native_backend.cache_dir import tokenizer_cache_dir
     from native_backend.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_pretrained(model_path, cache_dir=tokenizer_cache_dir())
+    tok = Tokenizer.from_pretrained(model_path, cache_dir=str(tokenizer_cache_dir()))
     ids = tok.encode("\n\n".join(topics.values()), add_special_tokens=False)
     rng = random.Random(args.seed)
     n = args.requests
@@ -201,12 +195,13 @@ def child_main(name: str, spec_path: str, result_path: str) -> None:
 
 
 def _engine(spec):
+    from native_backend.cache_dir import tokenizer_cache_dir
     from native_backend.engine import LLMEngine
     from native_backend.engine_config import EngineConfig
 
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=spec["model"], num_threads=spec["threads"],
-                                    tokenizer_cache_dir=tokenizer_cache_dir(), **spec["engine_overrides"]))
+                                    tokenizer_cache_dir=str(tokenizer_cache_dir()), **spec["engine_overrides"]))
     return engine, time.perf_counter() - started
 
 

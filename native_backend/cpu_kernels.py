@@ -243,6 +243,12 @@ def prefill_attention(
     return out
 
 
+def readable(*tensors: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the kernels can read every tensor (None: an absent bias) as a flat array: `dtype`,
+    on the CPU, contiguous. For callers that fall back instead of raising like `_check`."""
+    return all(t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
 def _check(*tensors: torch.Tensor, dtype: torch.dtype) -> None:
     """The kernels read raw pointers: a wrong dtype or device would read the wrong memory."""
     for t in tensors:

@@ -1,5 +1,5 @@
 /* CPU kernels of the native engine (x86-64, AVX2 + FMA), loaded with ctypes by cpu_kernels.py
- * (one library with layer_ops.c, the small per-layer operations).
+ * (one library with prefill_attention.c, layer_ops.c and decode_step.c).
  *
  * Two memory-bound operations that torch does poorly on this hardware:
  *
@@ -268,15 +268,15 @@ static inline void prefetch_step(prefetch_run *pf) {
         _mm_prefetch(pf->next, _MM_HINT_T1);
 }
 
-/* The slice k0 .. k0+K of the reduction that a tile call covers; ld is the rows' full length. */
+/* The slice k0 .. k0+len of the reduction that a tile call covers; ld is the rows' full length. */
 typedef struct {
-    int64_t k0, ld;
+    int64_t k0, len, ld;
 } k_slice;
 
-/* Weight rows n0..n0+3 against x rows m, m+1, over one slice of K (K here is the slice's length). */
+/* Weight rows n0..n0+3 against x rows m, m+1, over one slice of K. */
 static inline void tile_4x2(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
-                            int64_t K, int64_t N, const k_slice *ks, prefetch_run *pf) {
-    const int64_t ld = ks->ld;
+                            int64_t N, const k_slice *ks, prefetch_run *pf) {
+    const int64_t ld = ks->ld, K = ks->len;
     const float *x0 = x + m * ld + ks->k0, *x1 = x0 + ld, *w0 = w + n0 * ld + ks->k0, *w1 = w0 + ld, *w2 = w1 + ld,
                 *w3 = w2 + ld;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
@@ -296,10 +296,10 @@ static inline void tile_4x2(float *y, const float *x, const float *w, const floa
     store4(y + (m + 1) * N + n0, hsum4(a01, a11, a21, a31), bias ? bias + n0 : NULL, ks->k0 > 0);
 }
 
-/* Weight rows n0..n0+2 against x rows m..m+3. */
+/* Weight rows n0..n0+2 against x rows m..m+3, over one slice of K. */
 static inline void tile_3x4(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
-                            int64_t K, int64_t N, const k_slice *ks, prefetch_run *pf) {
-    const int64_t ld = ks->ld;
+                            int64_t N, const k_slice *ks, prefetch_run *pf) {
+    const int64_t ld = ks->ld, K = ks->len;
     const float *x0 = x + m * ld + ks->k0, *x1 = x0 + ld, *x2 = x1 + ld, *x3 = x2 + ld;
     const float *w0 = w + n0 * ld + ks->k0, *w1 = w0 + ld, *w2 = w1 + ld;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
@@ -358,11 +358,10 @@ KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const fl
         const int64_t lines_per_pass = passes ? (lines + passes - 1) / passes : 0;
         prefetch_run pf = {pf_next, pf_next + lines * 64, (lines_per_pass + slice_len / 8 - 1) / (slice_len / 8)};
         for (int64_t k0 = 0; k0 < K; k0 += slice_len) {
-            const k_slice ks = {k0, K};
-            const int64_t len = K - k0 < slice_len ? K - k0 : slice_len;
+            const k_slice ks = {k0, K - k0 < slice_len ? K - k0 : slice_len, K};
             for (int64_t m = 0; m + tile_m <= M; m += tile_m) {
-                if (wide) tile_3x4(y, x, w, bias, m, n0, len, N, &ks, &pf);
-                else tile_4x2(y, x, w, bias, m, n0, len, N, &ks, &pf);
+                if (wide) tile_3x4(y, x, w, bias, m, n0, N, &ks, &pf);
+                else tile_4x2(y, x, w, bias, m, n0, N, &ks, &pf);
             }
         }
         edge(y, x, w, bias, M / tile_m * tile_m, M, n0, n0 + tile_n, K, N);

@@ -21,8 +21,14 @@ from native_backend.models.layers import RMSNorm, RotaryEmbedding, TorchOps
 
 def _kernel_ready(*tensors: torch.Tensor) -> bool:
     """float32, contiguous, on the CPU, and no autograd (the kernels write in place)."""
-    return not torch.is_grad_enabled() and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return not torch.is_grad_enabled() and cpu_kernels.readable(*tensors, dtype=torch.float32)
+
+
+def check_positions(rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+    """The kernels index the rotary tables without bounds checks: a step's positions are checked
+    once (admission keeps them below the context length, so this is a guard, not a branch taken)."""
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rotary.cos.shape[0]:
+        raise IndexError(f"positions outside the rotary tables (0 .. {rotary.cos.shape[0] - 1})")
 
 
 @dataclass
@@ -48,10 +54,7 @@ class KernelOps(TorchOps):
         return residual, cpu_kernels.add_rms_norm_(residual, delta, w, norm.eps)
 
     def rope_tables(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> _RopeTables:
-        # The kernel indexes the tables without bounds checks: check the step's positions once here
-        # (admission keeps them below the context length, so this is a guard, not a branch taken).
-        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rotary.cos.shape[0]:
-            raise IndexError(f"positions outside the rotary tables (0 .. {rotary.cos.shape[0] - 1})")
+        check_positions(rotary, positions)
         return _RopeTables(positions, rotary)
 
     def rope(self, q, k, tables: _RopeTables):

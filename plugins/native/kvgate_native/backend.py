@@ -14,14 +14,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage
 from gateway.config import format_path
 from gateway.errors import APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
-from native_backend.cache_dir import kvgate_cache_dir
+from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
 from native_backend.engine_config import EngineConfig
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
@@ -69,10 +68,6 @@ class NativeSettings(BaseModel):
         model = default_model_path() if self.model == "default" else self.model
         fields = self.model_dump(exclude={"model", "startup_timeout_s", "tensor_parallel_size", "quantization"})
         return EngineConfig(model=model, tokenizer_cache_dir=str(tokenizer_cache_dir()), **fields)
-
-
-def tokenizer_cache_dir() -> Path:
-    return kvgate_cache_dir() / "tokenizers"
 
 
 class NativeBackend:
