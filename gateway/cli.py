@@ -25,7 +25,20 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file without serving")
     check.add_argument("config", help="YAML config file")
     check.set_defaults(func=_check)
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub) -> None:
+    """Subcommands from plugins (`register_commands`): the engine's `plan` lives with the engine."""
+    from gateway.plugins import collect_commands, make_plugin_manager
+
+    for name, command in collect_commands(make_plugin_manager()).factories.items():
+        if name in sub.choices:
+            raise ValueError(f"plugin command '{name}' would replace the built-in 'kvgate {name}'")
+        parser = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(parser)
+        parser.set_defaults(func=command.run)
 
 
 def _load_state(path: str):

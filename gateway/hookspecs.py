@@ -40,6 +40,18 @@ def register_routing_policies(register):
 
 
 @hookspec
+def register_commands(register):
+    """Register `kvgate` subcommands this plugin provides (the native engine's `kvgate plan`).
+
+    Called once each time the `kvgate` command line is built. Call `register(name: str, command)`
+    for each, where `command` has `help` (one line for `kvgate --help`),
+    `add_arguments(parser: argparse.ArgumentParser)` and `run(args: argparse.Namespace) -> int`
+    (the exit status). Every invocation builds every command's parser, so keep heavy imports
+    inside `run`. A name registered twice, or a built-in command's name, is an error.
+    """
+
+
+@hookspec
 def request_started(request_id, model, sla_class):
     """Called once when a request has been validated and is about to be routed.
 

@@ -93,6 +93,13 @@ def collect_routing_policies(pm: pluggy.PluginManager) -> Registry:
     return registry
 
 
+def collect_commands(pm: pluggy.PluginManager) -> Registry:
+    registry = Registry("command")
+    for impl in pm.hook.register_commands.get_hookimpls():
+        impl.function(register=registry.register_from(impl.plugin_name))
+    return registry
+
+
 def notify(pm: pluggy.PluginManager, hook_name: str, **kwargs) -> None:
     """Call an observer hook; a failing observer is logged, never allowed to fail a request."""
     hook = getattr(pm.hook, hook_name)

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from gateway.hookspecs import hookimpl
 from kvgate_native.backend import make_native_backend
+from kvgate_native.plan_cli import PlanCommand
 
 
 @hookimpl
 def register_backends(register, config):
     register("native", make_native_backend)
+
+
+@hookimpl
+def register_commands(register):
+    register("plan", PlanCommand)

