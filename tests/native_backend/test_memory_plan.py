@@ -203,3 +203,14 @@ def test_files_that_are_not_models_are_refused(tmp_path):
 def test_names_are_case_insensitive():
     assert model_shape("llama-2-70b") == LLAMA_2_70B
     assert plan(gpu="h200", tp=2).gpu_memory_bytes == GPUS["H200"]
+
+
+def test_planning_needs_no_torch():
+    """A plan is made on a laptop: the module, a GGUF read included, never imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from native_backend.memory_plan import model_shape; "
+            f"model_shape({smollm2_gguf()!r}); assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
