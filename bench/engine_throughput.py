@@ -40,6 +40,7 @@ static batches, and the batch-1 runs. For a divergent sequence: how many tokens 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -244,12 +245,12 @@ def _kvgate_warmup(engine, spec) -> None:
 def kvgate_throughput(spec) -> dict:
     engine, load_s = _engine(spec)
     _kvgate_warmup(engine, spec)
-    stats_before = engine.stats()
+    stats_before = dataclasses.asdict(engine.stats())
     rss_loaded = rss_mib()
     reset_ok = reset_peak_rss()
     w = spec["workload"]
     run = _kvgate_run(engine, w["prompts"], w["output_lens"], "r")
-    stats = engine.stats()
+    stats = dataclasses.asdict(engine.stats())
     tokens = [run["tokens"][rid] for rid in run["ids"]]
     out_tokens = sum(len(t) for t in tokens)
     ttft = [run["times"][rid][0] - run["start"] for rid in run["ids"] if run["times"][rid]]

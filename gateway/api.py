@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 
@@ -15,6 +14,7 @@ from gateway.auth import ApiKey
 from gateway.choices import OpenChoice, choice_requests, merged_events, open_choices
 from gateway.config import SlaClass
 from gateway.errors import APIError, InvalidRequestError, ModelNotFound, RateLimited
+from gateway.json_body import parse_body
 from gateway.plugins import notify
 from gateway.recorder import RequestRecorder
 from gateway.responses import (
@@ -79,16 +79,16 @@ async def _serve(request: Request, parse, id_prefix: str):
     state = request.app.state.kvgate
     registry, config = state.registry, state.config  # one consistent view across a reload
     key = _api_key(request)
-    parsed: ParsedRequest = parse(await _json_body(request), config.server.limits)
+    parsed: ParsedRequest = parse(await _json_body(request, config.server.limits), config.server.limits)
     pool = _resolve_pool(state, key, parsed.model)
     sla = _sla_class(request, state, key)
     if key is not None:
-        _admit_key(state, key)
+        _admit_key(state, key, parsed.num_choices)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     recorder = RequestRecorder(
         state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
         operation="chat" if parsed.chat else "text_completion", headers=request.headers,
-        path=request.url.path, sampling=parsed.sampling,
+        path=request.url.path, sampling=parsed.sampling, n=parsed.n,
     )
     notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
     shape = ResponseShape(
@@ -115,20 +115,16 @@ async def _serve(request: Request, parse, id_prefix: str):
     return JSONResponse(body) if finished else JSONResponse({}, status_code=499)
 
 
-def _admit_key(state, key: ApiKey) -> None:
+def _admit_key(state, key: ApiKey, choices: int) -> None:
     try:
-        state.limiter.admit(key)
+        state.limiter.admit(key, choices)  # each prompt x n is a request's worth of work
     except RateLimited:
         state.metrics.rate_limited.labels(key.name).inc()
         raise
 
 
-async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"The request body is not valid JSON: {exc}.") from None
+async def _json_body(request: Request, limits):
+    return parse_body(await request.body(), limits.max_json_depth)
 
 
 async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,

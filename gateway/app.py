@@ -73,6 +73,13 @@ def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
 
 
 async def health_live(request: Request) -> JSONResponse:
+    """200 while the process can serve or recover; 503 once a deployment says it never will
+    (an engine in a crash loop), so that Kubernetes restarts the pod."""
+    registry = request.app.state.kvgate.registry
+    fatal = {d.name: load.problem or "failed" for d in registry.deployments()
+             if d.started and (load := d.backend.load()).fatal}
+    if fatal:
+        return JSONResponse({"status": "failed", "deployments": fatal}, status_code=503)
     return JSONResponse({"status": "alive"})
 
 
@@ -80,7 +87,7 @@ async def health_ready(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
     registry = state.registry
     deployments = {
-        d.name: ("ready" if d.available else (d.start_error or "not ready"))
+        d.name: ("ready" if d.available else (d.start_error or d.backend.load().problem or "not ready"))
         for d in registry.deployments()
     }
     ready = registry.ready(state.config.server.readiness)

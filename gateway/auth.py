@@ -19,7 +19,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.config import ApiKeyConfig, AuthConfig, format_path
-from gateway.errors import AuthenticationError, RateLimited
+from gateway.errors import AuthenticationError, InvalidRequestError, RateLimited
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
 
@@ -155,15 +155,20 @@ class KeyLimiter:
         self._tokens: dict[str, _Window] = {}
         self._in_flight: dict[str, int] = {}
 
-    def admit(self, key: ApiKey) -> None:
-        """Count a new request against `key`, or raise 429 with how long to wait."""
+    def admit(self, key: ApiKey, weight: int = 1) -> None:
+        """Count a new request of `weight` choices (prompts x n) against `key`, or raise 429 with
+        how long to wait. A request larger than the key's whole minute can never pass."""
         now = self.clock()
         requests = self._requests.setdefault(key.name, _Window())
         tokens = self._tokens.setdefault(key.name, _Window())
         requests.trim(now)
         tokens.trim(now)
-        if key.requests_per_minute and requests.total >= key.requests_per_minute:
-            wait = requests.seconds_until_below(key.requests_per_minute, now)
+        if key.requests_per_minute and weight > key.requests_per_minute:
+            raise InvalidRequestError(f"This request has {weight} choices (prompts x n), more than the "
+                                      f"{key.requests_per_minute} requests per minute of key '{key.name}'.",
+                                      param="n")
+        if key.requests_per_minute and requests.total + weight > key.requests_per_minute:
+            wait = requests.seconds_until_below(key.requests_per_minute - weight + 1, now)
             raise RateLimited(f"Rate limit of {key.requests_per_minute} requests per minute reached for key '{key.name}'.",
                               retry_after_s=wait)
         if key.tokens_per_minute and tokens.total >= key.tokens_per_minute:
@@ -174,7 +179,7 @@ class KeyLimiter:
         if key.max_concurrency and in_flight >= key.max_concurrency:
             raise RateLimited(f"Key '{key.name}' already has {in_flight} requests in flight (its limit).",
                               retry_after_s=1)
-        requests.add(now, 1)
+        requests.add(now, weight)
         self._in_flight[key.name] = in_flight + 1
 
     def finish(self, key: ApiKey, tokens: int) -> None:

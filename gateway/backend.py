@@ -103,8 +103,12 @@ class LoadSnapshot:
     running: int = 0  # requests being generated
     kv_cache_usage: float = 0.0  # 0..1 fraction of KV-cache blocks in use
     capacity: int = 0  # concurrent requests it can run; 0 means unknown
-    healthy: bool = True  # False once the backend knows it cannot serve (engine died)
+    healthy: bool = True  # False once the backend knows it cannot serve (engine died, restarting)
     extra: dict[str, float] = field(default_factory=dict)  # engine counters (prefix hits, ...)
+    problem: str | None = None  # why it is not healthy, for operators (status page, readiness body)
+    # True when it cannot recover by itself (an engine in a crash loop): the gateway's liveness
+    # probe then fails, so the orchestrator restarts the whole process.
+    fatal: bool = False
 
 
 @runtime_checkable

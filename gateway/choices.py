@@ -5,6 +5,9 @@ so a refusal is still an ordinary HTTP error. A deployment that fails before its
 (error, refused connection, first-token timeout) is charged to its breaker and the choice is
 retried on another deployment of the pool, then on the model's fallback chain; nothing has been
 sent yet, so nothing is duplicated. After the first token a failure can only end the stream.
+An error the request caused (`backend_fault` false: bad values found late, a request that
+failed alone inside its engine) is neither charged nor retried elsewhere. Load refusals (429,
+503) are retried elsewhere without a charge.
 Closing a choice always releases its slot and aborts it on its backend unless it finished.
 """
 
@@ -18,7 +21,7 @@ from typing import AsyncIterator
 
 from gateway.admission import Ticket
 from gateway.backend import GenerationRequest, TokenEvent
-from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError, Overloaded, RateLimited
+from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.models import Deployment, ModelPool, ModelRegistry
 from gateway.routing import load_score
 from gateway.schemas import ParsedRequest
@@ -58,8 +61,9 @@ class OpenChoice:
             except asyncio.TimeoutError:
                 self.deployment.breaker.record_failure()
                 raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") from None
-            except APIError:
-                self.deployment.breaker.record_failure()
+            except APIError as exc:
+                if exc.backend_fault:
+                    self.deployment.breaker.record_failure()
                 raise
             except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
                 self.deployment.breaker.record_failure()
@@ -98,7 +102,7 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
             index = p * parsed.n + i
             sampling = parsed.sampling
             if sampling.seed is not None and i:
-                sampling = replace(sampling, seed=sampling.seed + i)
+                sampling = replace(sampling, seed=(sampling.seed + i) % 2**63)  # stays in range
             out.append(
                 replace(
                     base,
@@ -142,16 +146,18 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
             span = recorder.attempt(deployment, deployment.upstream_model, attempts)
             try:
                 choice = await _open_on(current, deployment, index, _traced(request, recorder, span))
-            except InvalidRequestError as exc:
-                current.release(deployment)
-                recorder.attempt_failed(span, deployment, exc)
-                raise  # the request itself is bad: another backend will say the same
             except APIError as exc:
                 current.release(deployment)
-                recorder.attempt_failed(span, deployment, exc)
+                recorder.attempt_failed(span, deployment, exc, retried=not _request_fault(exc))
+                if _request_fault(exc):
+                    raise  # the request itself is bad: another backend will say the same
                 last_error = exc
                 log.warning("choice %s failed on %s before its first token (%s); failing over",
                             request.request_id, deployment.name, exc.code)
+            except BaseException:  # cancelled (the client left): give the slot back, then go
+                current.release(deployment)
+                recorder.attempt_failed(span, deployment, None, retried=False)
+                raise
             else:
                 choice.attempts, choice.span, choice.recorder = attempts, span, recorder
                 if current is not pool:
@@ -159,6 +165,11 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
                 return choice
             deployment = current.take(request, exclude=frozenset(tried))
     raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
+
+
+def _request_fault(exc: APIError) -> bool:
+    """Caused by the request (not a backend fault, not load): no failover, no breaker charge."""
+    return not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)
 
 
 async def _admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, recorder):
@@ -212,20 +223,27 @@ async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request:
         await _close_events(events)
         await _abort(deployment, request.request_id)
         raise BackendTimeout(f"The backend '{deployment.name}' sent no token within {timeout:g} s.") from None
-    except InvalidRequestError:
-        deployment.breaker.release_probe()
-        raise
-    except LOAD_ERRORS:
-        deployment.breaker.release_probe()
-        raise
-    except APIError:
-        deployment.breaker.record_failure()
+    except APIError as exc:
+        if exc.backend_fault:
+            deployment.breaker.record_failure()
+        else:  # the request's fault, or load: no verdict on the backend
+            deployment.breaker.release_probe()
         raise
     except Exception as exc:  # noqa: BLE001
         deployment.breaker.record_failure()
         raise _backend_failure(deployment, exc) from exc
+    except BaseException:  # cancelled before the first token (the client left)
+        deployment.breaker.release_probe()
+        await asyncio.shield(_give_up(deployment, events, request.request_id))
+        raise
     deployment.breaker.record_success()
     return OpenChoice(index, request, pool, deployment, events, first)
+
+
+async def _give_up(deployment: Deployment, events, request_id: str) -> None:
+    """Stop a backend request nobody waits for any more, at once (not when it would finish)."""
+    await _close_events(events)
+    await _abort(deployment, request_id)
 
 
 def _backend_failure(deployment: Deployment, exc: Exception) -> BackendError:

@@ -27,6 +27,14 @@ class RequestLimits(StrictModel):
     max_stop: int = Field(4, ge=0, description="Most stop strings per request.")
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs / logprobs.")
     max_messages: int = Field(256, gt=0, description="Most chat messages per request.")
+    # A request's total work: what one body can make the backends do.
+    max_prompts: int = Field(32, gt=0, description="Most prompts in one completions request.")
+    max_choices: int = Field(64, gt=0, description="Most choices per request: n x the number of prompts.")
+    max_prompt_tokens: int = Field(65536, gt=0, description="Most token ids across the token-id prompts of "
+                                   "one request (text is bounded by max_body_bytes; each prompt by the context).")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids per request.")
+    max_stop_chars: int = Field(256, gt=0, description="Longest stop string, in characters.")
+    max_json_depth: int = Field(32, gt=0, description="Deepest nesting of arrays and objects in a body.")
 
 
 class ServerConfig(StrictModel):

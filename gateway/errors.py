@@ -4,6 +4,10 @@ Every refusal the gateway or a backend makes is one of these. Each knows its HTT
 error `type` and `code`, and renders as `{"error": {"message", "type", "param", "code"}}`.
 Backends raise them from `generate` to refuse a request; the gateway turns them into responses.
 Messages are for clients: never a traceback, a path or a secret.
+
+`backend_fault` says whether an error raised by a backend means the backend is broken: only those
+are charged to its circuit breaker and retried on another deployment. An error the request
+caused (bad values found late, by a tokenizer say) goes back to the client as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ class APIError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    backend_fault = True  # raised by a backend: the backend is broken (see the module doc)
 
     def __init__(
         self,
@@ -44,6 +49,17 @@ class InvalidRequestError(APIError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_value"
+    backend_fault = False
+
+
+class RequestFailed(APIError):
+    """This request failed alone inside a healthy backend (the engine dropped it and went on):
+    not the backend's fault in the breaker's sense, and not worth another deployment's time."""
+
+    status = 500
+    type = "server_error"
+    code = "request_failed"
+    backend_fault = False
 
 
 class ContextLengthExceeded(InvalidRequestError):
@@ -54,19 +70,29 @@ class RequestTooLarge(APIError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+    backend_fault = False
 
 
 class AuthenticationError(APIError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    backend_fault = False
 
     def __init__(self, message: str = "Missing or invalid API key.", **kw):
         super().__init__(message, **kw)
         self.headers.setdefault("WWW-Authenticate", "Bearer")
 
 
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+    backend_fault = False
+
+
 class NotFoundError(APIError):
+    # From a backend a 404 means the deployment names a model its upstream lacks: a fault.
     status = 404
     type = "invalid_request_error"
     code = "not_found"
@@ -83,6 +109,7 @@ class MethodNotAllowed(APIError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+    backend_fault = False
 
 
 class _RetryAfterError(APIError):
@@ -97,12 +124,14 @@ class RateLimited(_RetryAfterError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    backend_fault = False  # load: tried elsewhere, not charged
 
 
 class Overloaded(_RetryAfterError):
     status = 503
     type = "service_unavailable_error"
     code = "server_is_overloaded"
+    backend_fault = False  # load: tried elsewhere, not charged
 
 
 class BackendError(APIError):
@@ -111,6 +140,16 @@ class BackendError(APIError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+
+class ClientClosedRequest(APIError):
+    """The client went away before the answer (nginx's 499). Nobody reads the response; it is
+    counted as cancelled, not as a failure of the service."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+    backend_fault = False
 
 
 class BackendTimeout(APIError):

@@ -73,6 +73,7 @@ class _LiveCollector:
         yield from _pool_gauges(state.registry)
         yield from _deployment_gauges(state.registry)
         yield from _engine_metrics(state.registry)
+        yield from _restart_counters(state.registry)
 
 
 def _pool_gauges(registry):
@@ -112,6 +113,16 @@ ENGINE_SERIES = (
     ("kvgate_engine_step_seconds", None, "Time spent in engine steps.", "counter", "step_seconds"),
     ("kvgate_engine_kv_blocks_total", None, "KV-cache blocks in the engine.", "gauge", "kv_blocks_total"),
 )
+
+
+def _restart_counters(registry):
+    restarts = CounterMetricFamily("kvgate_engine_restarts", "Engine processes restarted after a death or hang.",
+                                   labels=["model", "deployment"])
+    for d in registry.deployments():
+        load = d.backend.load() if d.started else None
+        if load is not None and "engine_restarts" in load.extra:
+            restarts.add_metric([d.model, d.name], load.extra["engine_restarts"])
+    yield restarts
 
 
 def _engine_metrics(registry):

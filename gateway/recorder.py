@@ -15,10 +15,11 @@ from gateway.tracing import PROVIDER, RequestTrace
 
 class RequestRecorder:
     def __init__(self, state, *, key, request_id: str, model: str, sla_class: str, operation: str,
-                 headers, path: str, sampling):
+                 headers, path: str, sampling, n: int = 1):
         self.state, self.metrics = state, state.metrics
         self.key, self.request_id, self.model, self.sla_class = key, request_id, model, sla_class
         self.operation = operation
+        self.n = n  # choices per prompt: each one reads its prompt (what a key's tokens/min counts)
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self._last_token: dict[int, float] = {}
@@ -58,10 +59,13 @@ class RequestRecorder:
             "gen_ai.request.model": upstream_model, "kvgate.deployment": deployment.name,
             "kvgate.attempt": number}, client=True)
 
-    def attempt_failed(self, span, deployment, error) -> None:
-        self.metrics.retries.labels(self.model, deployment.name).inc()
+    def attempt_failed(self, span, deployment, error, retried: bool = True) -> None:
+        """An attempt failed before its first token (error None: it was cancelled)."""
+        if retried:
+            self.metrics.retries.labels(self.model, deployment.name).inc()
         if span is not None:
-            self.trace.fail(span, error.code or type(error).__name__, error.message)
+            if error is not None:
+                self.trace.fail(span, error.code or type(error).__name__, error.message)
             span.end()
 
     def attempt_done(self, span, last_event: TokenEvent | None, finished: bool) -> None:
@@ -110,11 +114,18 @@ class RequestRecorder:
         if status == 429 and self.key is not None:
             m.rate_limited.labels(self.key.name).inc()
         if self.key is not None:
-            self.state.limiter.finish(self.key, (usage or {}).get("total_tokens", 0))
+            self.state.limiter.finish(self.key, _key_tokens(usage, self.n))
         if self.trace is not None:
             self.trace.end(status, _response_attributes(self.request_id, self.model, usage, finish_reasons))
         notify(self.state.pm, "request_finished", request_id=self.request_id, model=self.model,
                status=status, usage=usage)
+
+
+def _key_tokens(usage: dict | None, n: int) -> int:
+    """Tokens charged to a key: every choice's prompt and completion (usage counts a prompt once)."""
+    if not usage:
+        return 0
+    return usage.get("prompt_tokens", 0) * n + usage.get("completion_tokens", 0)
 
 
 def _request_attributes(operation, model, path, sla_class, key, sampling) -> dict:

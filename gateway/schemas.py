@@ -9,13 +9,18 @@ Parameters fall in three groups, and none is silently misread:
 - anything else: rejected as an unrecognized argument, the way OpenAI does.
 vLLM-style extensions are supported: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`.
+
+Every number is bounded to what every backend can represent (seeds are unsigned 63-bit, token
+ids and top_k signed 32-bit, floats finite), and a request's total work by `server.limits`
+(prompts, choices, token ids, stop criteria), so no value can reach an engine that would fail
+there for everyone.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -24,6 +29,10 @@ from gateway.config import RequestLimits, format_path
 from gateway.errors import InvalidRequestError
 
 IGNORED = ("metadata", "store", "service_tier", "parallel_tool_calls")
+
+MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
+MAX_INT32 = 2**31 - 1  # token ids and top_k, as engines index them
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class _Strict(BaseModel):
@@ -44,14 +53,14 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
-    user: str | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    user: str | None = Field(None, max_length=512)
     # vLLM-style extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     # accepted, ignored (they do not change the output)
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -81,7 +90,7 @@ class _Common(_Strict):
 
 
 class CompletionBody(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -168,6 +177,7 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
     req = _validate(CompletionBody, body)
     prompts = _prompt_list(req.prompt)
     _check_limits(req, req.max_tokens, req.logprobs, limits)
+    _check_prompts(prompts, req.n, limits)
     return ParsedRequest(
         chat=False,
         model=req.model,
@@ -264,6 +274,30 @@ def _check_limits(req: _Common, max_tokens, logprobs, limits: RequestLimits) -> 
         raise InvalidRequestError(
             f"At most {limits.max_top_logprobs} top logprobs are allowed.", param="logprobs"
         )
+    longest = max(map(len, req.stop_list()), default=0)
+    if longest > limits.max_stop_chars:
+        raise InvalidRequestError(
+            f"A stop sequence is {longest} characters, over this server's limit of {limits.max_stop_chars}.",
+            param="stop")
+    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            f"At most {limits.max_stop_token_ids} stop_token_ids are allowed.", param="stop_token_ids")
+
+
+def _check_prompts(prompts: list, n: int, limits: RequestLimits) -> None:
+    """The request's total work: prompts, choices (prompts x n) and token ids across prompts."""
+    if len(prompts) > limits.max_prompts:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompts, over this server's limit of {limits.max_prompts} per request.", param="prompt")
+    if len(prompts) * n > limits.max_choices:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices, over this server's limit of "
+            f"{limits.max_choices} per request.", param="n")
+    token_ids = sum(len(p) for p in prompts if isinstance(p, list))
+    if token_ids > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"The prompts hold {token_ids} token ids, over this server's limit of {limits.max_prompt_tokens}.",
+            param="prompt")
 
 
 def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -82,9 +82,11 @@ def _deployment(d) -> dict:
             "preemptions": load.extra.get("num_preemptions", 0),
             "kv_blocks_total": load.extra.get("kv_blocks_total"),
         }
+    if "engine_restarts" in load.extra:
+        engine = {**(engine or {}), "restarts": load.extra["engine_restarts"]}
     return {
         "name": d.name, "backend": d.config.backend if d.config else None,
-        "up": bool(d.started and load.healthy), "start_error": d.start_error,
+        "up": bool(d.started and load.healthy), "start_error": d.start_error, "problem": load.problem,
         "breaker": d.breaker.state, "in_flight": d.in_flight,
         "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,
         "capacity": load.capacity, "engine": engine,

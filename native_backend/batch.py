@@ -65,3 +65,5 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> one SampledLogprobs per sampled token, only for requests that asked for them.
     logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # request_id -> why its sampling failed: that request ends alone, the batch goes on.
+    errors: dict[str, str] = field(default_factory=dict)

@@ -8,6 +8,12 @@
 
 Pipe I/O lives in two threads so the event loop never blocks on it: a long prompt can fill the
 pipe while the engine is busy in a forward pass, and a read must not stall other requests.
+
+Watchdog: once ready, the engine sends something (outputs, stats, or a heartbeat) at least every
+heartbeat_s. When the reader hears nothing for `watchdog_s`, the process is stopped or a step
+hangs: the reader kills it, and the exit is handled like any other death (every in-flight
+request fails with EngineDeadError naming the cause, `on_exit` is called). Restarting is the
+owner's decision (the native plugin's supervisor).
 """
 
 from __future__ import annotations
@@ -21,14 +27,13 @@ import multiprocessing.util
 import queue
 import signal
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from native_backend.engine_process import (
-    ABORT, ADD, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STARTUP_FAILED, STATS, CoreFactory,
-    pack_factory, run_engine_process)
+from native_backend.engine_process import HEARTBEAT_S, CoreFactory, pack_factory, run_engine_process
 from native_backend.protocol import (
-    EngineDeadError, EngineRequest, EngineStartupError, RequestOutput)
+    EngineDeadError, EngineRequest, EngineStartupError, EngineStats, Msg, RequestOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +55,25 @@ class AsyncEngineClient:
         startup_timeout_s: float = 600.0,  # loading weights and warming up can take minutes
         stats_interval_s: float = 0.25,
         process_name: str = "kvgate-engine",
+        watchdog_s: float | None = None,  # silence after which a ready engine counts as hung
+        heartbeat_s: float = HEARTBEAT_S,
+        on_exit: Callable[[str], None] | None = None,  # called in the loop with the cause of death
     ):
+        if watchdog_s is not None and watchdog_s <= max(heartbeat_s, stats_interval_s):
+            raise ValueError("watchdog_s must be longer than the engine's heartbeat")
         self._factory = factory
         self._factory_args = factory_args
         self._factory_kwargs = factory_kwargs or {}
         self._startup_timeout_s = startup_timeout_s
         self._stats_interval_s = stats_interval_s
         self._process_name = process_name
+        self._watchdog_s = watchdog_s
+        self._heartbeat_s = heartbeat_s
+        self._on_exit = on_exit
+        self._exit_reported = False
+        self._heard_ready = False  # set by the reader thread: the watchdog runs from then on
+        self.last_heard = time.monotonic()
+        self.description: str | None = None  # what the engine runs (from its ready message)
 
         self._process: multiprocessing.process.BaseProcess | None = None
         self._to_engine: multiprocessing.connection.Connection | None = None
@@ -67,7 +84,7 @@ class AsyncEngineClient:
         self._ready: asyncio.Future | None = None
 
         self._streams: dict[str, _RequestStream] = {}
-        self._stats: dict = {}
+        self._stats = EngineStats()
         self._alive = False
         self._death_reason: str | None = None
 
@@ -85,7 +102,7 @@ class AsyncEngineClient:
         self._process = ctx.Process(
             target=run_engine_process,
             args=(pack_factory(self._factory, self._factory_args, self._factory_kwargs),
-                  engine_inbox, engine_outbox, self._stats_interval_s),
+                  engine_inbox, engine_outbox, self._stats_interval_s, self._heartbeat_s),
             name=self._process_name,
             daemon=False,  # a daemonic process may not start its own workers (e.g. tensor parallel)
         )
@@ -119,7 +136,7 @@ class AsyncEngineClient:
         if self._process is None:
             return
         self._death_reason = self._death_reason or "engine was shut down"
-        self._send((SHUTDOWN,))
+        self._send((Msg.SHUTDOWN,))
         await self._stop(kill=False, timeout_s=timeout_s)
 
     async def _stop(self, kill: bool, timeout_s: float = 5.0) -> None:
@@ -146,7 +163,15 @@ class AsyncEngineClient:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def stats(self) -> dict:
+    @property
+    def death_reason(self) -> str | None:
+        return self._death_reason
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
         """The engine's latest stats snapshot (no I/O; at most stats_interval_s old while busy)."""
         return self._stats
 
@@ -166,7 +191,7 @@ class AsyncEngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _RequestStream()
         self._streams[request_id] = stream
-        self._send((ADD, request))
+        self._send((Msg.ADD, request))
         try:
             while True:
                 output, error = _coalesce(await stream.take_all())
@@ -189,7 +214,7 @@ class AsyncEngineClient:
             return
         stream.put(RequestOutput(request_id, [], "", finish_reason="abort"))
         if self._alive:
-            self._send((ABORT, request_id))
+            self._send((Msg.ABORT, request_id))
 
     def _check_accepting(self) -> None:
         if self._alive and self._ready is not None and self._ready.done():
@@ -207,28 +232,39 @@ class AsyncEngineClient:
         """Runs in the event loop: route each engine message."""
         for message in messages:
             tag = message[0]
-            if tag == OUTPUTS:
+            if tag is Msg.OUTPUTS:
                 for output in message[1]:
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:  # else: aborted here, the engine had not heard yet
-                        stream.put(output)
-            elif tag == ERROR:
+                    self._route_output(output)
+            elif tag is Msg.ERROR:
                 stream = self._streams.pop(message[1], None)
                 if stream is not None:
                     stream.put(message[2])
-            elif tag == STATS:
+            elif tag is Msg.STATS:
                 self._stats = message[1]
-            elif tag == READY:
+            elif tag is Msg.READY:
+                self.description = message[2]
                 if not self._ready.done():
                     self._ready.set_result(message[1])
-            elif tag == STARTUP_FAILED:
+            elif tag is Msg.STARTUP_FAILED:
                 self._death_reason = f"engine failed to start: {message[1]}"
                 logger.error("%s\n%s", self._death_reason, message[2])
                 if not self._ready.done():
                     self._ready.set_exception(EngineStartupError(self._death_reason))
-            elif tag == FATAL:
+            elif tag is Msg.FATAL:
                 self._death_reason = f"engine crashed: {message[1]}"
                 logger.error("%s\n%s", self._death_reason, message[2])
+
+    def _route_output(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # aborted here, the engine had not heard yet
+        if output.error is not None:  # the request failed alone: its consumer gets the error
+            del self._streams[output.request_id]
+            if output.new_token_ids or output.new_text:
+                stream.put(_without_error(output))
+            stream.put(output.error)
+        else:
+            stream.put(output)
 
     def _on_engine_exit(self) -> None:
         """Runs in the event loop once the engine is gone (idempotent): fail everything in flight."""
@@ -241,6 +277,9 @@ class AsyncEngineClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(EngineDeadError(reason))
+        if self._on_exit is not None and not self._exit_reported:
+            self._exit_reported = True
+            self._on_exit(reason)
 
     # ------------------------------------------------------------------ threads
 
@@ -254,17 +293,31 @@ class AsyncEngineClient:
         conn, sentinel = self._from_engine, self._process.sentinel
         try:
             while True:
-                ready = multiprocessing.connection.wait([conn, sentinel])
+                timeout = self._watchdog_s if self._heard_ready else None
+                ready = multiprocessing.connection.wait([conn, sentinel], timeout)
+                if not ready:
+                    self._kill_hung()
+                    break
                 if conn not in ready:
                     break  # the process ended and nothing is left to read
                 messages = [conn.recv()]
                 while conn.poll(0):
                     messages.append(conn.recv())
+                self.last_heard = time.monotonic()
+                self._heard_ready |= any(m[0] is Msg.READY for m in messages)
                 self._call_in_loop(self._dispatch, messages)
         except (EOFError, OSError):
             pass  # the engine closed its end: it exited or died
         self._process.join(1.0)  # so the exit code can say how it ended
         self._call_in_loop(self._on_engine_exit)
+
+    def _kill_hung(self) -> None:
+        """Reader thread: the engine said nothing for watchdog_s (stopped, or a step hangs)."""
+        reason = f"engine hung: no word from it for {self._watchdog_s:g} s (watchdog); killed"
+        self._death_reason = self._death_reason or reason
+        logger.error("engine process %s: %s", self._process.pid, reason)
+        self._process.kill()  # SIGKILL works on a stopped process too
+        self._process.join(5.0)
 
     def _write_loop(self) -> None:
         """Writer thread: send queued commands, batching whatever piled up into one message."""
@@ -324,6 +377,13 @@ def _coalesce(items: list) -> tuple[RequestOutput | None, BaseException | None]:
         if merged.finished:
             break  # nothing after a finished output belongs to this request
     return merged, None
+
+
+def _without_error(output: RequestOutput) -> RequestOutput:
+    """The text a failing request produced in its last step, as an unfinished delta."""
+    return RequestOutput(output.request_id, output.new_token_ids, output.new_text,
+                         logprobs=output.logprobs, num_prompt_tokens=output.num_prompt_tokens,
+                         num_output_tokens=output.num_output_tokens)
 
 
 def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -17,7 +17,7 @@ from native_backend.engine_config import EngineConfig
 from native_backend.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
 from native_backend.loader import load_model
 from native_backend.model_runner import ModelRunner
-from native_backend.protocol import EngineError, EngineRequest, RequestOutput, TokenLogprobs
+from native_backend.protocol import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
 from native_backend.scheduler import Scheduler, SchedulerConfig, StepResult
 from native_backend.sequence import Sequence
 from native_backend.stop import StopStringMatcher
@@ -82,6 +82,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0
+        self.num_failed_requests = 0  # failed alone (their fault) while the others went on
         log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.describe())
 
     def describe(self) -> str:
@@ -106,6 +107,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineRequest) -> None:
+        request.check(self.model_config.vocab_size)  # what would fail inside a batched step
         self._check_lengths(request)
         sampling = request.sampling
         extra_eos = tuple(t for t in self.eos_token_ids[1:] if t not in sampling.stop_token_ids)
@@ -154,7 +156,7 @@ class LLMEngine:
         self._note_prefill(scheduled)
         runner_output = self.runner.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
-        outputs = [self._to_output(r) for r in results if r.request_id in self._texts]
+        outputs = [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
@@ -167,6 +169,23 @@ class LLMEngine:
             if state is not None and state.first_token is None:
                 state.scheduled = state.scheduled or now
                 state.prefill_chunks += 1
+
+    def _to_output_or_error(self, result: StepResult) -> RequestOutput:
+        """One request's output; a failure of its own (sampling, text) ends that request alone."""
+        try:
+            if result.error is None:
+                return self._to_output(result)
+            message = result.error
+        except Exception as exc:  # noqa: BLE001 - the request's tokens/stops are the cause
+            message = f"output processing failed: {type(exc).__name__}: {exc}"
+        log.warning("request %s failed alone: %s", result.request_id, message)
+        self.num_failed_requests += 1
+        self.scheduler.finish(result.request_id, "abort")  # no-op if it already ended
+        self._texts.pop(result.request_id, None)
+        return RequestOutput(result.request_id, [], "", finish_reason="abort",
+                             num_prompt_tokens=result.num_prompt_tokens,
+                             num_output_tokens=result.num_output_tokens,
+                             error=EngineError("internal", message))
 
     def _to_output(self, result: StepResult) -> RequestOutput:
         state = self._texts[result.request_id]
@@ -203,21 +222,22 @@ class LLMEngine:
         text = self.tokenizer.token_text
         return [TokenLogprobs(lp, text(lp.token_id), tuple(text(t) for t, _ in lp.top)) for lp in result.logprobs]
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats()
-        return {
-            "num_waiting": s.num_waiting,
-            "num_running": s.num_running,
-            "kv_cache_usage": s.kv_cache_usage,
-            "kv_blocks_total": self.plan.num_blocks,
-            "kv_blocks_used": round(s.kv_cache_usage * self.plan.num_blocks),
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": s.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_step_tokens": self.num_step_tokens,
-            "step_seconds": self.step_seconds,
-        }
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_cache_usage=s.kv_cache_usage,
+            kv_blocks_total=self.plan.num_blocks,
+            kv_blocks_used=round(s.kv_cache_usage * self.plan.num_blocks),
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
+            num_step_tokens=self.num_step_tokens,
+            step_seconds=self.step_seconds,
+            num_failed_requests=self.num_failed_requests,
+        )
 
 
 def make_engine_core(config: EngineConfig) -> LLMEngine:

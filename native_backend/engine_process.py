@@ -6,13 +6,12 @@
                                                                blocks until a command when idle)
                                                      step     (one forward pass)
                                                      send     (all outputs of the step: ONE message)
-    reader thread <── (tag, payload) ─── outbox <──  stats    (every stats_interval_s, if changed)
+    reader thread <── (Msg, payload) ─── outbox <──  stats    (every stats_interval_s if changed,
+                                                               and at least every heartbeat_s)
 
-Commands (parent -> engine), sent as lists so a burst of requests costs one pipe write:
-    ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
-Messages (engine -> parent):
-    ("ready", stats) | ("startup_failed", summary, traceback) | ("outputs", [RequestOutput, ...])
-    | ("error", request_id, EngineError) | ("stats", dict) | ("fatal", summary, traceback)
+The messages are tuples tagged with `protocol.Msg` (listed there). The stats double as a
+heartbeat: a parent that hears nothing for longer than its watchdog allows knows the process is
+stopped or a step hangs, even when the engine is idle.
 
 Only the standard library and native_backend.protocol are imported here: the factory's module
 (and torch with it) is imported in the child, never in the parent.
@@ -30,13 +29,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from native_backend.protocol import EngineCoreProtocol, EngineError, EngineRequest
+from native_backend.protocol import EngineCoreProtocol, EngineError, EngineRequest, EngineStats, Msg
 
-# Command tags (parent -> engine).
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-# Message tags (engine -> parent).
-READY, STARTUP_FAILED, OUTPUTS, ERROR, STATS, FATAL = (
-    "ready", "startup_failed", "outputs", "error", "stats", "fatal")
+HEARTBEAT_S = 1.0  # an idle engine still sends its stats this often
 
 # A factory is a module-level callable, or "package.module:function" so the parent need not
 # import the module at all.
@@ -59,7 +54,7 @@ def pack_factory(factory: CoreFactory, args: tuple, kwargs: dict[str, Any]) -> b
 
 
 def run_engine_process(packed_factory: bytes, inbox: Connection, outbox: Connection,
-                       stats_interval_s: float) -> None:
+                       stats_interval_s: float, heartbeat_s: float = HEARTBEAT_S) -> None:
     """Entry point of the spawned process."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -67,15 +62,15 @@ def run_engine_process(packed_factory: bytes, inbox: Connection, outbox: Connect
         factory, args, kwargs = pickle.loads(packed_factory)
         core = resolve_factory(factory)(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - anything here is a start-up failure to report
-        _send_quietly(outbox, (STARTUP_FAILED, _summary(exc), traceback.format_exc()))
+        _send_quietly(outbox, (Msg.STARTUP_FAILED, _summary(exc), traceback.format_exc()))
         sys.exit(1)
     try:
-        outbox.send((READY, {**core.stats(), "engine": _describe(core)}))  # what it runs, for the log
-        EngineLoop(core, inbox, outbox, stats_interval_s).run()
+        outbox.send((Msg.READY, core.stats(), _describe(core)))  # what it runs, for the log
+        EngineLoop(core, inbox, outbox, stats_interval_s, heartbeat_s).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent went away: nobody is left to serve
     except BaseException as exc:  # noqa: BLE001 - the core is in an unknown state: report and die
-        _send_quietly(outbox, (FATAL, _summary(exc), traceback.format_exc()))
+        _send_quietly(outbox, (Msg.FATAL, _summary(exc), traceback.format_exc()))
         sys.exit(1)
 
 
@@ -83,14 +78,16 @@ class EngineLoop:
     """Receive commands, step the core, send outputs; until told to shut down."""
 
     def __init__(self, core: EngineCoreProtocol, inbox: Connection, outbox: Connection,
-                 stats_interval_s: float):
+                 stats_interval_s: float, heartbeat_s: float = HEARTBEAT_S):
         self.core = core
         self.inbox = inbox
         self.outbox = outbox
         self.stats_interval_s = stats_interval_s
+        self.heartbeat_s = max(heartbeat_s, stats_interval_s)
         self._running = True
-        self._last_stats: dict | None = None
+        self._last_stats: EngineStats | None = None
         self._next_stats_at = 0.0
+        self._last_sent_at = 0.0
 
     def run(self) -> None:
         while self._running:
@@ -109,11 +106,11 @@ class EngineLoop:
 
     def _apply(self, command: tuple) -> None:
         tag = command[0]
-        if tag == ADD:
+        if tag is Msg.ADD:
             self._add(command[1])
-        elif tag == ABORT:
+        elif tag is Msg.ABORT:
             self.core.abort(command[1])
-        elif tag == SHUTDOWN:
+        elif tag is Msg.SHUTDOWN:
             self._running = False
         else:
             raise ValueError(f"unknown engine command {tag!r}")
@@ -122,15 +119,19 @@ class EngineLoop:
         try:
             self.core.add_request(request)
         except EngineError as exc:
-            self.outbox.send((ERROR, request.request_id, exc))
+            self._send((Msg.ERROR, request.request_id, exc))
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the engine down
-            error = EngineError("internal", f"{_summary(exc)}")
-            self.outbox.send((ERROR, request.request_id, error))
+            self.core.abort(request.request_id)  # whatever part of it got in
+            self._send((Msg.ERROR, request.request_id, EngineError("internal", _summary(exc))))
 
     def _step(self) -> None:
         outputs = self.core.step()
         if outputs:
-            self.outbox.send((OUTPUTS, outputs))
+            self._send((Msg.OUTPUTS, outputs))
+
+    def _send(self, message: tuple) -> None:
+        self.outbox.send(message)
+        self._last_sent_at = time.monotonic()
 
     def _time_to_next_stats(self) -> float:
         return max(0.0, self._next_stats_at - time.monotonic())
@@ -141,8 +142,9 @@ class EngineLoop:
             return
         self._next_stats_at = now + self.stats_interval_s
         stats = self.core.stats()
-        if stats != self._last_stats:  # an idle engine stays quiet
-            self.outbox.send((STATS, stats))
+        # An idle engine sends only a heartbeat now and then, so the parent knows it is alive.
+        if stats != self._last_stats or now - self._last_sent_at >= self.heartbeat_s:
+            self._send((Msg.STATS, stats))
             self._last_stats = stats
 
 

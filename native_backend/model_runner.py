@@ -53,8 +53,10 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_logit_rows, vocab)
         rows = [_sampling_row(c) for c in sampling_chunks for _ in range(c.num_logits)]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler(logits, rows, errors=output.errors)
         for row, token, lp in zip(rows, tokens, logprobs):
+            if row.request_id in output.errors:
+                continue  # fails alone in Scheduler.update
             output.sampled_token_ids.setdefault(row.request_id, []).append(token)
             if lp is not None:
                 output.logprobs.setdefault(row.request_id, []).append(lp)

@@ -3,8 +3,8 @@
     gateway process                                    engine process
     AsyncEngineClient ── EngineRequest / abort ──────> engine loop ──> EngineCore.add_request/abort
                       <── [RequestOutput, ...] per step ─            <── EngineCore.step()
-                      <── EngineError (request refused)
-                      <── stats snapshot (periodic)
+                      <── EngineError (request refused, or failed alone mid-way)
+                      <── EngineStats snapshot (periodic; a heartbeat when idle)
 
 Everything here pickles cheaply and imports nothing heavy (no torch), so the gateway side can
 use it without loading the engine.
@@ -12,6 +12,7 @@ use it without loading the engine.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -21,6 +22,49 @@ from native_backend.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 EngineErrorKind = Literal["invalid", "context_length", "overloaded", "internal"]
+
+# Every id a tokenizer hands out fits in a signed 32-bit int (what the device kernels index with).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class Msg(enum.Enum):
+    """What crosses the pipes. Each message is a tuple whose first item is one of these.
+
+    parent -> engine (sent in lists, so a burst costs one pipe write):
+        (ADD, EngineRequest) | (ABORT, request_id) | (SHUTDOWN,)
+    engine -> parent:
+        (READY, EngineStats, description) | (STARTUP_FAILED, summary, traceback)
+        | (OUTPUTS, [RequestOutput, ...]) | (ERROR, request_id, EngineError)
+        | (STATS, EngineStats) | (FATAL, summary, traceback)
+    """
+
+    ADD = enum.auto()
+    ABORT = enum.auto()
+    SHUTDOWN = enum.auto()
+    READY = enum.auto()
+    STARTUP_FAILED = enum.auto()
+    OUTPUTS = enum.auto()
+    ERROR = enum.auto()
+    STATS = enum.auto()
+    FATAL = enum.auto()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot of one engine core, sent to the gateway side every stats interval."""
+
+    num_waiting: int = 0  # requests admitted and not yet running
+    num_running: int = 0  # requests holding KV blocks
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (since start)
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0  # since start
+    num_steps: int = 0  # since start
+    num_step_tokens: int = 0  # tokens computed by steps (prompt and output), since start
+    step_seconds: float = 0.0  # time spent in steps, since start
+    num_failed_requests: int = 0  # requests failed alone (their fault) while the engine went on
 
 
 @dataclass
@@ -32,6 +76,17 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # wall clock (s), set where it arrived
     # W3C trace context (traceparent/tracestate) so the engine's spans join the request's trace.
     trace_context: dict[str, str] = field(default_factory=dict)
+
+    def check(self, vocab_size: int) -> None:
+        """Refuse (EngineError "invalid") what would fail later inside a batched step, where it
+        could take other requests down with it: ids outside the vocabulary, bad sampling values."""
+        bad = next((t for t in self.prompt_token_ids if not (type(t) is int and 0 <= t < vocab_size)), None)
+        if bad is not None:
+            raise EngineError("invalid", f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab_size - 1})")
+        try:
+            self.sampling.check(vocab_size)
+        except ValueError as exc:
+            raise EngineError("invalid", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -58,6 +113,9 @@ class RequestOutput:
     # On the last output: unix times of "arrived", "scheduled", "first_token", "finished", and the
     # counters "prefill_chunks", "preemptions", "cached_tokens" (for the request's trace).
     timings: dict[str, float] | None = None
+    # Set when this request failed alone mid-way (its finish_reason is then "abort"): the engine
+    # dropped it and carries on with the others. The client raises it to the consumer.
+    error: EngineError | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,5 +161,5 @@ class EngineCoreProtocol(Protocol):
     def has_unfinished(self) -> bool:
         """Whether step() has work to do."""
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """A small, picklable snapshot of load (queue lengths, KV usage, ...) for routing."""

@@ -13,6 +13,10 @@ One row of logits per sampled position. The order of operations, per row:
 Seeded requests draw their noise from their own `torch.Generator`, created on first sight and
 kept across steps, so a seed gives the same tokens whatever else shares the batch. Unseeded rows
 share the sampler's generator.
+
+One request's settings must not fail the others' tokens. The engine refuses bad values when a
+request arrives (`SamplingParams.check`); should a batch still raise, each row is sampled on
+its own and only the rows that raise again fail (reported in `errors`, token FAILED).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+FAILED = -1  # the token of a row whose sampling raised (its request fails alone)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self._generators: dict[str, torch.Generator] = {}  # request_id -> its seeded generator
@@ -47,9 +54,35 @@ class Sampler:
             self._generators.pop(request_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], errors: dict[str, str] | None = None
     ) -> tuple[list[int], list[SampledLogprobs | None]]:
-        """logits: (num_rows, vocab). Returns one token per row, and logprobs where asked for."""
+        """logits: (num_rows, vocab). Returns one token per row, and logprobs where asked for.
+
+        With `errors`, a failure is isolated to the rows that cause it: request_id -> message
+        lands in `errors` and the row's token is FAILED. Without it, a failure raises."""
+        if errors is None:
+            return self._sample(logits, rows)
+        try:
+            return self._sample(logits, rows)
+        except Exception:  # noqa: BLE001 - find the culprit rows, keep the rest of the batch
+            return self._row_by_row(logits, rows, errors)
+
+    def _row_by_row(self, logits, rows, errors) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """Each row alone (the rare path). A seeded row whose generator had already drawn in the
+        failed batch draws again, so its stream shifts by one draw in this step only."""
+        tokens: list[int] = []
+        logprobs: list[SampledLogprobs | None] = []
+        for i, row in enumerate(rows):
+            try:
+                (token,), (lp,) = self._sample(logits[i : i + 1], [row])
+            except Exception as exc:  # noqa: BLE001 - this row's settings are the cause
+                errors[row.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                token, lp = FAILED, None
+            tokens.append(token)
+            logprobs.append(lp)
+        return tokens, logprobs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
         logits = logits.float()
         logprobs = self._logprobs(logits, rows)
         logits = apply_penalties(logits, rows)

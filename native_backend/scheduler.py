@@ -59,6 +59,7 @@ class StepResult:
     num_output_tokens: int = 0  # all output tokens so far, including new_token_ids
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
     num_preemptions: int = 0  # times this request was preempted so far
+    error: str | None = None  # set when the request failed alone (finish_reason "abort")
 
     @property
     def finished(self) -> bool:
@@ -315,6 +316,12 @@ class Scheduler:
         return results
 
     def _apply_chunk(self, seq: Sequence, chunk: ScheduledChunk, runner: RunnerOutput) -> StepResult | None:
+        error = runner.errors.get(seq.request_id)
+        if error is not None:  # this request's sampling failed: it ends alone
+            self.running.remove(seq)
+            self._end(seq, "abort")
+            return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
+                              num_output_tokens=seq.num_output_tokens, error=error)
         seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
         sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
         if chunk.sample and not sampled:

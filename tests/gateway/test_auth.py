@@ -158,3 +158,23 @@ def test_sliding_window_frees_budget_after_a_minute():
     assert info.value.headers["Retry-After"] == "30"
     now[0] += 30.5
     limiter.admit(key)
+
+
+def test_rate_limits_count_every_prompt_times_n(gw):
+    # bob: 3 requests/min. Two prompts x n=1 is two requests' worth; a third prompt's worth is over.
+    body = {"model": "echo", "prompt": ["a", "b"]}
+    assert call(gw, "POST", "/v1/completions", key=BOB, json=body).status_code == 200
+    r = call(gw, "POST", "/v1/completions", key=BOB, json=body)
+    assert r.status_code == 429 and "3 requests per minute" in r.json()["error"]["message"]
+    assert call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"}).status_code == 200
+    # A request bigger than the whole minute can never pass: a 400, not a 429 to retry forever.
+    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a", "n": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_tokens_per_minute_count_each_choice_reading_its_prompt(gw):
+    # carol: 30 tokens/min. n=2 over a 5-token prompt with 10 tokens each: 2 x (5 + 10) = 30.
+    body = {"model": "echo", "prompt": "a b c d e", "max_tokens": 10, "n": 2}
+    assert call(gw, "POST", "/v1/completions", key=CAROL, json=body).status_code == 200
+    r = call(gw, "POST", "/v1/completions", key=CAROL, json={"model": "echo", "prompt": "a", "max_tokens": 1})
+    assert r.status_code == 429 and "30 tokens per minute" in r.json()["error"]["message"]

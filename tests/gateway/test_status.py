@@ -55,8 +55,13 @@ def test_root_redirects_to_the_page(gw):
 
 
 def chromium() -> str:
+    """Chromium is not among what `make test` needs (Python, pip, gcc): without it the browser
+    tests skip, unless KVGATE_REQUIRE_CHROMIUM is set (.ci/run installs it and sets it)."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "Chromium is missing: .ci/run installs the Debian package 'chromium'"
+    if path is None:
+        if os.environ.get("KVGATE_REQUIRE_CHROMIUM"):
+            pytest.fail("Chromium is missing but KVGATE_REQUIRE_CHROMIUM is set")
+        pytest.skip("Chromium is not installed (.ci/run installs the Debian package 'chromium')")
     return path
 
 
@@ -68,6 +73,7 @@ def headless(url: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_page_in_headless_chromium_shows_live_numbers(gw, tmp_path):
+    chromium()  # skips before any traffic starts when there is no browser
     worker = threading.Thread(target=traffic, args=(gw, 3.0))
     worker.start()
     dom = headless(gw.base_url + "/status", f"--user-data-dir={tmp_path / 'profile-a'}", "--dump-dom").stdout

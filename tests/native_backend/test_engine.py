@@ -87,7 +87,7 @@ def test_concurrent_greedy_output_is_identical_to_transformers(engine, prompts, 
     got = run_all(engine, requests)
     for i in range(NUM_PROMPTS):
         assert got[f"r{i}"] == reference[i], f"prompt {i} diverges"
-    assert engine.stats()["num_steps"] > NEW_TOKENS  # they really were batched over many steps
+    assert engine.stats().num_steps > NEW_TOKENS  # they really were batched over many steps
     assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
 
 
@@ -105,8 +105,8 @@ def test_preempted_requests_finish_with_the_same_greedy_output(engine_factory, p
 
     small.step = step
     got = run_all(small, requests)
-    assert small.stats()["num_preemptions"] > 0
-    assert sum(t["preemptions"] for t in timings.values()) == small.stats()["num_preemptions"]
+    assert small.stats().num_preemptions > 0
+    assert sum(t["preemptions"] for t in timings.values()) == small.stats().num_preemptions
     for t in timings.values():  # the milestones each request reports for its trace, in order
         assert t["arrived"] <= t["scheduled"] <= t["first_token"] <= t["finished"]
         assert t["prefill_chunks"] >= 1
@@ -115,9 +115,9 @@ def test_preempted_requests_finish_with_the_same_greedy_output(engine_factory, p
 
 
 def test_prefix_cache_hits_do_not_change_the_output(engine, prompts, reference):
-    before = engine.stats()["prefix_cache_hits"]
+    before = engine.stats().prefix_cache_hits
     got = run_all(engine, [EngineRequest("again", prompts[15], GREEDY)])
-    assert engine.stats()["prefix_cache_hits"] > before  # the same prompt's full blocks were reused
+    assert engine.stats().prefix_cache_hits > before  # the same prompt's full blocks were reused
     assert got["again"] == reference[15]
 
 

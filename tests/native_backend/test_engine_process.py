@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from native_backend.client import AsyncEngineClient
 from native_backend.protocol import (
-    EngineDeadError, EngineError, EngineRequest, EngineStartupError, RequestOutput)
+    EngineDeadError, EngineError, EngineRequest, EngineStartupError, EngineStats, RequestOutput)
 from native_backend.sampling_params import SamplingParams
 
 CRASH_TOKEN = -1  # a prompt starting with it makes the core's next step kill the process
@@ -76,8 +77,13 @@ class ScriptedCore:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    def stats(self) -> dict:
-        return {"num_running": len(self.running), "aborted": list(self.aborted)}
+    def stats(self) -> "ScriptedStats":
+        return ScriptedStats(num_running=len(self.running), aborted=tuple(self.aborted))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedStats(EngineStats):
+    aborted: tuple[str, ...] = ()  # what the core was told to abort, so tests can see it
 
 
 def make_core(step_delay_s: float = 0.0) -> ScriptedCore:
@@ -111,7 +117,7 @@ async def collect(client: AsyncEngineClient, req: EngineRequest) -> list[Request
     return [output async for output in client.generate(req)]
 
 
-async def wait_for_stats(client: AsyncEngineClient, predicate, timeout_s: float = 10.0) -> dict:
+async def wait_for_stats(client: AsyncEngineClient, predicate, timeout_s: float = 10.0) -> EngineStats:
     deadline = time.monotonic() + timeout_s
     while not predicate(client.stats()):
         assert time.monotonic() < deadline, f"stats never matched: {client.stats()}"
@@ -135,7 +141,7 @@ def test_concurrent_requests_stream_their_own_tokens():
                 assert all(out.finish_reason is None for out in outputs[:-1])
                 assert outputs[-1].num_output_tokens == lengths[rid]
                 assert outputs[-1].num_prompt_tokens == 3
-            await wait_for_stats(client, lambda s: s.get("num_running") == 0)
+            await wait_for_stats(client, lambda s: s.num_running == 0)
 
     asyncio.run(main())
 
@@ -163,7 +169,7 @@ def test_leaving_the_stream_aborts_the_request_in_the_core():
                 async for output in stream:
                     if output.num_output_tokens >= 3:
                         break
-            await wait_for_stats(client, lambda s: "broken" in s["aborted"])
+            await wait_for_stats(client, lambda s: "broken" in s.aborted)
 
             # 2. The consuming task is cancelled (e.g. the HTTP client disconnected).
             first = asyncio.Event()
@@ -177,7 +183,7 @@ def test_leaving_the_stream_aborts_the_request_in_the_core():
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await wait_for_stats(client, lambda s: "cancelled" in s["aborted"])
+            await wait_for_stats(client, lambda s: "cancelled" in s.aborted)
 
             # 3. Someone else aborts it: the consumer's stream ends with finish_reason "abort".
             stream = client.generate(request("explicit", [4], 10**6))
@@ -185,8 +191,8 @@ def test_leaving_the_stream_aborts_the_request_in_the_core():
             client.abort("explicit")
             rest = [output async for output in stream]
             assert rest[-1].finish_reason == "abort"
-            stats = await wait_for_stats(client, lambda s: "explicit" in s["aborted"] and s["num_running"] == 0)
-            assert stats["aborted"] == ["broken", "cancelled", "explicit"]
+            stats = await wait_for_stats(client, lambda s: "explicit" in s.aborted and s.num_running == 0)
+            assert stats.aborted == ("broken", "cancelled", "explicit")
 
             # The engine still serves new requests.
             outputs = await collect(client, request("after", [9], 4))

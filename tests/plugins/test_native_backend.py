@@ -4,6 +4,7 @@ One engine process serves the module's tests (it takes a while to load); the eng
 gets a gateway of its own.
 """
 
+import json
 import os
 import signal
 import socket
@@ -127,28 +128,97 @@ def test_load_snapshot_carries_engine_counters(gw, client):
     assert extra["prefix_cache_queries"] > 0
 
 
-def test_engine_death_fails_requests_clearly_and_readiness_turns_false():
-    with GatewayServer(CONFIG, ready_timeout=600) as gw:
+SUPERVISED = """
+models:
+  - name: smollm2
+    deployments:
+      - name: native-0
+        backend: native
+        settings:
+          max_num_seqs: 8
+          kv_cache_bytes: 134217728
+          num_threads: 2
+          supervision: {watchdog_s: 4, backoff_s: 0.2, max_deaths: 3, window_s: 600}
+  - name: echo
+    deployments: [{name: echo-0, backend: echo}]
+"""
+
+
+def stream_lines(gw, **body):
+    """A raw SSE stream (what a client sees byte for byte): its data lines, as they come."""
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True, **body}
+    with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                yield line[6:]
+
+
+def ends_with_one_error_then_done(lines) -> str:
+    """Consume a stream that is cut: some chunks, exactly one error event, then [DONE]."""
+    errors, tail = [], []
+    for line in lines:
+        tail.append(line)
+        if line != "[DONE]" and "error" in json.loads(line):
+            errors.append(json.loads(line)["error"])
+    assert tail[-1] == "[DONE]" and len(errors) == 1, tail[-3:]
+    assert json.loads(tail[-2]) == {"error": errors[0]}
+    return errors[0]["message"]
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def ready(gw) -> bool:
+    return httpx.get(gw.base_url + "/health/ready").status_code == 200
+
+
+def test_supervision_restarts_a_dead_or_hung_engine_and_gives_up_on_a_crash_loop():
+    with GatewayServer(SUPERVISED, ready_timeout=600) as gw:
         client = gw.openai(timeout=60)
-        assert ask(client, "Hi", max_tokens=2).choices[0].message.content is not None
         backend = gw.backend("native-0")
-        stream = client.completions.create(model="smollm2", prompt="Count slowly:", max_tokens=3000,
-                                           extra_body={"ignore_eos": True}, temperature=0, stream=True)
-        next(iter(stream))
+
+        def kill_mid_stream(sig) -> str:
+            lines = stream_lines(gw)
+            next(lines)  # the stream is running
+            os.kill(backend.client.pid, sig)
+            return ends_with_one_error_then_done(lines)
+
+        # 1. SIGKILL: the in-flight stream ends with one error event; readiness drops, then returns.
+        assert "native-0" in kill_mid_stream(signal.SIGKILL)
+        wait_until(lambda: not ready(gw), 10, "readiness to drop")
+        assert httpx.get(gw.base_url + "/health/live").status_code == 200
+        wait_until(lambda: ready(gw), 300, "the restarted engine")
+        assert ask(client, "Hi", max_tokens=2).choices[0].message.content is not None
+        assert backend.load().extra["engine_restarts"] == 1
+
+        # 2. SIGSTOP: the engine says nothing; the watchdog kills it and it is restarted.
+        message = kill_mid_stream(signal.SIGSTOP)
+        assert "native-0" in message and "not running" in message
+        assert "watchdog" in backend.supervisor.last_cause
+        wait_until(lambda: ready(gw), 300, "the engine restarted after the hang")
+        assert ask(client, "Hi", max_tokens=2).choices[0].message.content is not None
+
+        metrics = httpx.get(gw.base_url + "/metrics").text
+        assert 'kvgate_engine_restarts_total{deployment="native-0",model="smollm2"} 2.0' in metrics
+        status = httpx.get(gw.base_url + "/status.json").json()
+        [deployment] = [d for m in status["models"] for d in m["deployments"] if d["name"] == "native-0"]
+        assert deployment["engine"]["restarts"] == 2 and deployment["up"]
+
+        # 3. A third death within the window: a crash loop. It stays down; liveness fails.
         os.kill(backend.client.pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError) as info:
-            for _ in stream:
-                pass
-        assert "native-0" in str(info.value) or "engine" in str(info.value).lower()
-        deadline = time.monotonic() + 10
-        while httpx.get(gw.base_url + "/health/ready").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ready = httpx.get(gw.base_url + "/health/ready")
-        assert ready.status_code == 503
+        wait_until(lambda: httpx.get(gw.base_url + "/health/live").status_code == 503, 10, "liveness to fail")
+        live = httpx.get(gw.base_url + "/health/live").json()
+        assert "crash loop" in live["deployments"]["native-0"]
+        assert not ready(gw) and backend.supervisor.state == "failed"
         with pytest.raises(openai.InternalServerError) as refused:
             ask(client, "Hi", max_tokens=2)
         assert refused.value.status_code == 503
-        assert httpx.get(gw.base_url + "/health/live").status_code == 200
         echo = client.completions.create(model="echo", prompt="still serving", max_tokens=2)
         assert echo.choices[0].text == "still serving"
 

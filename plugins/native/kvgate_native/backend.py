@@ -1,10 +1,15 @@
 """The native engine behind the gateway's Backend protocol.
 
 The engine core runs in its own process (`native_backend.client.AsyncEngineClient`), so HTTP
-serving never waits on a forward pass. This side tokenizes (the model's own chat template),
-turns engine outputs into token events, maps engine refusals onto OpenAI errors, and reports
-load from the engine's periodic stats. It never imports torch: the engine process loads the
-model and unpacks the tokenizer once; this side then reads the unpacked tokenizer.
+serving never waits on a forward pass; a supervisor restarts it when it dies or hangs
+(`supervisor.py`). This side tokenizes (the model's own chat template), turns engine outputs
+into token events, maps engine refusals onto OpenAI errors, and reports load from the engine's
+periodic stats. It never imports torch: the engine process loads the model and unpacks the
+tokenizer once; this side then reads the unpacked tokenizer.
+
+Whose fault: a request the engine refuses or drops alone (bad values, tokens outside the
+vocabulary, a template that fails on its messages) is the client's error (4xx, or
+`RequestFailed`), never charged to the deployment; only a dead or hung engine is.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage
 from gateway.config import format_path
-from gateway.errors import APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
+from gateway.errors import (
+    APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
+from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
 from native_backend.engine_config import EngineConfig
@@ -52,6 +59,8 @@ class NativeSettings(BaseModel):
     cpu_kernels: bool = Field(True, description="On CPU, kvgate's C kernels (decode attention, small-batch "
                               "linears) where they build; false: torch alone.")
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
+    supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
+                                             description="Watchdog and restarts of the engine process.")
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
     quantization: str = Field("none", description="Weight quantization of the checkpoint.")
@@ -66,7 +75,8 @@ class NativeSettings(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         model = default_model_path() if self.model == "default" else self.model
-        fields = self.model_dump(exclude={"model", "startup_timeout_s", "tensor_parallel_size", "quantization"})
+        fields = self.model_dump(exclude={"model", "startup_timeout_s", "tensor_parallel_size", "quantization",
+                                          "supervision"})
         return EngineConfig(model=model, tokenizer_cache_dir=str(tokenizer_cache_dir()), **fields)
 
 
@@ -75,36 +85,56 @@ class NativeBackend:
         self.settings = settings
         self.name = name
         self.config = settings.engine_config()
-        self.client = AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=settings.startup_timeout_s)
+        self.supervisor = EngineSupervisor(self._new_client, name, settings.supervision)
         self.tokenizer: Tokenizer | None = None
+
+    def _new_client(self, on_exit) -> AsyncEngineClient:
+        return AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=self.settings.startup_timeout_s,
+                                 watchdog_s=self.settings.supervision.watchdog_s, on_exit=on_exit,
+                                 process_name=f"kvgate-engine-{self.name}")
+
+    @property
+    def client(self) -> AsyncEngineClient:
+        """The engine process serving now (a new one after each restart)."""
+        return self.supervisor.client
 
     async def start(self) -> None:
         if not os.path.exists(self.config.model):
             raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model} does not exist")
-        await self.client.start()  # loads the model and unpacks the tokenizer into the cache
-        log.info("native deployment '%s': %s", self.name, (self.client.stats() or {}).get("engine"))
+        await self.supervisor.start()  # loads the model and unpacks the tokenizer into the cache
+        log.info("native deployment '%s': %s", self.name, self.client.description)
         self.tokenizer = await asyncio.to_thread(
             Tokenizer.from_pretrained, self.config.model, cache_dir=self.config.tokenizer_cache_dir
         )
 
     async def stop(self) -> None:
-        await self.client.shutdown()
+        await self.supervisor.stop()
 
     async def abort(self, request_id: str) -> None:
-        self.client.abort(request_id)
+        if self.client is not None:
+            self.client.abort(request_id)
 
     def load(self) -> LoadSnapshot:
-        stats = self.client.stats() or {}
+        sup = self.supervisor
+        up = sup.up
+        stats = dataclasses.asdict(self.client.stats()) if up else {}
+        extra = {k: float(v) for k, v in stats.items()}
+        extra["engine_restarts"] = float(sup.restarts)
         return LoadSnapshot(
             waiting=int(stats.get("num_waiting", 0)),
             running=int(stats.get("num_running", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
             capacity=self.settings.max_num_seqs,
-            healthy=self.client.is_alive,
-            extra={k: float(v) for k, v in stats.items() if isinstance(v, (int, float))},
+            healthy=up,
+            extra=extra,
+            problem=None if sup.state == UP else _problem(sup),
+            fatal=sup.crash_looped,
         )
 
     async def generate(self, request: GenerationRequest):
+        client = self.client
+        if not self.supervisor.up:
+            raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=self._prompt_ids(request),
@@ -114,7 +144,7 @@ class NativeBackend:
         )
         want_logprobs = request.sampling.logprobs is not None
         try:
-            async with contextlib.aclosing(self.client.generate(engine_request)) as outputs:
+            async with contextlib.aclosing(client.generate(engine_request)) as outputs:
                 async for out in outputs:
                     yield _token_event(out, want_logprobs)
         except EngineError as exc:
@@ -126,6 +156,7 @@ class NativeBackend:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise Overloaded(f"Deployment '{self.name}' is still starting.", retry_after_s=5)
+        param = "messages" if request.messages is not None else "prompt"
         try:
             if request.messages is not None:
                 return tokenizer.apply_chat_template(request.messages)
@@ -133,7 +164,10 @@ class NativeBackend:
                 return _checked_token_ids(request.prompt, tokenizer.vocab_size)
             return tokenizer.encode(request.prompt or "")
         except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="messages" if request.messages else "prompt") from None
+            raise InvalidRequestError(str(exc), param=param) from None
+        except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
+            log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
+            raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
 
 
 def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
@@ -171,10 +205,24 @@ def _api_error(exc: EngineError) -> APIError:
     if exc.kind == "context_length":
         return ContextLengthExceeded(exc.message, param="max_tokens")
     if exc.kind == "invalid":
-        return InvalidRequestError(exc.message)
+        return InvalidRequestError(exc.message, param=_named_field(exc.message))
     if exc.kind == "overloaded":
         return Overloaded(exc.message, retry_after_s=2)
-    return BackendError(exc.message)
+    # The engine dropped this request alone and went on: not a fault of the deployment.
+    return RequestFailed(f"The engine could not complete this request: {exc.message}")
+
+
+def _named_field(message: str) -> str | None:
+    """The engine's checks say 'field: problem'."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def _problem(sup: EngineSupervisor) -> str:
+    if sup.crash_looped:
+        return f"engine crash loop, stays down (last death: {sup.last_cause})"
+    cause = f" (last death: {sup.last_cause})" if sup.last_cause else ""
+    return f"engine {sup.state}{cause}"
 
 
 def make_native_backend(settings: dict, deployment: str) -> NativeBackend:
