@@ -45,7 +45,7 @@ from native_backend.kv_cache import KVCache  # noqa: E402
 from native_backend.loader import default_gguf_path, load_model  # noqa: E402
 from native_backend.model_runner import ModelRunner  # noqa: E402
 from native_backend.sampling_params import SamplingParams  # noqa: E402
-from native_backend.transforms.kernels import select_kernels  # noqa: E402
+from native_backend.layers.context import LayerContext  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 256
@@ -58,8 +58,8 @@ def median_ms(samples: list[float]) -> float:
 
 class Ours:
     def __init__(self, num_blocks: int = 1024, cpu_kernels: bool = True):
-        self.model = load_model(None)
-        self.kernels = select_kernels(self.model, "cpu", cpu_kernels)
+        self.model = load_model(None, LayerContext.for_device("cpu", torch.float32, cpu_kernels=cpu_kernels))
+        self.kernels = self.model.ctx.kernels
         self.cache = KVCache.for_model(self.model.config, num_blocks=num_blocks, block_size=BLOCK_SIZE)
         self.runner = ModelRunner(self.model, self.cache)
         self._next_block = 1
@@ -138,8 +138,9 @@ def linear_sweep(model, rows: list[int], reps: int) -> dict:
     import torch.nn.functional as F
 
     from native_backend import cpu_kernels
+    from native_backend.layers.linear import LinearBase
 
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     result = {}
     for m in rows:
         xs = {n: torch.randn(m, n) for n in {lin.in_features for lin in layers}}

@@ -201,8 +201,8 @@ def _engine(spec):
     from native_backend.engine_config import EngineConfig
 
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=spec["model"], num_threads=spec["threads"],
-                                    tokenizer_cache_dir=str(tokenizer_cache_dir()), **spec["engine_overrides"]))
+    engine = LLMEngine(EngineConfig.build(path=spec["model"], num_threads=spec["threads"],
+                                          tokenizer_cache_dir=str(tokenizer_cache_dir()), **spec["engine_overrides"]))
     return engine, time.perf_counter() - started
 
 

@@ -94,15 +94,26 @@ def check_attention_case(kernel, reference, seqs, shape: dict, kv_dtype, device)
     v_new = torch.cat([v[c - n:] for v, (c, n) in zip(vs, seqs)]).to(device, dtype)
     caches = {}
     for name, impl in (("kernel", kernel), ("reference", reference)):
-        ck, cv = cache_k.to(device).clone(), cache_v.to(device).clone()
-        impl.write_kv(k_new, v_new, ck, cv, md.slot_mapping)
-        caches[name] = (ck, cv, impl.paged_attention(q, ck, cv, md, shape["head_dim"] ** -0.5))
-    (kk, kv, got), (rk, rv, want) = caches["kernel"], caches["reference"]
-    write_err = max(_max_err(kk, rk), _max_err(kv, rv))
+        layer = _kv_layer(cache_k.to(device).clone(), cache_v.to(device).clone(), kv_dtype)
+        impl.write_kv(k_new, v_new, layer, md.slot_mapping)
+        caches[name] = (layer, impl.paged_attention(q, layer, md, shape["head_dim"] ** -0.5))
+    (ours, got), (ref, want) = caches["kernel"], caches["reference"]
+    write_err = max(_max_err(_stored(ours.key), _stored(ref.key)), _max_err(_stored(ours.value), _stored(ref.value)))
     attn_err = _max_err(got, want)
     tol = TOLERANCE.get(kv_dtype.name, 5e-2)
     return {"write_kv_max_err": write_err, "attention_max_err": attn_err, "tolerance": tol,
             "ok": write_err == 0.0 and attn_err <= tol}
+
+
+def _kv_layer(cache_k, cache_v, kv_dtype):
+    """The layer object the backends take."""
+    from native_backend.kv_cache import KVLayer
+
+    return KVLayer(cache_k, cache_v, kv_dtype)
+
+
+def _stored(t):
+    return t
 
 
 def _tables(md) -> list[list[int]]:
@@ -211,8 +222,8 @@ def engine(model_path: str, dtype: str, device: str = "cuda", **overrides):
     from native_backend.engine import LLMEngine
     from native_backend.engine_config import EngineConfig
 
-    return LLMEngine(EngineConfig(model=model_path, device=device, dtype=dtype, kv_cache_bytes=8 << 30,
-                                  tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
+    return LLMEngine(EngineConfig.build(path=model_path, device=device, dtype=dtype, kv_cache_bytes=8 << 30,
+                                        tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
 
 
 def workload(model_path: str, requests: int, prompt_range, output_range) -> dict:
@@ -301,11 +312,13 @@ def random_llama(config, device, dtype):
     """A Llama built in its final form with random weights (no checkpoint on disk)."""
     import torch
 
+    from native_backend.layers.context import LayerContext
     from native_backend.loader import build_model
     from native_backend.models.llama import LlamaForCausalLM
 
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    ctx = LayerContext.for_device(device, dtype, cpu_kernels=False)
+    # The shapes from an empty model of this context (torch.empty: nothing is initialised).
+    shapes = {k: v.shape for k, v in LlamaForCausalLM(config, ctx).state_dict().items()}
     g = torch.Generator(device=device).manual_seed(0)
     weights = {}
     for name, shape in shapes.items():
@@ -313,7 +326,7 @@ def random_llama(config, device, dtype):
             weights[name] = torch.ones(shape, device=device, dtype=dtype)
         else:
             weights[name] = (torch.randn(shape, device=device, dtype=dtype, generator=g) * 0.02)
-    return build_model(config, weights, dtype=dtype, device=device)
+    return build_model(config, iter(weights.items()), ctx)
 
 
 def bytes_per_decode_token(model, context_len: int, kv_bytes_per_element: int) -> dict:
@@ -340,9 +353,7 @@ def decode_step_times(model, device, dtype: str, context_len: int, steps: int, *
     from native_backend.kv_cache import KVCache
     from native_backend.model_runner import ModelRunner
     from native_backend.sampling_params import SamplingParams
-    from native_backend.transforms.kernels import select_kernels
 
-    select_kernels(model, device, use_cpu_kernels=False)
     block = 16
     blocks = -(-(context_len + steps + 1) // block)
     cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=block, dtype=dtype, device=device)

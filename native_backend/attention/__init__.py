@@ -2,8 +2,10 @@
 
 Three implementations share one signature:
 
-    write_kv(k, v, cache_k, cache_v, slot_mapping)
-    paged_attention(q, cache_k, cache_v, metadata, scale) -> (num_tokens, num_heads, head_dim)
+    write_kv(k, v, kv, slot_mapping)
+    paged_attention(q, kv, metadata, scale) -> (num_tokens, num_heads, head_dim)
+
+where `kv` is the layer's `KVLayer` (its key and value blocks, storage dtype and scales).
 
 `reference` (torch) is the specification and the fallback; `cpu` sends short queries (decode) to
 kvgate's C kernel and the rest to the reference, on x86-64 CPUs where the kernels build;

@@ -28,17 +28,18 @@ import torch
 from native_backend import cpu_kernels
 from native_backend.attention import reference
 from native_backend.attention.metadata import AttentionMetadata
+from native_backend.kv_cache import KVLayer
 
 SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
 _PLAN_KEY = "cpu_plan"
 
 
-def write_kv(k, v, cache_k, cache_v, slot_mapping) -> None:
+def write_kv(k, v, kv: KVLayer, slot_mapping) -> None:
     """The reference's write_kv; float32 caches through one C call for both."""
-    if cache_k.dtype == torch.float32 and k.dtype == torch.float32 and cpu_kernels.available():
-        cpu_kernels.write_kv(k, v, cache_k, cache_v, slot_mapping)
+    if kv.key.dtype == torch.float32 and k.dtype == torch.float32 and cpu_kernels.available():
+        cpu_kernels.write_kv(k, v, kv.key, kv.value, slot_mapping)
     else:
-        reference.write_kv(k, v, cache_k, cache_v, slot_mapping)
+        reference.write_kv(k, v, kv, slot_mapping)
 
 
 @dataclass
@@ -50,20 +51,21 @@ class _Plan:
     prefills: list  # reference._PrefillSeq for the longer chunks
 
 
-def supports(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, kv: KVLayer) -> bool:
+    cache_k = kv.key
     return (q.dtype == torch.float32 and cache_k.dtype == torch.float32 and q.shape[-1] % 8 == 0
             and cache_k.is_contiguous() and cpu_kernels.available())
 
 
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    cache_v: torch.Tensor,
+    kv: KVLayer,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    if not supports(q, cache_k):
-        return reference.paged_attention(q, cache_k, cache_v, metadata, scale)
+    if not supports(q, kv):
+        return reference.paged_attention(q, kv, metadata, scale)
+    cache_k, cache_v = kv.key, kv.value
     plan = step_plan(metadata, q.dtype, q.device)
     if plan.short_rows is None and not plan.prefills:  # the common decode step: every row
         return _short_rows(q, cache_k, cache_v, metadata, plan, scale)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from native_backend.attention.metadata import AttentionMetadata
+from native_backend.kv_cache import KVLayer
 
 _PLAN_KEY = "reference_plan"
 
@@ -39,23 +40,21 @@ _PLAN_KEY = "reference_plan"
 def write_kv(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    cache_v: torch.Tensor,
+    kv: KVLayer,  # blocks (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
 ) -> None:
-    flat_k = cache_k.view(-1, *cache_k.shape[2:])  # (num_slots, num_kv_heads, head_dim)
-    flat_v = cache_v.view(-1, *cache_v.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, k.to(cache_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, v.to(cache_v.dtype))
+    for new, cache in ((k, kv.key), (v, kv.value)):
+        flat = cache.view(-1, *cache.shape[2:])  # (num_slots, num_kv_heads, head_dim)
+        flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    cache_v: torch.Tensor,
+    kv: KVLayer,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    cache_k, cache_v = kv.key, kv.value
     plan = _plan(metadata, q)
     if len(plan.decode) == 1 and plan.decode[0].rows is None:  # every row decodes, one group
         return _decode(q, cache_k, cache_v, plan.decode[0], scale)
@@ -227,13 +226,12 @@ def prefill(q, cache_k, cache_v, p: _PrefillSeq, scale: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the specification
 
 
-def paged_attention_per_sequence(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def paged_attention_per_sequence(q: torch.Tensor, kv: KVLayer, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """Same contract as `paged_attention`, one sequence at a time, no batching or shared plan:
     softmax(q k^T * scale, causal by absolute position) v with the query heads of a group
     sharing their KV head. Slow; for tests and for reading."""
     out = torch.empty_like(q)
+    cache_k, cache_v = kv.key, kv.value
     bs = metadata.block_size
     num_kv_heads = cache_k.shape[2]
     group = q.shape[1] // num_kv_heads

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from native_backend.attention.metadata import AttentionMetadata
+from native_backend.kv_cache import KVLayer
 
 _MIN_DOT = 16  # tl.dot wants every dimension >= 16
 
@@ -160,10 +161,10 @@ def _prefill_kernel(
 def write_kv(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,
-    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), contiguous
-    cache_v: torch.Tensor,
+    kv: KVLayer,  # blocks (num_blocks, block_size, num_kv_heads, head_dim), contiguous
     slot_mapping: torch.Tensor,  # (num_tokens,) int64; -1 skips a token
 ) -> None:
+    cache_k, cache_v = kv.key, kv.value
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -179,11 +180,11 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    cache_v: torch.Tensor,
+    kv: KVLayer,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    cache_k, cache_v = kv.key, kv.value
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -57,7 +57,7 @@ def test_kernel_harness_passes_a_correct_backend_and_catches_a_wrong_one():
     assert report["ok"] and report["cases"] == len(cases) * len(KV_CACHE_DTYPES)
 
     ref = get_attention_backend("cpu", "reference")
-    off_by_a_bit = AttentionBackend("wrong", ref.write_kv, lambda q, k, v, md, scale: ref.paged_attention(q, k, v, md, scale * 1.1))
+    off_by_a_bit = AttentionBackend("wrong", ref.write_kv, lambda q, kv, md, scale: ref.paged_attention(q, kv, md, scale * 1.1))
     kind, seqs, shape = cases[-1]
     result = gpu_check.check_attention_case(off_by_a_bit, ref, seqs, shape, KV_CACHE_DTYPES["float32"], "cpu")
     assert not result["ok"] and result["attention_max_err"] > result["tolerance"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from native_backend.kv_cache import KVLayer
 from native_backend.attention import get_attention_backend
 from native_backend.attention.metadata import AttentionMetadata
 
@@ -79,8 +80,8 @@ def naive_attention(s: Scenario) -> torch.Tensor:
 def run_backend(name: str, s: Scenario) -> torch.Tensor:
     backend = get_attention_backend("cpu", name)
     cache_k, cache_v = s.cache_k.clone(), s.cache_v.clone()
-    backend.write_kv(s.k_new, s.v_new, cache_k, cache_v, s.metadata.slot_mapping)
-    return backend.paged_attention(s.q, cache_k, cache_v, s.metadata, s.scale)
+    backend.write_kv(s.k_new, s.v_new, KVLayer.of(cache_k, cache_v), s.metadata.slot_mapping)
+    return backend.paged_attention(s.q, KVLayer.of(cache_k, cache_v), s.metadata, s.scale)
 
 
 # (context_len, query_len) per sequence. block_size 4: 8 ends on a boundary, 9 starts a block.
@@ -102,7 +103,7 @@ def test_reference_matches_naive(case, num_kv_heads, group):
 def test_write_kv_puts_each_token_in_its_slot():
     s = make_scenario([(6, 6), (3, 2)], num_kv_heads=2, group=1, block_size=4)
     cache_k, cache_v = torch.zeros_like(s.cache_k), torch.zeros_like(s.cache_v)
-    get_attention_backend("cpu").write_kv(s.k_new, s.v_new, cache_k, cache_v, s.metadata.slot_mapping)
+    get_attention_backend("cpu").write_kv(s.k_new, s.v_new, KVLayer.of(cache_k, cache_v), s.metadata.slot_mapping)
     table = s.metadata.block_tables[1].tolist()
     # Sequence 1 had 1 cached token, so its new tokens are positions 1 and 2: block 0, offsets 1 and 2.
     torch.testing.assert_close(cache_k[table[0], 1:3], s.k_seqs[1][1:3])
@@ -135,13 +136,13 @@ def run_triton_checks() -> None:
     for name, seqs, kv_heads, group, block_size in TRITON_CASES:
         s = make_scenario(seqs, num_kv_heads=kv_heads, group=group, block_size=block_size)
         ref_k, ref_v = s.cache_k.clone(), s.cache_v.clone()
-        get_attention_backend("cpu", "reference").write_kv(s.k_new, s.v_new, ref_k, ref_v, s.metadata.slot_mapping)
+        get_attention_backend("cpu", "reference").write_kv(s.k_new, s.v_new, KVLayer.of(ref_k, ref_v), s.metadata.slot_mapping)
         tri_k, tri_v = s.cache_k.clone(), s.cache_v.clone()
         triton_backend = get_attention_backend("cpu", "triton")
-        triton_backend.write_kv(s.k_new, s.v_new, tri_k, tri_v, s.metadata.slot_mapping)
+        triton_backend.write_kv(s.k_new, s.v_new, KVLayer.of(tri_k, tri_v), s.metadata.slot_mapping)
         assert torch.equal(tri_k, ref_k) and torch.equal(tri_v, ref_v), f"{name}: write_kv differs"
-        expected = get_attention_backend("cpu", "reference").paged_attention(s.q, ref_k, ref_v, s.metadata, s.scale)
-        got = triton_backend.paged_attention(s.q, tri_k, tri_v, s.metadata, s.scale)
+        expected = get_attention_backend("cpu", "reference").paged_attention(s.q, KVLayer.of(ref_k, ref_v), s.metadata, s.scale)
+        got = triton_backend.paged_attention(s.q, KVLayer.of(tri_k, tri_v), s.metadata, s.scale)
         err = (got - expected).abs().max().item()
         assert err < 1e-4, f"{name}: max abs error {err}"
         print(f"{name}: ok (max abs error {err:.2e})")

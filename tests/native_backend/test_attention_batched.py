@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attention_cases import dense, make_case
+from native_backend.kv_cache import KVLayer
 from native_backend.attention import reference
 
 torch.set_num_threads(1)
@@ -33,8 +34,8 @@ GQA = [(3, 3), (1, 9), (2, 1), (4, 2)]  # (num_kv_heads, group): SmolLM2 is (3, 
 def test_batched_matches_per_sequence_and_dense(case, num_kv_heads, group):
     q, ks, vs, cache_k, cache_v, md = make_case(CASES[case], num_kv_heads=num_kv_heads, group=group)
     scale = 64**-0.5
-    got = reference.paged_attention(q, cache_k, cache_v, md, scale)
-    spec = reference.paged_attention_per_sequence(q, cache_k, cache_v, md, scale)
+    got = reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, scale)
+    spec = reference.paged_attention_per_sequence(q, KVLayer.of(cache_k, cache_v), md, scale)
     want = dense(q, ks, vs, md, scale)
     assert got.shape == q.shape
     torch.testing.assert_close(spec, want, atol=1e-5, rtol=1e-5)
@@ -45,7 +46,7 @@ def test_batched_matches_per_sequence_and_dense(case, num_kv_heads, group):
 def test_small_and_odd_block_sizes(block_size):
     seqs = [(9, 1), (8, 1), (1, 1), (13, 4), (6, 6)]
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=2, group=3, head_dim=16, block_size=block_size)
-    got = reference.paged_attention(q, cache_k, cache_v, md, 0.25)
+    got = reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.25)
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.25), atol=1e-5, rtol=1e-5)
 
 
@@ -61,10 +62,10 @@ def test_plan_is_built_once_and_shared_by_layers():
         for pos in range(k.shape[0]):
             b = md.block_tables[s, pos // md.block_size]
             ck2[b, pos % md.block_size], cv2[b, pos % md.block_size] = k[pos], v[pos]
-    out1 = reference.paged_attention(q1, ck1, cv1, md, 0.125)
+    out1 = reference.paged_attention(q1, KVLayer.of(ck1, cv1), md, 0.125)
     plan = md.scratch["reference_plan"]
     first_out = out1.clone()
-    out2 = reference.paged_attention(q2, ck2, cv2, md, 0.125)
+    out2 = reference.paged_attention(q2, KVLayer.of(ck2, cv2), md, 0.125)
     assert md.scratch["reference_plan"] is plan
     torch.testing.assert_close(out1, first_out, atol=0, rtol=0)
     torch.testing.assert_close(out1, dense(q1, ks1, vs1, md, 0.125), atol=1e-5, rtol=1e-5)
@@ -74,7 +75,7 @@ def test_plan_is_built_once_and_shared_by_layers():
 def test_half_precision_cache_with_fp32_queries():
     seqs = [(20, 1), (37, 1), (12, 5)]
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=2, group=2, head_dim=32, cache_dtype=torch.bfloat16)
-    got = reference.paged_attention(q, cache_k, cache_v, md, 32**-0.5)
+    got = reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 32**-0.5)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, dense(q, ks, vs, md, 32**-0.5), atol=1e-4, rtol=1e-4)
 

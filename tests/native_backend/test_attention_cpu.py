@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attention_cases import dense, make_case
+from native_backend.kv_cache import KVLayer
 from native_backend import cpu_kernels
 from native_backend.attention import cpu, get_attention_backend, reference
 
@@ -34,10 +35,10 @@ def test_kernels_are_available_where_the_platform_supports_them():
 @pytest.mark.parametrize("num_kv_heads,group", GQA)
 def test_cpu_backend_matches_dense_and_reference(case, num_kv_heads, group):
     q, ks, vs, cache_k, cache_v, md = make_case(CASES[case], num_kv_heads=num_kv_heads, group=group)
-    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-5, rtol=1e-5)
     md.scratch.clear()
-    torch.testing.assert_close(got, reference.paged_attention(q, cache_k, cache_v, md, 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32])
@@ -45,7 +46,7 @@ def test_cpu_backend_matches_dense_and_reference(case, num_kv_heads, group):
 def test_block_and_head_sizes(block_size, head_dim):
     seqs = [(1, 1), (block_size, 1), (block_size + 1, 1), (5 * block_size + 2, 1), (2 * block_size + 3, 4)]
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=2, group=3, head_dim=head_dim, block_size=block_size)
-    got = cpu.paged_attention(q, cache_k, cache_v, md, head_dim**-0.5)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, head_dim**-0.5)
     torch.testing.assert_close(got, dense(q, ks, vs, md, head_dim**-0.5), atol=1e-5, rtol=1e-5)
 
 
@@ -64,7 +65,7 @@ def test_large_scores_do_not_overflow():
     """exp() is taken after subtracting each chunk's max: scores in the hundreds stay finite."""
     q, ks, vs, cache_k, cache_v, md = make_case([(300, 1), (40, 1)], num_kv_heads=1, group=2)
     q = q * 40
-    got = cpu.paged_attention(q, cache_k, cache_v, md, 1.0)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, dense(q, ks, vs, md, 1.0), atol=1e-4, rtol=1e-4)
 
@@ -72,16 +73,16 @@ def test_large_scores_do_not_overflow():
 def test_half_precision_cache_falls_back_to_the_reference():
     seqs = [(40, 1), (17, 1), (20, 6)]
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=3, group=3, cache_dtype=torch.bfloat16)
-    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     md.scratch.clear()
-    torch.testing.assert_close(got, reference.paged_attention(q, cache_k, cache_v, md, 0.125), atol=0, rtol=0)
+    torch.testing.assert_close(got, reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125), atol=0, rtol=0)
 
 
 def test_plan_is_built_once_per_step():
     q, _, _, cache_k, cache_v, md = make_case([(33, 1), (20, 20), (64, 1)], num_kv_heads=3, group=3)
-    cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     plan = md.scratch["cpu_plan"]
-    cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     assert md.scratch["cpu_plan"] is plan
     assert plan.short_rows.tolist() == [0, 21] and plan.row_keys.tolist() == [33, 64] and len(plan.prefills) == 1
 
@@ -92,8 +93,8 @@ def test_write_kv_puts_each_row_in_its_slot_like_the_reference():
     slots = torch.tensor([17, 0, 9, 31, 4])
     ours = [torch.zeros(8, 4, 3, 8) for _ in range(2)]
     ref = [torch.zeros(8, 4, 3, 8) for _ in range(2)]
-    cpu.write_kv(k, v, *ours, slots)
-    reference.write_kv(k, v, *ref, slots)
+    cpu.write_kv(k, v, KVLayer.of(*ours), slots)
+    reference.write_kv(k, v, KVLayer.of(*ref), slots)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     assert torch.equal(ours[0].view(-1, 3, 8)[31], k[3]) and torch.equal(ours[1].view(-1, 3, 8)[0], v[1])
     with pytest.raises(ValueError, match="one slot per new token"):
@@ -108,7 +109,7 @@ def test_write_kv_puts_each_row_in_its_slot_like_the_reference():
                          ids=["long-prompt", "after-prefix", "tile-edges"])
 def test_prefill_kernel_matches_dense(seqs, num_kv_heads, group):
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=num_kv_heads, group=group)
-    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-5, rtol=1e-5)
 
 
@@ -118,7 +119,7 @@ def test_prefill_kernel_head_and_block_sizes(head_dim, block_size):
     seqs = [(3 * block_size + 20, 3 * block_size + 20), (40, 25)]
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=2, group=3, head_dim=head_dim,
                                                 block_size=block_size)
-    got = cpu.paged_attention(q, cache_k, cache_v, md, head_dim**-0.5)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, head_dim**-0.5)
     torch.testing.assert_close(got, dense(q, ks, vs, md, head_dim**-0.5), atol=1e-5, rtol=1e-5)
 
 
@@ -126,7 +127,7 @@ def test_prefill_kernel_is_stable_with_large_scores():
     """Scores in the hundreds: the online softmax rescales instead of overflowing."""
     q, ks, vs, cache_k, cache_v, md = make_case([(300, 300)], num_kv_heads=3, group=3, seed=3)
     q = q * 40
-    got = cpu.paged_attention(q, cache_k, cache_v, md, 0.125)
+    got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-4, rtol=1e-4)
 

@@ -11,9 +11,8 @@ from native_backend.batch import ScheduledChunk, SchedulerOutput
 from native_backend.kv_cache import KVCache
 from native_backend.model_runner import ModelRunner
 from native_backend.sampling_params import SamplingParams
-from native_backend.transforms.cpu_decode import FusedDecode
-from native_backend.transforms.cpu_linear import KERNEL_MAX_ROWS
-from native_backend.transforms.kernels import select_kernels
+from native_backend.layers.linear import KERNEL_MAX_ROWS
+from native_backend.models.fused_decode import FusedDecode
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
@@ -25,7 +24,7 @@ BLOCK_SIZE = 4
 def models(request, tmp_path_factory):
     hf, ours = make_checkpoint(tmp_path_factory.mktemp("llama"), tie=False, rope_scaling=None,
                                attention_bias=request.param)
-    assert "one-call decode steps" in select_kernels(ours, "cpu")
+    assert "one-call decode steps" in ours.ctx.kernels
     return hf, ours
 
 
@@ -61,9 +60,11 @@ STEPS = [{"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 8, "c": 1}, {"a": 1, "b": 1}, {
 TABLES = {"a": [3, 17, 8, 25, 1, 30, 12, 6], "b": [9, 2, 28, 14, 21, 5], "c": [19, 11, 27, 4, 23, 15, 7]}
 
 
-def run_steps(model) -> list[dict[str, torch.Tensor]]:
-    """Every step's logits rows per sequence (all rows of each chunk)."""
+def run_steps(model, fused: bool) -> list[dict[str, torch.Tensor]]:
+    """Every step's logits rows per sequence (all rows of each chunk), with the model's one-call
+    decode steps (counted) or without them."""
     runner = ModelRunner(model, KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK_SIZE))
+    model.fused_decode = Counting(model.fused_decode) if fused else None
     pos = dict.fromkeys(SEQS, 0)
     results = []
     for step in [PROMPTS, *STEPS]:
@@ -76,13 +77,9 @@ def run_steps(model) -> list[dict[str, torch.Tensor]]:
 
 def test_decode_steps_are_bit_identical_to_the_python_path_and_match_hf(models):
     hf, ours = models
-    counting = ours.fused_decode = Counting(ours.fused_decode)
-    try:
-        fused = run_steps(ours)
-        ours.fused_decode = None
-        python = run_steps(ours)
-    finally:
-        ours.fused_decode = counting.fused
+    fused = run_steps(ours, fused=True)
+    counting = ours.fused_decode
+    python = run_steps(ours, fused=False)
     assert (counting.taken, counting.declined) == (len(STEPS), 1)  # the prompt step goes to Python
     for step_fused, step_python in zip(fused, python):
         for rid in step_python:
@@ -97,6 +94,7 @@ def test_decode_steps_are_bit_identical_to_the_python_path_and_match_hf(models):
 
 
 def step_inputs(model, num_rows: int, kv_cache: KVCache):
+    """A decode step of num_rows sequences over `kv_cache` (bound to the model by the runner)."""
     runner = ModelRunner(model, kv_cache)
     chunks = [chunk(f"r{i}", [i % VOCAB], 3, [i]) for i in range(num_rows)]
     return runner.prepare_inputs(chunks)
@@ -104,43 +102,39 @@ def step_inputs(model, num_rows: int, kv_cache: KVCache):
 
 def test_steps_it_cannot_take_go_back_to_python(models):
     _, ours = models
-    fused = ours.fused_decode
     cache = KVCache.for_model(ours.config, num_blocks=KERNEL_MAX_ROWS + 1, block_size=BLOCK_SIZE)
     inputs = step_inputs(ours, 4, cache)
-    call = lambda i: fused(i.input_ids, i.positions, cache, i.attn_metadata)  # noqa: E731
+    fused = ours.fused_decode
+    call = lambda i: fused(i.input_ids, i.positions, i.attn_metadata)  # noqa: E731
     with torch.inference_mode():
         assert call(inputs) is not None
         assert call(step_inputs(ours, KERNEL_MAX_ROWS + 1, cache)) is None  # beyond the linear kernel
-        assert fused(inputs.input_ids, inputs.positions.int(), cache, inputs.attn_metadata) is None  # not int64
+        assert fused(inputs.input_ids, inputs.positions.int(), inputs.attn_metadata) is None  # not int64
     with torch.enable_grad():
         assert call(inputs) is None  # autograd: the Python path
-    bf16_cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE, dtype="bfloat16")
-    with torch.inference_mode():
-        bf16_inputs = step_inputs(ours, 2, bf16_cache)
-        assert fused(bf16_inputs.input_ids, bf16_inputs.positions, bf16_cache, bf16_inputs.attn_metadata) is None
 
 
-def test_the_pointer_table_follows_a_new_cache_and_moved_weights(models):
+def test_the_table_is_built_when_a_cache_is_bound_and_only_for_float32_caches(models):
     _, ours = models
-    fused = FusedDecode(ours)
     results = []
     with torch.inference_mode():
-        for _ in range(2):  # two caches with the same contents: a rebuilt table, the same answer
+        for _ in range(2):  # two caches with the same contents: a table each, the same answer
             cache = KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE)
             inputs = step_inputs(ours, 3, cache)
-            results.append(fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata))
+            assert ours.fused_decode.layers[0].cache_k == cache.layer(0).key.data_ptr()
+            results.append(ours.fused_decode(inputs.input_ids, inputs.positions, inputs.attn_metadata))
         assert torch.equal(results[0], results[1])
-        first_key = fused._key
-        weight = ours.model.layers[0].mlp.up_proj.weight
-        original = weight.data
-        weight.data = original.clone()  # what model.to(...) does to every parameter
-        try:
-            again = fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata)
-            assert fused._key != first_key and again is not None
-            weight.data = original.double()
-            assert fused(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata) is None
-        finally:
-            weight.data = original
+        step_inputs(ours, 2, KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE, dtype="bfloat16"))
+        assert ours.fused_decode is None  # a bf16 cache: every step through the Python path
+        assert FusedDecode.build(ours) is None
+        step_inputs(ours, 2, KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE))
+        assert FusedDecode.build(ours) is not None and ours.fused_decode is not None
+
+
+def test_a_model_built_without_the_c_kernels_gets_no_fused_step(tmp_path):
+    _, ours = make_checkpoint(tmp_path, tie=False, rope_scaling=None, cpu_kernels=False)
+    step_inputs(ours, 2, KVCache.for_model(ours.config, num_blocks=8, block_size=BLOCK_SIZE))
+    assert ours.fused_decode is None and "off" in ours.ctx.kernels
 
 
 def test_positions_beyond_the_rotary_tables_are_refused(models):
@@ -149,4 +143,4 @@ def test_positions_beyond_the_rotary_tables_are_refused(models):
     inputs = step_inputs(ours, 2, cache)
     inputs.positions[1] = ours.config.max_position_embeddings
     with torch.inference_mode(), pytest.raises(IndexError, match="rotary tables"):
-        ours.fused_decode(inputs.input_ids, inputs.positions, cache, inputs.attn_metadata)
+        ours.fused_decode(inputs.input_ids, inputs.positions, inputs.attn_metadata)

@@ -30,7 +30,7 @@ def engine_factory(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tok"))
 
     def make(**overrides):
-        config = EngineConfig(model=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2, **overrides)
+        config = EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2, **overrides)
         return LLMEngine(config)
 
     return make

@@ -24,8 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    config = EngineConfig(model=default_gguf_path(), tokenizer_cache_dir=str(tmp_path_factory.mktemp("tok")),
-                          num_threads=2, max_num_seqs=8, max_num_batched_tokens=128, kv_cache_bytes=64 << 20)
+    config = EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=str(tmp_path_factory.mktemp("tok")),
+                                num_threads=2, max_num_seqs=8, max_num_batched_tokens=128, kv_cache_bytes=64 << 20)
     return LLMEngine(config)
 
 

@@ -47,8 +47,9 @@ def test_plan_rejects_a_budget_below_one_block():
 
 def test_cache_layout_and_dtypes():
     cache = KVCache(num_blocks=5, block_size=16, **SMOLLM2, dtype="bf16")
-    k, v = cache.layer(29)
-    assert k.shape == v.shape == (5, 16, 3, 64) and k.dtype == torch.bfloat16
+    layer = cache.layer(29)
+    assert layer.key.shape == layer.value.shape == (5, 16, 3, 64) and layer.key.dtype == torch.bfloat16
+    assert (layer.num_blocks, layer.block_size, layer.num_kv_heads, layer.head_dim) == (5, 16, 3, 64)
     assert cache.nbytes == 5 * 16 * kv_bytes_per_token(**SMOLLM2, bytes_per_element=2)
     assert resolve_kv_dtype(torch.float16).bytes_per_element == 2
     with pytest.raises(NotImplementedError):

@@ -1,4 +1,4 @@
-"""The fused layer ops (csrc/layer_ops.c through transforms.cpu_ops.KernelOps) against torch's."""
+"""The fused layer ops (csrc/layer_ops.c through layers.cpu_ops.KernelOps) against torch's."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from native_backend import cpu_kernels
 from native_backend.config import ModelConfig
-from native_backend.models.layers import TORCH_OPS, RMSNorm, RotaryEmbedding, apply_rope
-from native_backend.transforms.cpu_ops import KERNEL_OPS
+from native_backend.layers.norm import RMSNorm
+from native_backend.layers.ops import TORCH_OPS
+from native_backend.layers.rotary import RotaryEmbedding, apply_rope
+from native_backend.layers.cpu_ops import KERNEL_OPS
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")

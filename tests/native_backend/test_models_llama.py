@@ -13,7 +13,6 @@ from native_backend.batch import ScheduledChunk, SchedulerOutput
 from native_backend.kv_cache import KVCache
 from native_backend.model_runner import ModelRunner
 from native_backend.sampling_params import SamplingParams
-from native_backend.transforms.kernels import select_kernels
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
@@ -31,8 +30,7 @@ LLAMA3_SCALING = {
 def models(request, tmp_path_factory):
     """The C kernels (decode attention, small-batch linears) where they build, and torch alone."""
     tie, scaling, cpu_kernels = request.param
-    hf, ours = make_checkpoint(tmp_path_factory.mktemp("llama"), tie=tie, rope_scaling=scaling)
-    select_kernels(ours, "cpu", cpu_kernels)
+    hf, ours = make_checkpoint(tmp_path_factory.mktemp("llama"), tie=tie, rope_scaling=scaling, cpu_kernels=cpu_kernels)
     return hf, ours
 
 

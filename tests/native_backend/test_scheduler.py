@@ -414,7 +414,8 @@ def test_runner_that_samples_nothing_is_an_error(make_scheduler):
         ([], 4, "empty"),
         (tokens(128), 4, "max_model_len"),
         (tokens(10), 0, "max_tokens"),
-        (tokens(100), 150, "whole cache"),  # 100 + 27 (capped by max_model_len) > 16 slots
+        (tokens(100), 150, "max_model_len"),  # 100 + 150 over the context, whatever the cache
+        (tokens(100), 20, "whole cache"),  # 100 + 20 - 1 KV slots > 16
     ],
 )
 def test_add_rejects_requests_that_could_never_finish(make_scheduler, prompt, max_tokens, why):

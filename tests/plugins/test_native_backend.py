@@ -268,7 +268,7 @@ def test_cpu_kernels_setting_reaches_the_engine_and_is_validated():
     import pydantic
     from kvgate_native.backend import NativeSettings
 
-    assert NativeSettings().engine_config().cpu_kernels is True
-    assert NativeSettings(cpu_kernels=False).engine_config().cpu_kernels is False
+    assert NativeSettings().engine_config().model.cpu_kernels is True
+    assert NativeSettings(cpu_kernels=False).engine_config().model.cpu_kernels is False
     with pytest.raises(pydantic.ValidationError, match="cpu_kernels"):
         NativeSettings(cpu_kernels="sometimes")

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,7 +30,7 @@ from gateway.errors import (
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
-from native_backend.engine_config import EngineConfig
+from native_backend.engine_config import CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
 from native_backend.sampling_params import SamplingParams as EngineSampling
 from native_backend.tokenizer import Tokenizer, default_model_path
@@ -46,7 +47,12 @@ class NativeSettings(BaseModel):
 
     model: str = Field("default", description="GGUF file or HF directory; 'default' is SmolLM2-135M-Instruct.")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
-    kv_cache_dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"] = Field(
+        "auto", description="KV-cache storage: auto (the model's dtype), a float dtype, fp8 (per-layer scales) "
+        "or int8 (a scale per token and KV head).")
+    kv_scales: Literal["calibrate", "checkpoint", "unit"] = Field(
+        "calibrate", description="fp8 KV only: per-layer K/V scales from a calibration pass at start, from the "
+        "checkpoint, or 1.0.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     block_size: int = Field(16, gt=0, le=256, description="Tokens per KV-cache block.")
     max_num_seqs: int = Field(32, gt=0, description="Requests running at once.")
@@ -74,10 +80,18 @@ class NativeSettings(BaseModel):
         return self
 
     def engine_config(self) -> EngineConfig:
-        model = default_model_path() if self.model == "default" else self.model
-        fields = self.model_dump(exclude={"model", "startup_timeout_s", "tensor_parallel_size", "quantization",
-                                          "supervision"})
-        return EngineConfig(model=model, tokenizer_cache_dir=str(tokenizer_cache_dir()), **fields)
+        """Field by field onto the engine's parts (tests/plugins holds the two field sets in step)."""
+        return EngineConfig(
+            model=ModelOptions(path=default_model_path() if self.model == "default" else self.model, dtype=self.dtype,
+                               device=self.device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
+                               tokenizer_cache_dir=str(tokenizer_cache_dir())),
+            cache=CacheOptions(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                               kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
+                               enable_prefix_caching=self.enable_prefix_caching, kv_scales=self.kv_scales),
+            scheduler=SchedulerOptions(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                       max_model_len=self.max_model_len),
+            parallel=ParallelOptions(tensor_parallel_size=self.tensor_parallel_size),
+        )
 
 
 class NativeBackend:
@@ -99,12 +113,12 @@ class NativeBackend:
         return self.supervisor.client
 
     async def start(self) -> None:
-        if not os.path.exists(self.config.model):
-            raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model} does not exist")
+        if not os.path.exists(self.config.model.path):
+            raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model.path} does not exist")
         await self.supervisor.start()  # loads the model and unpacks the tokenizer into the cache
         log.info("native deployment '%s': %s", self.name, self.client.description)
         self.tokenizer = await asyncio.to_thread(
-            Tokenizer.from_pretrained, self.config.model, cache_dir=self.config.tokenizer_cache_dir
+            Tokenizer.from_pretrained, self.config.model.path, cache_dir=self.config.model.tokenizer_cache_dir
         )
 
     async def stop(self) -> None:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from native_backend import cpu_kernels
-from native_backend.models.layers import RMSNorm, RotaryEmbedding, TorchOps
+from native_backend.layers.norm import RMSNorm
+from native_backend.layers.ops import TorchOps
+from native_backend.layers.rotary import RotaryEmbedding
 
 
 def _kernel_ready(*tensors: torch.Tensor) -> bool:

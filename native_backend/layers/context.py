@@ -1,0 +1,63 @@
+"""What a model is built with: the one place that decides precision, kernels and sharding.
+
+    LayerContext.for_device("cpu", torch.float32)   C-kernel linears, fused ops, 'cpu' attention,
+                                                     one-call decode steps (where the kernels build)
+    LayerContext.for_device("cpu", ..., cpu_kernels=False)   torch alone
+    LayerContext.for_device("cuda", torch.bfloat16)          dense linears, Triton attention
+
+Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
+after loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from native_backend import cpu_kernels
+from native_backend.attention import AttentionBackend, get_attention_backend
+from native_backend.layers.linear import C_KERNEL, DENSE, LinearMethod
+from native_backend.layers.ops import TORCH_OPS, TorchOps
+from native_backend.layers.sharding import SINGLE, ShardSpec
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    device: torch.device
+    dtype: torch.dtype  # weights and activations
+    linear_method: LinearMethod
+    ops: TorchOps
+    attention: AttentionBackend
+    shard: ShardSpec = field(default=SINGLE)
+    fuse_decode: bool = False  # CPU: whole decode steps through one C call (models.fused_decode)
+    kernels: str = ""  # what was chosen, for the engine's start-up line
+
+    @classmethod
+    def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                   cpu_kernels: bool = True, attention: str | None = None,
+                   shard: ShardSpec = SINGLE) -> LayerContext:
+        """`attention` forces a backend ("reference", "cpu", "triton"); by default the device's."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            backend = get_attention_backend(device, attention)
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels=f"attention {backend.name}")
+        if not cpu_kernels:
+            backend = get_attention_backend(device, attention or "reference")
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)")
+        return _cpu_context(device, dtype, attention, shard)
+
+
+def _cpu_context(device, dtype, attention, shard) -> LayerContext:
+    backend = get_attention_backend(device, attention)
+    if not cpu_kernels.available():
+        why = cpu_kernels.unavailable_reason()
+        return LayerContext(device, dtype, DENSE, TORCH_OPS, backend, shard,
+                            kernels=f"torch kernels (C kernels unavailable: {why})")
+    from native_backend.layers.cpu_ops import KERNEL_OPS  # imports the kernel library's bindings
+
+    # The one-call decode step runs float32 weights over the C attention kernel only.
+    fuse = dtype == torch.float32 and backend.name == "cpu" and shard.size == 1
+    fused = ", one-call decode steps" if fuse else ""
+    return LayerContext(device, dtype, C_KERNEL, KERNEL_OPS, backend, shard, fuse_decode=fuse,
+                        kernels=f"C kernels (attention '{backend.name}', C-kernel linears, fused layer ops{fused})")

@@ -1,1 +1,0 @@
-"""Transforms applied to a plain, loaded model: they swap modules, never branch inside the model."""
