@@ -99,10 +99,16 @@ class PoolAdmission:
             f"{ticket.max_wait_s:g} s allowed for class '{ticket.sla_class}'.", "queue_timeout")
 
     def _forget(self, waiter: _Waiter) -> None:
+        """A waiter leaves (cancelled, or out of time): out of the heap now, so churn cannot grow it."""
         if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
             self.pool.release(waiter.future.result())  # granted but nobody will use it
         elif not waiter.future.done():
             waiter.future.cancel()
+        try:
+            self._heap.remove(waiter)  # O(queue): the queue is bounded and small
+        except ValueError:
+            return  # already popped by wake()
+        heapq.heapify(self._heap)
 
     def wake(self) -> None:
         """Grant queued requests, best first, as long as deployments can take them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -32,6 +33,9 @@ from gateway.schemas import ParsedRequest, parse_chat, parse_completion
 log = logging.getLogger("kvgate.api")
 
 SLA_HEADER = "x-sla-class"
+# The client closed the request (nginx's 499): nobody reads that response. Counted as cancelled,
+# not as a failure of the service.
+CLIENT_CLOSED = 499
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -96,23 +100,44 @@ async def _serve(request: Request, parse, id_prefix: str):
     )
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
     trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
+    requests = choice_requests(parsed, request_id, sla.priority, trace)
     try:
-        choices = await open_choices(
-            registry, pool, choice_requests(parsed, request_id, sla.priority, trace), ticket, recorder
-        )
+        # Watch the client from the start: one that leaves while queued, or before the first
+        # token, frees its queue slot and aborts its backend work now, not when a token comes.
+        opened, choices = await run_until_disconnect(
+            request.receive, open_choices(registry, pool, requests, ticket, recorder),
+            orphan=lambda late: _release(recorder, late))
     except BaseException as exc:
         if isinstance(exc, APIError):
             recorder.finish(exc.status, None, error=exc.message)
         else:
-            recorder.finish(499, None)
+            recorder.finish(CLIENT_CLOSED, None)
         raise
+    if not opened:
+        recorder.finish(CLIENT_CLOSED, None)
+        return JSONResponse({}, status_code=CLIENT_CLOSED)
     if parsed.stream:
-        return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams)
-    finished, body = await run_until_disconnect(request.receive, _collect(recorder, parsed, shape, choices))
-    # 499: the client closed the request (nginx's convention); nobody reads that response.
-    recorder.finish(200 if finished else 499, body["usage"] if body else None,
-                    [c["finish_reason"] for c in body["choices"]] if body else ())
-    return JSONResponse(body) if finished else JSONResponse({}, status_code=499)
+        return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
+                                   finalizer=lambda: _release(recorder, choices))
+    try:
+        finished, body = await run_until_disconnect(request.receive, _collect(recorder, parsed, shape, choices))
+        recorder.finish(200 if finished else CLIENT_CLOSED, body["usage"] if body else None,
+                        [c["finish_reason"] for c in body["choices"]] if body else ())
+    except APIError as exc:
+        recorder.finish(exc.status, None, error=exc.message)
+        raise
+    finally:
+        await asyncio.shield(_release(recorder, choices))  # also when _collect never got to start
+    return JSONResponse(body) if finished else JSONResponse({}, status_code=CLIENT_CLOSED)
+
+
+async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None:
+    """Close every choice and the books (both idempotent, so a no-op after a normal end): a
+    response cancelled before its producer ran would otherwise keep its deployment slots and
+    its key's in-flight count."""
+    for c in choices:
+        await c.close()
+    recorder.finish(CLIENT_CLOSED, None)
 
 
 def _admit_key(state, key: ApiKey, choices: int) -> None:
@@ -143,7 +168,9 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
 async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
                   choices: list[OpenChoice]):
     states = [ChoiceState(c.index) for c in choices]
-    status, usage, error = "stream_error", None, None
+    # Left without success or an APIError: the client went away (the response task cancelled
+    # this generator, or closed it at a failed write).
+    status, usage, error = CLIENT_CLOSED, None, None
     try:
         if parsed.chat:
             for c in choices:

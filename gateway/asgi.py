@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, Callable
 
 from gateway.errors import APIError, Overloaded, RequestTooLarge
 
@@ -62,10 +62,12 @@ async def wait_for_disconnect(receive) -> None:
             return
 
 
-async def run_until_disconnect(receive, work: Awaitable):
+async def run_until_disconnect(receive, work: Awaitable, orphan: Callable[[object], Awaitable] | None = None):
     """Run `work`; if the client disconnects first, cancel it (its cleanup aborts backends).
 
-    Returns (finished, result)."""
+    Cancelling does not always stop work: code that swallows the cancellation (asyncio.wait_for
+    returning a result that was ready at that moment) can finish anyway. Such a result is handed
+    to `orphan`, so what it holds is released. Returns (finished, result)."""
     work_task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(wait_for_disconnect(receive))
     try:
@@ -73,17 +75,21 @@ async def run_until_disconnect(receive, work: Awaitable):
     except asyncio.CancelledError:
         # We are cancelled ourselves (the server's shutdown ran out of time): stop the work too,
         # so its cleanup runs (backends are aborted) before the cancellation goes on.
-        work_task.cancel()
-        await asyncio.gather(work_task, return_exceptions=True)
+        await _stop(work_task, orphan)
         raise
     finally:
         watcher.cancel()
     if work_task.done():
         return True, work_task.result()
-    work_task.cancel()
-    await asyncio.gather(work_task, return_exceptions=True)
+    await _stop(work_task, orphan)
     return False, None
 
+
+async def _stop(work_task: asyncio.Future, orphan) -> None:
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    if orphan is not None and not work_task.cancelled() and work_task.exception() is None:
+        await asyncio.shield(orphan(work_task.result()))
 
 class EventStreamResponse:
     """An SSE response that stops its producer as soon as the client goes away.
@@ -94,10 +100,13 @@ class EventStreamResponse:
     """
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 tracker: set | None = None):
+                 tracker: set | None = None, finalizer: Callable[[], Awaitable] | None = None):
         self.chunks = chunks
         self.headers = {"content-type": "text/event-stream", "cache-control": "no-cache", **(headers or {})}
         self.tracker = tracker  # the tasks serving streams: shutdown waits for their last words
+        # Runs whatever happened: a producer cancelled before its first step never runs its own
+        # `finally`, so what it holds (backend slots) must be freed from here too.
+        self.finalizer = finalizer
 
     async def __call__(self, scope, receive, send):
         task = asyncio.current_task()
@@ -108,6 +117,8 @@ class EventStreamResponse:
         finally:
             if self.tracker is not None:
                 self.tracker.discard(task)
+            if self.finalizer is not None:
+                await asyncio.shield(self.finalizer())
 
     async def _serve(self, receive, send):
         raw_headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]

@@ -27,10 +27,13 @@ class RecentActivity:
         self.errors: deque[dict] = deque(maxlen=20)
         self.requests = 0
         self.failed = 0
+        self.cancelled = 0  # clients that went away (499): not a failure of the service
 
     def finished(self, model: str, status, error: str | None) -> None:
         self.requests += 1
-        if status != 200:
+        if status == 499:
+            self.cancelled += 1
+        elif status != 200:
             self.failed += 1
             self.errors.appendleft({"time": time.time(), "model": model, "status": status,
                                     "message": error or f"status {status}"})
@@ -55,7 +58,7 @@ async def status_json(request: Request) -> JSONResponse:
         "uptime_s": time.time() - state.started_at,
         "models": [_pool(p) for p in state.registry.pools],
         "sla_classes": [c.model_dump() for c in state.config.sla_classes],
-        "requests": {"total": recent.requests, "failed": recent.failed},
+        "requests": {"total": recent.requests, "failed": recent.failed, "cancelled": recent.cancelled},
         "latency": {
             "ttft_p50": percentile(recent.ttft, 0.5), "ttft_p99": percentile(recent.ttft, 0.99),
             "tpot_p50": percentile(recent.tpot, 0.5), "tpot_p99": percentile(recent.tpot, 0.99),
