@@ -32,7 +32,8 @@ from native_backend.cache_dir import kvgate_cache_dir
 log = logging.getLogger("kvgate.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c"))
+SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c",
+                                   "int4_linear.c"))
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -56,6 +57,9 @@ _SIGNATURES = {
     "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
     # layers, num_layers, dims, step, final_norm, h, out, M (structs: models/fused_decode.py)
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
+    # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
+    "kvgate_int4_linear_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
+    "kvgate_int4_supported": ([], ctypes.c_int),
 }
 
 
@@ -357,6 +361,45 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_mul_: contiguous (M, N) gate and up alike, N a multiple of 8")
     load().kvgate_silu_mul_f32(gate.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1])
     return gate
+
+
+def int4_available() -> bool:
+    """Whether the int4 kernel runs here: the library loads and the CPU has F16C besides AVX2/FMA."""
+    lib = load()
+    return lib is not None and lib.kvgate_int4_supported() == 1
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 @ the AutoAWQ GEMM weight (quantization/format.py) + bias -> (M, N) float32."""
+    _check(x, *([bias] if bias is not None else []), dtype=torch.float32)
+    _check(qweight, qzeros, dtype=torch.int32)
+    _check(scales, dtype=torch.float16)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or groups < 1 or k % groups or scales.shape != (groups, n) \
+            or qzeros.shape != (groups, n // 8):
+        raise ValueError(f"int4_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)} do not fit together")
+    if not (qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()) or \
+            (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        raise ValueError("int4_linear: contiguous qweight, qzeros, scales and an (N,) bias expected")
+    return int4_linear_unchecked(x, qweight, qzeros, scales, bias)
+
+
+def int4_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """`int4_linear` for callers that checked types and shapes once (the AWQ linear method)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = scales.shape[1]
+    y = x.new_empty((m, n))
+    rc = load().kvgate_int4_linear_f32(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(),
+                                       scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                       m, k, n, k // scales.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"kvgate_int4_linear_f32 failed ({rc})")
+    return y
 
 
 if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the path

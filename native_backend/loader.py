@@ -24,6 +24,7 @@ from native_backend.config import ModelConfig
 from native_backend.layers.context import LayerContext
 from native_backend.models import MODEL_CLASSES
 from native_backend.models.llama import LlamaForCausalLM
+from native_backend.quantization.format import read_quant_config_file
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -62,23 +63,35 @@ def read_model_config(path: str | None = None) -> ModelConfig:
 
 
 def load_hf_model(model_dir: str, ctx: LayerContext | None = None) -> LlamaForCausalLM:
+    """A quantized checkpoint (config.json's quantization_config: AWQ int4 GEMM) is built with the
+    int4 linear method and loaded packed."""
     config = ModelConfig.from_hf_dir(model_dir)
+    quant = read_quant_config_file(model_dir)
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    ctx = (ctx or LayerContext.for_device("cpu", torch.float32)).with_quantization(quant)
     return build_model(config, safetensors_tensors(files), ctx)
 
 
 def safetensors_tensors(files: list[str]) -> NamedTensors:
-    """Every tensor of (possibly sharded) safetensors files, read one at a time."""
-    from safetensors import safe_open
+    """Every tensor of (possibly sharded) safetensors files, read one at a time; a damaged or
+    truncated file is an error naming the file (and the tensor, once its header has been read)."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints; we derive it from the config
-                    continue
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq"):  # old checkpoints; we derive it from the config
+                        continue
+                    try:
+                        tensor = f.get_tensor(name)
+                    except SafetensorError as exc:
+                        raise ValueError(f"{file}: tensor {name} cannot be read: {exc}") from None
+                    yield name, tensor
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a readable safetensors file: {exc}") from None
 
 
 # ------------------------------------------------------------------------------ GGUF

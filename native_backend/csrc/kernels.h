@@ -19,5 +19,8 @@ int kvgate_add_rms_norm_f32(float *residual, const float *delta, const float *we
 int kvgate_rope_qk_f32(float *q, float *k, const int64_t *positions, const float *cos, const float *sin, int64_t n,
                        int64_t q_heads, int64_t k_heads, int64_t D);
 int kvgate_silu_mul_f32(float *out, const float *gate, const float *up, int64_t M, int64_t N);
+int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qweight, const int32_t *qzeros,
+                           const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N, int64_t G);
+int kvgate_int4_supported(void);
 
 #endif

@@ -4,6 +4,7 @@
                                                      one-call decode steps (where the kernels build)
     LayerContext.for_device("cpu", ..., cpu_kernels=False)   torch alone
     LayerContext.for_device("cuda", torch.bfloat16)          dense linears, Triton attention
+    ctx.with_quantization(QuantConfig(group_size=64))        int4 AWQ linears (an AWQ checkpoint)
 
 Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
 after loading.
@@ -11,6 +12,7 @@ after loading.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,7 @@ from native_backend.attention import AttentionBackend, get_attention_backend
 from native_backend.layers.linear import C_KERNEL, DENSE, LinearMethod
 from native_backend.layers.ops import TORCH_OPS, TorchOps
 from native_backend.layers.sharding import SINGLE, ShardSpec
+from native_backend.quantization.format import QuantConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class LayerContext:
     shard: ShardSpec = field(default=SINGLE)
     fuse_decode: bool = False  # CPU: whole decode steps through one C call (models.fused_decode)
     kernels: str = ""  # what was chosen, for the engine's start-up line
+    head_method: LinearMethod | None = None  # the LM head's, when not linear_method (int4 models)
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -46,6 +50,21 @@ class LayerContext:
             backend = get_attention_backend(device, attention or "reference")
             return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)")
         return _cpu_context(device, dtype, attention, shard)
+
+    def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
+        """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
+        linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head as
+        before (AWQ checkpoints keep it in float), decode steps per layer (the one-call decode
+        step runs float32 weights only)."""
+        if quant is None:
+            return self
+        from native_backend.quantization.method import AWQLinearMethod  # imports layers.linear
+
+        kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
+        method = AWQLinearMethod(quant.group_size, kernel=kernel)
+        kernels = self.kernels.replace(", one-call decode steps", "")  # no longer true, see above
+        return dataclasses.replace(self, linear_method=method, head_method=self.linear_method, fuse_decode=False,
+                                   kernels=f"{kernels}; linears {method.name}, LM head {self.linear_method.name}")
 
 
 def _cpu_context(device, dtype, attention, shard) -> LayerContext:

@@ -3,7 +3,7 @@ a *shard spec* says which part of the full matrix this rank holds.
 
     method (how):   DenseMethod   F.linear (MKL on the CPU, cuBLAS on CUDA)
                     CKernelMethod kvgate's C kernel for a few rows (decode), F.linear beyond
-                    (an int4 AWQ method creates packed qweight/qzeros/scales instead)
+                    AWQLinearMethod (quantization/method.py): packed int4 qweight/qzeros/scales
     shard (which):  ColumnParallelLinear  output rows split:  W[rank*n/size : (rank+1)*n/size, :]
                     RowParallelLinear     input columns split: W[:, rank*k/size : (rank+1)*k/size],
                                           partial sums all-reduced, bias added once after
@@ -132,8 +132,9 @@ class ColumnParallelLinear(LinearBase):
         return in_features, self.shard.part(out_features, "output features")
 
     def weight_loader(self, param, loaded):
-        # weight (out, in) and bias (out,) are both cut along dim 0
-        default_weight_loader(param, self.shard.narrow(loaded, 0))
+        # weight (out, in) and bias (out,) are both cut along dim 0; a packed int4 parameter
+        # (in, out/8) says where its output dimension is
+        default_weight_loader(param, self.shard.narrow(loaded, getattr(param, "output_dim", 0)))
 
 
 class RowParallelLinear(LinearBase):
@@ -144,8 +145,11 @@ class RowParallelLinear(LinearBase):
         return self.shard.part(in_features, "input features"), out_features
 
     def weight_loader(self, param, loaded):
-        if loaded.dim() == 2:  # the weight; the bias is whole on every rank
-            loaded = self.shard.narrow(loaded, 1)
+        # the weight (out, in) is cut along dim 1, a packed int4 parameter along its input_dim;
+        # the bias is whole on every rank
+        dim = getattr(param, "input_dim", 1 if loaded.dim() == 2 else None)
+        if dim is not None:
+            loaded = self.shard.narrow(loaded, dim)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,5 +56,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     the parameter's dtype and device on the way."""
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    if not param.dtype.is_floating_point and loaded.dtype != param.dtype:  # packed bits: no value casts
+        raise ValueError(f"checkpoint tensor of {loaded.dtype} where {param.dtype} is expected")
     with torch.no_grad():
         param.data.copy_(loaded)

@@ -117,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self.ctx = ctx
         self.model = LlamaModel(config, ctx)
         tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method=ctx.linear_method,
-                                      shard=ctx.shard, dtype=ctx.dtype, device=ctx.device, tie_to=tie_to)
+        head_method = ctx.head_method or ctx.linear_method  # int4 models keep a float head
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method=head_method, shard=ctx.shard,
+                                      dtype=ctx.dtype, device=ctx.device, tie_to=tie_to)
         self.ops: TorchOps = ctx.ops
         # CPU: a decode step's whole stack in one C call (models.fused_decode), made once the KV
         # cache is bound; None: every step runs the layers below.
@@ -139,7 +140,10 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            except ValueError as exc:  # a corrupt or mismatched checkpoint: say which tensor
+                raise ValueError(f"checkpoint tensor {name}: {exc}") from None
             loaded.add(name)
         missing = sorted(set(params) - loaded - tied)
         if missing or unexpected:

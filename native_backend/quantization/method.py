@@ -1,0 +1,74 @@
+"""The int4 AWQ linear method: a layer created with the packed AutoAWQ GEMM tensors, loaded packed
+(and sharded packed), and applied by a kernel that dequantizes inside, so the model never holds a
+float copy of the weight.
+
+    create_weights:  qweight int32 (in, out/8), qzeros int32 (in/g, out/8), scales fp16 (in/g, out)
+                     [, bias (out,)]; each marks its input and output dimension for the shard
+                     loaders (the transpose of a dense weight's: output is dim 1 here)
+    apply:           C kernel (cpu_kernels.int4_linear) for up to KERNEL_MAX_ROWS float32 rows on
+                     the CPU; beyond, or elsewhere, the reference: dequantize then matmul. Like
+                     vLLM's AWQ path, a long prefill chunk pays for one transient dequantized
+                     matrix and gets a BLAS GEMM for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from native_backend import cpu_kernels
+from native_backend.layers.linear import LinearMethod
+from native_backend.quantization import reference
+from native_backend.quantization.format import PACK, valid_group_sizes
+
+# The C kernel against dequantize + MKL GEMM: the kernel re-unpacks the weight for every tile of 4
+# rows, so from a few hundred rows on one dequantization and a blocked GEMM win.
+KERNEL_MAX_ROWS = 128
+
+
+class AWQLinearMethod(LinearMethod):
+    """Int4 weights with a zero point and an fp16 scale per group of `group_size` inputs."""
+
+    def __init__(self, group_size: int, *, kernel: bool):
+        self.group_size = group_size
+        self.kernel = kernel  # the C kernel for few rows (CPU, where it builds)
+        self.name = f"int4 AWQ g{group_size} ({'C kernel' if kernel else 'torch reference'})"
+
+    def create_weights(self, layer, out_features, in_features, bias, dtype, device):
+        g = self.group_size
+        if in_features % g:
+            raise ValueError(f"int4 AWQ: group size {g} does not divide a layer's input width {in_features} "
+                             f"(group sizes that do: {valid_group_sizes(in_features)})")
+        if out_features % PACK:
+            raise ValueError(f"int4 AWQ: {out_features} output features is not a multiple of {PACK}")
+        shapes = {"qweight": ((in_features, out_features // PACK), torch.int32),
+                  "qzeros": ((in_features // g, out_features // PACK), torch.int32),
+                  "scales": ((in_features // g, out_features), torch.float16)}
+        for name, (shape, param_dtype) in shapes.items():
+            param = nn.Parameter(torch.empty(shape, dtype=param_dtype, device=device), requires_grad=False)
+            param.input_dim, param.output_dim = 0, 1  # for Column/RowParallelLinear's weight loaders
+            layer.register_parameter(name, param)
+        layer.register_parameter("bias", nn.Parameter(
+            torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None)
+
+    def process_weights_after_loading(self, layer):
+        scales = layer._parameters["scales"]
+        if not torch.isfinite(scales).all():
+            raise ValueError(f"int4 AWQ: a layer of {layer.full_in_features} -> {layer.full_out_features} "
+                             "has non-finite scales")
+
+    def apply(self, layer, x):
+        p = layer._parameters
+        qweight, qzeros, scales, bias = p["qweight"], p["qzeros"], p["scales"], p["bias"]
+        rows = x.reshape(-1, x.shape[-1])  # (tokens, in)
+        if self.kernel and _kernel_fits(rows, bias):
+            y = cpu_kernels.int4_linear_unchecked(rows, qweight, qzeros, scales, bias)
+        else:
+            y = reference.int4_linear(rows, qweight, qzeros, scales, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Per call: the weights were checked once (created here, loaded through the shard loaders)."""
+    return (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and (bias is None or bias.dtype == torch.float32))

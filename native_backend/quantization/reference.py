@@ -1,0 +1,31 @@
+"""The reference arithmetic of int4 weights: dequantize, then an ordinary matmul.
+
+Every kernel (C, Triton) has this contract and is tested against it:
+
+    x (M, in) float  ->  y (M, out) = x @ W + bias,   W[i, o] = (q[i, o] - z[i // g, o]) * s[i // g, o]
+
+The weight is dequantized in float32 whatever x's dtype, then multiplied in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from native_backend.quantization.format import unpack_int4
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(in, out) float32 from qweight (in, out/8), qzeros (in/g, out/8), scales (in/g, out)."""
+    group = qweight.shape[0] // scales.shape[0]
+    q = unpack_int4(qweight).float()  # (in, out)
+    z = unpack_int4(qzeros).float().repeat_interleave(group, dim=0)  # (in, out)
+    s = scales.float().repeat_interleave(group, dim=0)
+    return (q - z) * s
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, in) -> (M, out): the reference every int4 kernel must equal."""
+    w = dequantize(qweight, qzeros, scales).to(x.dtype)  # (in, out), transient
+    y = x @ w
+    return y if bias is None else y + bias
