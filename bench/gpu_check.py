@@ -99,6 +99,8 @@ def check_attention_case(kernel, reference, seqs, shape: dict, kv_dtype, device)
         caches[name] = (layer, impl.paged_attention(q, layer, md, shape["head_dim"] ** -0.5))
     (ours, got), (ref, want) = caches["kernel"], caches["reference"]
     write_err = max(_max_err(_stored(ours.key), _stored(ref.key)), _max_err(_stored(ours.value), _stored(ref.value)))
+    if ours.key_scales is not None:
+        write_err = max(write_err, _max_err(ours.key_scales, ref.key_scales), _max_err(ours.value_scales, ref.value_scales))
     attn_err = _max_err(got, want)
     tol = TOLERANCE.get(kv_dtype.name, 5e-2)
     return {"write_kv_max_err": write_err, "attention_max_err": attn_err, "tolerance": tol,
@@ -106,14 +108,26 @@ def check_attention_case(kernel, reference, seqs, shape: dict, kv_dtype, device)
 
 
 def _kv_layer(cache_k, cache_v, kv_dtype):
-    """The layer object the backends take."""
+    """The layer object the backends take; quantized formats get fixed per-layer scales (fp8) or
+    zeroed per-row scales (int8) so that both implementations start from the same state."""
+    import torch
+
     from native_backend.kv_cache import KVLayer
 
-    return KVLayer(cache_k, cache_v, kv_dtype)
+    layer = KVLayer(cache_k, cache_v, kv_dtype)
+    if kv_dtype.scaling == "per_layer":
+        layer.k_scale, layer.v_scale = 0.05, 0.02
+    elif kv_dtype.scaling == "per_token_head":
+        layer.key_scales = torch.zeros(cache_k.shape[:3], dtype=torch.float32, device=cache_k.device)
+        layer.value_scales = torch.zeros_like(layer.key_scales)
+    return layer
 
 
 def _stored(t):
-    return t
+    """A cache's stored values as numbers to compare (fp8 by its bytes: the encoding must match)."""
+    from native_backend.attention.kv_quant import as_bytes
+
+    return as_bytes(t)
 
 
 def _tables(md) -> list[list[int]]:

@@ -15,6 +15,7 @@ thread pool and torch.set_num_threads) instead of starting a second OpenMP runti
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -33,7 +34,7 @@ log = logging.getLogger("kvgate.engine")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c",
-                                   "int4_linear.c"))
+                                   "int4_linear.c", "kv_quant.c"))
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -55,6 +56,11 @@ _SIGNATURES = {
     "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
     # out, q, cache_k, cache_v, blocks, q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale
     "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
+    # out, q, kv (kvg_kv), block_tables, table_stride, row_seq, row_keys,
+    # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
+    "kvgate_paged_decode_q": ([_ptr] * 4 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
+    # cache_k, cache_v, k_scales, v_scales, k, v, slots, n, kv_heads, D, fmt, k_scale, v_scale
+    "kvgate_write_kv_q": ([_ptr] * 7 + [_i64] * 3 + [ctypes.c_int, _f32, _f32], ctypes.c_int),
     # layers, num_layers, dims, step, final_norm, h, out, M (structs: models/fused_decode.py)
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
     # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
@@ -210,6 +216,83 @@ def paged_decode(
     if rc != 0:
         raise RuntimeError(f"kvgate_paged_decode_f32 failed ({rc})")
     return out
+
+
+class _KV(ctypes.Structure):
+    """kernels.h's kvg_kv: a quantized layer's K/V and what decodes it."""
+
+    _fields_ = [("cache_k", _ptr), ("cache_v", _ptr), ("k_scales", _ptr), ("v_scales", _ptr), ("lut", _ptr),
+                ("k_scale", _f32), ("v_scale", _f32), ("fmt", _i64)]
+
+
+@dataclasses.dataclass
+class QuantizedKV:
+    """What the quantized kernels read of a layer (kv_cache.KVLayer's fields, as tensors)."""
+
+    key: torch.Tensor  # (num_blocks, block_size, kv_heads, head_dim), 1-byte elements, contiguous
+    value: torch.Tensor
+    fmt: int  # KVCacheDType.code: 1 fp8_e4m3, 2 fp8_e5m2, 3 int8
+    k_scale: float = 1.0  # fp8
+    v_scale: float = 1.0
+    key_scales: torch.Tensor | None = None  # int8: (num_blocks, block_size, kv_heads) float32
+    value_scales: torch.Tensor | None = None
+    lut: torch.Tensor | None = None  # fp8: (256,) float32
+
+    def check(self) -> None:
+        if self.fmt not in (1, 2, 3) or self.key.element_size() != 1 or self.value.shape != self.key.shape:
+            raise ValueError("quantized KV: 1-byte key and value caches alike and a format code of 1, 2 or 3")
+        if not (self.key.is_contiguous() and self.value.is_contiguous()) or self.key.device.type != "cpu":
+            raise ValueError("quantized KV: contiguous caches on the CPU expected")
+        extra = (self.key_scales, self.value_scales) if self.fmt == 3 else (self.lut,)
+        if any(t is None for t in extra):
+            raise ValueError("quantized KV: int8 needs its row scales, fp8 its lookup table")
+        _check(*extra, dtype=torch.float32)
+        if self.fmt == 3 and not (self.key_scales.shape == self.key.shape[:3] == self.value_scales.shape):
+            raise ValueError("quantized KV: int8 scales must be (num_blocks, block_size, kv_heads)")
+        if self.fmt != 3 and self.lut.numel() != 256:
+            raise ValueError("quantized KV: the fp8 table has 256 entries")
+
+    def struct(self) -> _KV:
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        return _KV(ptr(self.key), ptr(self.value), ptr(self.key_scales), ptr(self.value_scales), ptr(self.lut),
+                   self.k_scale, self.v_scale, self.fmt)
+
+
+def paged_decode_q(q: torch.Tensor, kv: QuantizedKV, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                   row_keys: torch.Tensor, scale: float, chunk_blocks: int | None = None) -> torch.Tensor:
+    """`paged_decode` over a quantized cache: dequantized inside the kernel's loops."""
+    kv.check()
+    _check(q, dtype=torch.float32)
+    _check(block_tables, row_seq, row_keys, dtype=torch.int64)
+    if block_tables.stride(1) != 1 or row_seq.numel() != q.shape[0] or row_keys.numel() != q.shape[0]:
+        raise ValueError("paged_decode_q: block-table rows contiguous, one row_seq and row_keys entry per row")
+    q, row_seq, row_keys = q.contiguous(), row_seq.contiguous(), row_keys.contiguous()
+    out = torch.empty_like(q)
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = kv.key.shape
+    rc = load().kvgate_paged_decode_q(
+        out.data_ptr(), q.data_ptr(), ctypes.byref(kv.struct()), block_tables.data_ptr(), block_tables.stride(0),
+        row_seq.data_ptr(), row_keys.data_ptr(), num_rows, num_heads, kv_heads, head_dim, block_size, scale,
+        chunk_blocks or default_chunk_blocks(row_keys, block_size))
+    if rc != 0:
+        raise RuntimeError(f"kvgate_paged_decode_q failed ({rc})")
+    return out
+
+
+def write_kv_q(k: torch.Tensor, v: torch.Tensor, kv: QuantizedKV, slot_mapping: torch.Tensor) -> None:
+    """Quantize each new token's K and V into its slot (attention/kv_quant.py's rules, bit for bit)."""
+    kv.check()
+    _check(k, v, dtype=torch.float32)
+    _check(slot_mapping, dtype=torch.int64)
+    if k.shape[1:] != kv.key.shape[2:] or v.shape != k.shape or slot_mapping.numel() != k.shape[0]:
+        raise ValueError("write_kv_q: k and v (n, kv_heads, head_dim) alike, one slot per token")
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    rc = load().kvgate_write_kv_q(kv.key.data_ptr(), kv.value.data_ptr(), ptr(kv.key_scales), ptr(kv.value_scales),
+                                  k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
+                                  k.shape[2], kv.fmt, kv.k_scale, kv.v_scale)
+    if rc != 0:
+        raise RuntimeError(f"kvgate_write_kv_q failed ({rc})")
 
 
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # what the prefill kernel's register tiles take

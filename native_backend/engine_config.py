@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
-KV_SCALES = ("calibrate", "checkpoint", "unit")  # where fp8's per-layer K/V scales come from
+KV_SCALES = ("auto", "calibrate", "unit")  # fp8's per-layer K/V scales: checkpoint else calibration | always calibrate | 1.0
 
 
 def _positive(owner: str, **values) -> None:
@@ -58,7 +58,7 @@ class CacheOptions:
     memory_fraction: float = 0.9  # of device memory for weights + KV + activations (CUDA)
     cpu_kv_cache_bytes: int = 2 << 30  # default KV budget on CPU, where memory is shared
     enable_prefix_caching: bool = True
-    kv_scales: str = "calibrate"  # fp8 only: calibrate | checkpoint (fail if absent) | unit (1.0)
+    kv_scales: str = "auto"  # fp8 only: auto (the checkpoint's, else calibrated) | calibrate | unit (1.0)
 
     def __post_init__(self):
         _positive("cache", block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,

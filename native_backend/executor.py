@@ -20,6 +20,7 @@ import torch
 from native_backend.batch import RunnerOutput, SchedulerOutput
 from native_backend.config import ModelConfig
 from native_backend.engine_config import EngineConfig
+from native_backend import kv_scales
 from native_backend.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
 from native_backend.layers.context import LayerContext
 from native_backend.loader import load_model
@@ -55,10 +56,13 @@ class InProcessExecutor:
         self.model_config: ModelConfig = self.model.config
         limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype)
         self.plan = self._plan_kv_cache()
+        scales = self._fp8_scales() if self.kv_dtype.scaling == "per_layer" else None
         self.kv_cache = KVCache.for_model(self.model_config, num_blocks=self.plan.num_blocks,
-                                          block_size=config.cache.block_size, dtype=config.kv_cache_dtype,
-                                          device=self.device)
+                                          block_size=config.cache.block_size, dtype=self.kv_dtype, device=self.device)
+        if scales is not None:
+            kv_scales.apply(self.kv_cache, scales)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -66,16 +70,41 @@ class InProcessExecutor:
 
     def describe(self) -> str:
         p, mc = self.plan, self.config.model
+        fp32_per_token = self.plan.bytes_per_token if self.kv_dtype.name == "float32" else (
+            2 * self.model_config.num_layers * self.model_config.num_kv_heads * self.model_config.head_dim * 4)
         return (f"{mc.path} on {self.device} ({mc.dtype}, {self.ctx.kernels}); "
-                f"KV cache {p.kv_cache_bytes / 2**20:.0f} MiB = "
-                f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token), "
+                f"KV cache {self.kv_dtype.name} {p.kv_cache_bytes / 2**20:.0f} MiB = "
+                f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token, "
+                f"{fp32_per_token / p.bytes_per_token:.2f}x the tokens of float32), "
                 f"{p.full_context_sequences} sequences at full context {p.max_model_len}")
+
+    def _fp8_scales(self) -> list[tuple[float, float]]:
+        """The checkpoint's per-layer scales, else a calibration pass's; 1.0 only when asked."""
+        mode = self.config.cache.kv_scales
+        if mode == "unit":
+            log.warning("fp8 KV cache with unit scales (kv_scales: unit): values beyond %g are clipped",
+                        self.kv_dtype.max_value)
+            return [(1.0, 1.0)] * self.model_config.num_layers
+        scales = self.model.kv_scales_from_checkpoint() if mode == "auto" else None
+        source = "the checkpoint"
+        if scales is None:
+            from native_backend.tokenizer import Tokenizer
+
+            mc = self.config.model
+            tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
+            ids = tokenizer.encode(kv_scales.calibration_text())[: min(kv_scales.CALIBRATION_TOKENS,
+                                                                        self.max_model_len)]
+            scales = kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device)
+            source = f"calibration over {len(ids)} tokens"
+        log.info("fp8 KV scales from %s: %s", source, kv_scales.describe(scales))
+        return scales
 
     def _plan_kv_cache(self) -> KVCachePlan:
         mc, cache = self.model_config, self.config.cache
         kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype)
         common = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      bytes_per_element=kv_dtype.bytes_per_element, block_size=cache.block_size,
+                      bytes_per_element=kv_dtype.bytes_per_element,
+                      scale_bytes_per_head=kv_dtype.scale_bytes_per_head, block_size=cache.block_size,
                       max_model_len=self.max_model_len)
         if cache.kv_cache_bytes is not None or self.device.type == "cpu":
             return plan_kv_cache(kv_cache_bytes=cache.kv_cache_bytes or cache.cpu_kv_cache_bytes, **common)

@@ -27,23 +27,42 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheDType:
-    """How K/V elements are stored. `scaled` formats keep a per-layer scale next to the data."""
+    """How K/V elements are stored.
+
+    scaling "none":            stored = x in `storage` (a float dtype)
+    scaling "per_layer" (fp8): stored = fp8(clamp(x / scale, -max, max)), read = fp8 * scale, one K
+                               and one V scale per layer (`KVLayer.k_scale` / `v_scale`)
+    scaling "per_token_head" (int8): scale = max|x| / 127 over head_dim, stored = round(x / scale),
+                               one float32 scale per token per KV head beside the block
+    """
 
     name: str
     storage: torch.dtype
     bytes_per_element: int
-    scaled: bool = False
+    scaling: str = "none"
+    max_value: float = 0.0  # the largest finite stored magnitude (fp8 e4m3 448, e5m2 57344; int8 127)
+    code: int = 0  # the C and Triton kernels' name for the format (csrc/kv_quant.c)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scaling != "none"
+
+    @property
+    def scale_bytes_per_head(self) -> int:
+        """Bytes of scale stored per token per KV head (K or V): int8's float32 scale."""
+        return 4 if self.scaling == "per_token_head" else 0
 
 
 KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
     "float32": KVCacheDType("float32", torch.float32, 4),
     "bfloat16": KVCacheDType("bfloat16", torch.bfloat16, 2),
     "float16": KVCacheDType("float16", torch.float16, 2),
-    # fp8 goes here: KVCacheDType("fp8_e4m3", torch.float8_e4m3fn, 1, scaled=True). It needs
-    # `write_kv` to divide by the layer's k/v scale before the cast and attention to multiply it
-    # back after the load; `KVCache.k_scales` / `v_scales` are the place those scales live.
+    "fp8_e4m3": KVCacheDType("fp8_e4m3", torch.float8_e4m3fn, 1, "per_layer", 448.0, code=1),
+    "fp8_e5m2": KVCacheDType("fp8_e5m2", torch.float8_e5m2, 1, "per_layer", 57344.0, code=2),
+    "int8": KVCacheDType("int8", torch.int8, 1, "per_token_head", 127.0, code=3),
 }
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3",
+            "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 
 def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
@@ -52,8 +71,6 @@ def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     name = _ALIASES.get(dtype, dtype)
-    if name.startswith(("fp8", "float8")):
-        raise NotImplementedError("fp8 KV cache (e4m3 with per-layer scales) is not implemented yet")
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[name]
@@ -62,9 +79,10 @@ def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
 # ------------------------------------------------------------------------------ sizing (pure)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """K and V, every layer, one token."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int,
+                       scale_bytes_per_head: int = 0) -> int:
+    """K and V, every layer, one token; int8 adds its per-token, per-head scale."""
+    return 2 * num_layers * num_kv_heads * (head_dim * bytes_per_element + scale_bytes_per_head)
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,7 @@ def plan_kv_cache(
     bytes_per_element: int,
     block_size: int,
     max_model_len: int,
+    scale_bytes_per_head: int = 0,
     kv_cache_bytes: int | None = None,
     memory_fraction: float | None = None,
     total_memory_bytes: int | None = None,
@@ -103,7 +122,7 @@ def plan_kv_cache(
     """Blocks for an explicit `kv_cache_bytes`, or for `memory_fraction` of `total_memory_bytes`
     minus weights, activations and reserve. Raises when the budget cannot hold a single block."""
     budget = _kv_budget(kv_cache_bytes, memory_fraction, total_memory_bytes, weights_bytes, activation_bytes, reserve_bytes)
-    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_element)
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_element, scale_bytes_per_head)
     per_block = per_token * block_size
     num_blocks = budget // per_block
     if num_blocks < 1:
@@ -154,8 +173,11 @@ class KVLayer:
     key: torch.Tensor
     value: torch.Tensor
     dtype: KVCacheDType
-    k_scale: float = 1.0  # per-layer formats: stored = cast(x / k_scale)
+    k_scale: float = 1.0  # per-layer formats (fp8): stored = fp8(x / k_scale)
     v_scale: float = 1.0
+    # per-token formats (int8): (num_blocks, block_size, kv_heads) float32, one scale per row
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -165,12 +187,21 @@ class KVLayer:
         # zeros, not empty: padded block-table entries point at block 0 and are masked, but
         # masked garbage that happens to be NaN would still poison a matmul.
         key = torch.zeros(shape, dtype=kv_dtype.storage, device=device)
-        return cls(key, torch.zeros_like(key), kv_dtype)
+        layer = cls(key, torch.zeros_like(key), kv_dtype)
+        if kv_dtype.scaling == "per_token_head":
+            layer.key_scales = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            layer.value_scales = torch.zeros_like(layer.key_scales)
+        return layer
 
     @classmethod
     def of(cls, key: torch.Tensor, value: torch.Tensor) -> KVLayer:
-        """Unscaled caches that already exist (tests, tools): the dtype follows the tensors'."""
-        return cls(key, value, resolve_kv_dtype(key.dtype))
+        """Caches that already exist (tests, tools): the dtype follows the tensors'; an int8 cache
+        gets zeroed row scales, an fp8 one unit scales."""
+        layer = cls(key, value, resolve_kv_dtype(key.dtype))
+        if layer.dtype.scaling == "per_token_head":
+            layer.key_scales = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
+            layer.value_scales = torch.zeros_like(layer.key_scales)
+        return layer
 
     @property
     def num_blocks(self) -> int:
@@ -190,7 +221,8 @@ class KVLayer:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.key, self.value))
+        tensors = (self.key, self.value, self.key_scales, self.value_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class KVCache:

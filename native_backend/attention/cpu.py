@@ -15,8 +15,10 @@ FlashAttention-style causal kernel over the sequence's blocks (head sizes that a
 32; others through the reference's SDPA `prefill`). The per-step plan is built by the first layer
 and kept on the metadata for the others.
 
-Float32 cache and queries with head_dim a multiple of 8 only; anything else (or no kernels)
-runs the reference implementation unchanged.
+Float32 queries with head_dim a multiple of 8, over a float32 cache or a quantized one (fp8 with
+per-layer scales, int8 with per-row scales: written by `cpu_kernels.write_kv_q`, decoded inside
+the decode kernel's loops; a prompt chunk's blocks are dequantized once, then the float32 prefill
+kernel runs). Anything else (a bf16 cache, no kernels) runs the reference implementation.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from native_backend import cpu_kernels
-from native_backend.attention import reference
+from native_backend.attention import kv_quant, reference
 from native_backend.attention.metadata import AttentionMetadata
 from native_backend.kv_cache import KVLayer
 
@@ -35,11 +37,21 @@ _PLAN_KEY = "cpu_plan"
 
 
 def write_kv(k, v, kv: KVLayer, slot_mapping) -> None:
-    """The reference's write_kv; float32 caches through one C call for both."""
-    if kv.key.dtype == torch.float32 and k.dtype == torch.float32 and cpu_kernels.available():
+    """The reference's write_kv; float32 and quantized caches through one C call for both."""
+    if k.dtype != torch.float32 or not cpu_kernels.available():
+        reference.write_kv(k, v, kv, slot_mapping)
+    elif kv.dtype.quantized:
+        cpu_kernels.write_kv_q(k, v, _quantized(kv), slot_mapping)
+    elif kv.key.dtype == torch.float32:
         cpu_kernels.write_kv(k, v, kv.key, kv.value, slot_mapping)
     else:
         reference.write_kv(k, v, kv, slot_mapping)
+
+
+def _quantized(kv: KVLayer) -> cpu_kernels.QuantizedKV:
+    lut = kv_quant.fp8_lut(kv.dtype.storage) if kv.dtype.scaling == "per_layer" else None
+    return cpu_kernels.QuantizedKV(kv_quant.as_bytes(kv.key), kv_quant.as_bytes(kv.value), kv.dtype.code,
+                                   kv.k_scale, kv.v_scale, kv.key_scales, kv.value_scales, lut)
 
 
 @dataclass
@@ -53,8 +65,8 @@ class _Plan:
 
 def supports(q: torch.Tensor, kv: KVLayer) -> bool:
     cache_k = kv.key
-    return (q.dtype == torch.float32 and cache_k.dtype == torch.float32 and q.shape[-1] % 8 == 0
-            and cache_k.is_contiguous() and cpu_kernels.available())
+    return (q.dtype == torch.float32 and (cache_k.dtype == torch.float32 or kv.dtype.quantized)
+            and q.shape[-1] % 8 == 0 and cache_k.is_contiguous() and cpu_kernels.available())
 
 
 def paged_attention(
@@ -65,24 +77,29 @@ def paged_attention(
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     if not supports(q, kv):
         return reference.paged_attention(q, kv, metadata, scale)
-    cache_k, cache_v = kv.key, kv.value
     plan = step_plan(metadata, q.dtype, q.device)
     if plan.short_rows is None and not plan.prefills:  # the common decode step: every row
-        return _short_rows(q, cache_k, cache_v, metadata, plan, scale)
+        return _short_rows(q, kv, metadata, plan, scale)
     out = torch.empty_like(q)
     if plan.row_seq.numel():
         short_q = q.index_select(0, plan.short_rows)
-        out.index_copy_(0, plan.short_rows, _short_rows(short_q, cache_k, cache_v, metadata, plan, scale))
+        out.index_copy_(0, plan.short_rows, _short_rows(short_q, kv, metadata, plan, scale))
     for p in plan.prefills:
-        out[p.rows] = _prefill(q[p.rows], cache_k, cache_v, p, scale)
+        out[p.rows] = _prefill(q[p.rows], kv, p, scale)
     return out
 
 
-def _prefill(q, cache_k, cache_v, p, scale: float) -> torch.Tensor:
+def _prefill(q, kv: KVLayer, p, scale: float) -> torch.Tensor:
     """One sequence's prompt chunk: the C kernel where its register tiles fit the head size."""
-    if q.shape[-1] in cpu_kernels.PREFILL_HEAD_DIMS:
-        return cpu_kernels.prefill_attention(q, cache_k, cache_v, p.block_ids, p.ctx, scale)
-    return reference.prefill(q, cache_k, cache_v, p, scale)
+    if q.shape[-1] not in cpu_kernels.PREFILL_HEAD_DIMS:
+        return reference.prefill(q, kv, p, scale)
+    if not kv.dtype.quantized:
+        return cpu_kernels.prefill_attention(q, kv.key, kv.value, p.block_ids, p.ctx, scale)
+    # The chunk's blocks, dequantized once (the kernel reads every key many times), in order.
+    k = reference.read_blocks(kv, "k", p.block_ids, torch.float32)
+    v = reference.read_blocks(kv, "v", p.block_ids, torch.float32)
+    in_order = torch.arange(k.shape[0], dtype=torch.long)
+    return cpu_kernels.prefill_attention(q, k, v, in_order, p.ctx, scale)
 
 
 def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:
@@ -93,8 +110,11 @@ def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -
     return plan
 
 
-def _short_rows(q, cache_k, cache_v, md: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
-    return cpu_kernels.paged_decode(q, cache_k, cache_v, md.block_tables, plan.row_seq, plan.row_keys, scale,
+def _short_rows(q, kv: KVLayer, md: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
+    if kv.dtype.quantized:
+        return cpu_kernels.paged_decode_q(q, _quantized(kv), md.block_tables, plan.row_seq, plan.row_keys, scale,
+                                          chunk_blocks=plan.chunk_blocks)
+    return cpu_kernels.paged_decode(q, kv.key, kv.value, md.block_tables, plan.row_seq, plan.row_keys, scale,
                                     chunk_blocks=plan.chunk_blocks)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from native_backend.attention import kv_quant
 from native_backend.attention.metadata import AttentionMetadata
 from native_backend.kv_cache import KVLayer
 
@@ -43,9 +44,14 @@ def write_kv(
     kv: KVLayer,  # blocks (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
 ) -> None:
-    for new, cache in ((k, kv.key), (v, kv.value)):
-        flat = cache.view(-1, *cache.shape[2:])  # (num_slots, num_kv_heads, head_dim)
-        flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
+    """Each new token's K and V into its slot, quantized as the layer's dtype says."""
+    sides = ((k, kv.key, kv.k_scale, kv.key_scales), (v, kv.value, kv.v_scale, kv.value_scales))
+    for new, cache, layer_scale, row_scales in sides:
+        stored, scales = kv_quant.quantize(new, kv.dtype, layer_scale)
+        flat = kv_quant.as_bytes(cache).view(-1, *cache.shape[2:])  # (num_slots, num_kv_heads, head_dim)
+        flat.index_copy_(0, slot_mapping, kv_quant.as_bytes(stored))
+        if scales is not None:
+            row_scales.view(-1, row_scales.shape[2]).index_copy_(0, slot_mapping, scales)
 
 
 def paged_attention(
@@ -54,17 +60,16 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    cache_k, cache_v = kv.key, kv.value
     plan = _plan(metadata, q)
     if len(plan.decode) == 1 and plan.decode[0].rows is None:  # every row decodes, one group
-        return _decode(q, cache_k, cache_v, plan.decode[0], scale)
+        return _decode(q, kv, plan.decode[0], scale)
     if not plan.decode and len(plan.prefills) == 1 and plan.prefills[0].rows == slice(0, q.shape[0]):
-        return prefill(q, cache_k, cache_v, plan.prefills[0], scale)
+        return prefill(q, kv, plan.prefills[0], scale)
     out = torch.empty_like(q)
     for g in plan.decode:
-        out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), cache_k, cache_v, g, scale))
+        out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), kv, g, scale))
     for p in plan.prefills:
-        out[p.rows] = prefill(q[p.rows], cache_k, cache_v, p, scale)
+        out[p.rows] = prefill(q[p.rows], kv, p, scale)
     return out
 
 
@@ -184,18 +189,29 @@ def _start_rows(q_lens: list[int]) -> list[int]:
 # ------------------------------------------------------------------------------ the two paths
 
 
-def _decode(q, cache_k, cache_v, g: _DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q, kv: KVLayer, g: _DecodeGroup, scale: float) -> torch.Tensor:
     """q: (n, num_heads, head_dim), one row per decoding sequence -> (n, num_heads, head_dim)."""
     n, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = cache_k.shape
-    padded = g.num_blocks * block_size
-    k = _gather_into(g, "k", cache_k).view(n, padded, kv_heads, head_dim)[:, : g.max_ctx]
-    v = _gather_into(g, "v", cache_v).view(n, padded, kv_heads, head_dim)[:, : g.max_ctx]
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    kv_heads, padded = kv.num_kv_heads, g.num_blocks * kv.block_size
+    k = read_blocks(kv, "k", g.block_ids, q.dtype, g).view(n, padded, kv_heads, head_dim)[:, : g.max_ctx]
+    v = read_blocks(kv, "v", g.block_ids, q.dtype, g).view(n, padded, kv_heads, head_dim)[:, : g.max_ctx]
     qg = q.reshape(n, kv_heads, num_heads // kv_heads, head_dim)  # the group's heads as query rows
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
     return o.reshape(n, num_heads, head_dim)
+
+
+def read_blocks(kv: KVLayer, side: str, block_ids: torch.Tensor, dtype: torch.dtype,
+                group: _DecodeGroup | None = None) -> torch.Tensor:
+    """Blocks `block_ids` of the layer's K ("k") or V ("v"), dequantized to `dtype`:
+    (len(block_ids), block_size, kv_heads, head_dim). A decode group's gather reuses its buffers."""
+    cache = kv.key if side == "k" else kv.value
+    raw = kv_quant.as_bytes(cache)
+    raw = _gather_into(group, side, raw) if group is not None else raw.index_select(0, block_ids)
+    if not kv.dtype.quantized:
+        return raw if raw.dtype == dtype else raw.to(dtype)
+    row_scales = kv.key_scales if side == "k" else kv.value_scales
+    scales = row_scales.index_select(0, block_ids) if row_scales is not None else None
+    return kv_quant.dequantize(raw, scales, kv.dtype, kv.k_scale if side == "k" else kv.v_scale, dtype)
 
 
 def _gather_into(g: _DecodeGroup, name: str, cache: torch.Tensor) -> torch.Tensor:
@@ -205,12 +221,10 @@ def _gather_into(g: _DecodeGroup, name: str, cache: torch.Tensor) -> torch.Tenso
     return torch.index_select(cache, 0, g.block_ids, out=buf)
 
 
-def prefill(q, cache_k, cache_v, p: _PrefillSeq, scale: float) -> torch.Tensor:
+def prefill(q, kv: KVLayer, p: _PrefillSeq, scale: float) -> torch.Tensor:
     """q: (q_len, num_heads, head_dim) of one sequence -> (q_len, num_heads, head_dim)."""
-    k = cache_k.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx]  # (ctx, kv_heads, head_dim)
-    v = cache_v.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx]
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    k = read_blocks(kv, "k", p.block_ids, q.dtype).flatten(0, 1)[: p.ctx]  # (ctx, kv_heads, head_dim)
+    v = read_blocks(kv, "v", p.block_ids, q.dtype).flatten(0, 1)[: p.ctx]
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # (1, num_heads, q_len, head_dim)
         k.transpose(0, 1)[None],  # (1, kv_heads, ctx, head_dim)
@@ -231,16 +245,16 @@ def paged_attention_per_sequence(q: torch.Tensor, kv: KVLayer, metadata: Attenti
     softmax(q k^T * scale, causal by absolute position) v with the query heads of a group
     sharing their KV head. Slow; for tests and for reading."""
     out = torch.empty_like(q)
-    cache_k, cache_v = kv.key, kv.value
     bs = metadata.block_size
-    num_kv_heads = cache_k.shape[2]
+    num_kv_heads = kv.num_kv_heads
     group = q.shape[1] // num_kv_heads
     start = 0
     for s, (q_len, ctx) in enumerate(zip(metadata.query_lens_cpu, metadata.context_lens_cpu)):
         positions = torch.arange(ctx)
         slots = metadata.block_tables[s, positions // bs].long() * bs + positions % bs
-        k = cache_k.flatten(0, 1)[slots].to(q.dtype)  # (ctx, kv_heads, head_dim)
-        v = cache_v.flatten(0, 1)[slots].to(q.dtype)
+        all_blocks = torch.arange(kv.num_blocks)
+        k = read_blocks(kv, "k", all_blocks, q.dtype).flatten(0, 1)[slots]  # (ctx, kv_heads, head_dim)
+        v = read_blocks(kv, "v", all_blocks, q.dtype).flatten(0, 1)[slots]
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
         hidden = positions[None, :] > q_pos  # (q_len, ctx)
         for h in range(q.shape[1]):

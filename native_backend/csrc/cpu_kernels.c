@@ -41,54 +41,75 @@
  *
  * Within a chunk the softmax is exact two-pass (scores, max, exp, then the values). */
 
+/* Quantized caches (kv_quant.c writes them) are read here, inside the loops: fp8 bytes through a
+ * 256-entry table (one gather per 8 values), int8 widened and converted; the per-layer fp8 scale
+ * and the per-row int8 scale multiply the score and the softmax weight, not every element. Each
+ * format gets its own copy of the loops (the format is a constant where they are inlined), so
+ * the float32 path is the same code as before formats existed. */
+
 typedef struct {
-    const float *cache_k, *cache_v;
+    const char *cache_k, *cache_v; /* byte addresses: elements are 4 (float32) or 1 byte wide */
+    const float *k_scales, *v_scales, *lut;
+    float k_scale, v_scale;
     int64_t num_heads, kv_heads, group, head_dim, block_size;
     float scale;
 } cache_view;
 
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE int64_t elem_bytes(int fmt) { return fmt == KVG_KV_F32 ? 4 : 1; }
+
+/* 8 consecutive K/V elements from element index i of `cache`, as floats (unscaled). */
+ALWAYS_INLINE __m256 load8(const char *cache, int64_t i, int fmt, const float *lut) {
+    if (fmt == KVG_KV_F32) return _mm256_loadu_ps((const float *)cache + i);
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(cache + i));
+    if (fmt == KVG_KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(bytes), 4);
+}
+
 /* Blocks of one sequence are scattered, so the hardware prefetcher loses the stream at every
  * block boundary: while a block is read, the same slot of the next block is fetched. */
-static inline void prefetch_slot(const float *slot, int64_t floats) {
-    for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(slot + f), _MM_HINT_T0);
+static inline void prefetch_bytes(const char *p, int64_t bytes) {
+    for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(p + f, _MM_HINT_T0);
 }
 
 /* The block holding keys i .. of a chunk that starts at position p0 (a block start) and has n
- * keys: its first slot in `cache`, how many of the chunk's keys it holds, and the first slot of
- * the chunk's next block (NULL in the last one), for prefetching. */
+ * keys: the element index of its first slot, how many of the chunk's keys it holds, and the
+ * first slot of the chunk's next block (-1 in the last one), for prefetching. */
 typedef struct {
-    const float *base, *next;
-    int64_t count;
+    int64_t base, next, count;
 } chunk_block;
 
-static inline chunk_block block_of_chunk(const cache_view *c, const float *cache, const int64_t *table, int64_t p0,
-                                         int64_t i, int64_t n) {
-    const int64_t block_floats = c->block_size * c->kv_heads * c->head_dim, b = (p0 + i) / c->block_size;
-    const chunk_block blk = {cache + table[b] * block_floats,
-                             i + c->block_size < n ? cache + table[b + 1] * block_floats : NULL,
+ALWAYS_INLINE chunk_block block_of_chunk(const cache_view *c, const int64_t *table, int64_t p0, int64_t i, int64_t n) {
+    const int64_t block_elems = c->block_size * c->kv_heads * c->head_dim, b = (p0 + i) / c->block_size;
+    const chunk_block blk = {table[b] * block_elems, i + c->block_size < n ? table[b + 1] * block_elems : -1,
                              n - i < c->block_size ? n - i : c->block_size};
     return blk;
 }
 
 /* scores[h * n + i] = q_h . k_i * scale for the n keys at positions p0 .. p0+n-1 (p0 at a block start). */
-static void chunk_scores(const cache_view *c, const float *q, const int64_t *table, int64_t p0, int64_t n,
-                         float *scores) {
-    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
+ALWAYS_INLINE void chunk_scores(const cache_view *c, int fmt, const float *q, const int64_t *table, int64_t p0,
+                                int64_t n, float *scores) {
+    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim, es = elem_bytes(fmt);
     for (int64_t i = 0; i < n; i += c->block_size) {
-        const chunk_block blk = block_of_chunk(c, c->cache_k, table, p0, i, n);
+        const chunk_block blk = block_of_chunk(c, table, p0, i, n);
         for (int64_t o = 0; o < blk.count; o++) {
-            const float *ks = blk.base + o * slot_stride;
-            if (blk.next) prefetch_slot(blk.next + o * slot_stride, slot_stride);
+            const int64_t ks = blk.base + o * slot_stride;
+            if (blk.next >= 0) prefetch_bytes(c->cache_k + (blk.next + o * slot_stride) * es, slot_stride * es);
             for (int64_t h = 0; h < c->num_heads; h++) {
-                const float *k = ks + (h / c->group) * D, *qh = q + h * D;
+                const int64_t k = ks + (h / c->group) * D;
+                const float *qh = q + h * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
                 int64_t d = 0;
                 for (; d + 16 <= D; d += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(c->cache_k, k + d, fmt, c->lut), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), load8(c->cache_k, k + d + 8, fmt, c->lut), a1);
                 }
-                if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
-                scores[h * n + i + o] = hsum256(_mm256_add_ps(a0, a1)) * c->scale;
+                if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(c->cache_k, k + d, fmt, c->lut), a0);
+                float s = hsum256(_mm256_add_ps(a0, a1)) * c->scale;
+                if (fmt == KVG_KV_INT8) s *= c->k_scales[ks / D + h / c->group];
+                else if (fmt != KVG_KV_F32) s *= c->k_scale;
+                scores[h * n + i + o] = s;
             }
         }
     }
@@ -112,24 +133,36 @@ static float exp_and_sum(float *s, int64_t n, float *max_out) {
 }
 
 /* acc[h][0..D) = sum_i weights[h * n + i] * v_i[kv_head(h)] over the chunk's n keys. */
-static void chunk_values(const cache_view *c, const float *weights, const int64_t *table, int64_t p0, int64_t n,
-                         float *acc) {
-    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim;
+ALWAYS_INLINE void chunk_values(const cache_view *c, int fmt, const float *weights, const int64_t *table, int64_t p0,
+                                int64_t n, float *acc) {
+    const int64_t slot_stride = c->kv_heads * c->head_dim, D = c->head_dim, es = elem_bytes(fmt);
     for (int64_t j = 0; j < c->num_heads * D; j += 8) _mm256_storeu_ps(acc + j, _mm256_setzero_ps());
     for (int64_t i = 0; i < n; i += c->block_size) {
-        const chunk_block blk = block_of_chunk(c, c->cache_v, table, p0, i, n);
+        const chunk_block blk = block_of_chunk(c, table, p0, i, n);
         for (int64_t o = 0; o < blk.count; o++) {
-            const float *vs = blk.base + o * slot_stride;
-            if (blk.next) prefetch_slot(blk.next + o * slot_stride, slot_stride);
+            const int64_t vs = blk.base + o * slot_stride;
+            if (blk.next >= 0) prefetch_bytes(c->cache_v + (blk.next + o * slot_stride) * es, slot_stride * es);
             for (int64_t h = 0; h < c->num_heads; h++) {
-                const float *v = vs + (h / c->group) * D;
-                const __m256 w = _mm256_set1_ps(weights[h * n + i + o]);
+                const int64_t v = vs + (h / c->group) * D;
+                float wv = weights[h * n + i + o];
+                if (fmt == KVG_KV_INT8) wv *= c->v_scales[vs / D + h / c->group];
+                else if (fmt != KVG_KV_F32) wv *= c->v_scale;
+                const __m256 w = _mm256_set1_ps(wv);
                 float *a = acc + h * D;
                 for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w, load8(c->cache_v, v + d, fmt, c->lut), _mm256_loadu_ps(a + d)));
             }
         }
     }
+}
+
+/* One work item: a row's chunk of keys -> its partial {acc (H*D), m (H), l (H)}. */
+ALWAYS_INLINE void attend_chunk(const cache_view *c, int fmt, const float *q, const int64_t *table, int64_t p0,
+                                int64_t n, float *scores, float *part) {
+    float *m = part + c->num_heads * c->head_dim, *l = m + c->num_heads;
+    chunk_scores(c, fmt, q, table, p0, n, scores);
+    for (int64_t h = 0; h < c->num_heads; h++) l[h] = exp_and_sum(scores + h * n, n, m + h);
+    chunk_values(c, fmt, scores, table, p0, n, part);
 }
 
 /* out (num_heads, D) of one row from its chunks' partials: part[c] = {acc (H*D), m (H), l (H)}. */
@@ -153,20 +186,12 @@ static void merge_chunks(float *out, const float *parts, int64_t num_chunks, int
     }
 }
 
-/*   out, q:        (num_rows, num_heads, head_dim)
- *   cache_k/v:     (num_blocks, block_size, kv_heads, head_dim)
- *   block_tables:  (num_seqs, table_stride) int64
- *   row_seq:       (num_rows,) int64;  row_keys: (num_rows,) int64, each >= 1
- *   chunk_blocks:  blocks per work item (> 0)
- * head_dim must be a multiple of 8. Returns 0, or < 0 on bad arguments / no memory. */
-KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
-                                    const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
-                                    const int64_t *row_keys, int64_t num_rows, int64_t num_heads,
-                                    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                    int64_t chunk_blocks) {
-    if (head_dim % 8 != 0 || num_heads % kv_heads != 0 || chunk_blocks < 1 || num_rows < 1) return -1;
-    const cache_view c = {cache_k, cache_v, num_heads, kv_heads, num_heads / kv_heads, head_dim, block_size, scale};
-    const int64_t chunk_keys = chunk_blocks * block_size, part_len = num_heads * (head_dim + 2);
+static int paged_decode(float *out, const float *q, const cache_view *c, int fmt, const int64_t *block_tables,
+                        int64_t table_stride, const int64_t *row_seq, const int64_t *row_keys, int64_t num_rows,
+                        int64_t chunk_blocks) {
+    const int64_t num_heads = c->num_heads, head_dim = c->head_dim;
+    if (head_dim % 8 != 0 || num_heads % c->kv_heads != 0 || chunk_blocks < 1 || num_rows < 1) return -1;
+    const int64_t chunk_keys = chunk_blocks * c->block_size, part_len = num_heads * (head_dim + 2);
     int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (num_rows + 1));
     if (!first_item) return -2;
     first_item[0] = 0;
@@ -194,10 +219,13 @@ KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cac
             const int64_t r = item_row[it], p0 = (it - first_item[r]) * chunk_keys;
             const int64_t n = row_keys[r] - p0 < chunk_keys ? row_keys[r] - p0 : chunk_keys;
             const int64_t *table = block_tables + row_seq[r] * table_stride;
-            float *part = parts + it * part_len, *m = part + num_heads * head_dim, *l = m + num_heads;
-            chunk_scores(&c, q + r * num_heads * head_dim, table, p0, n, scores);
-            for (int64_t h = 0; h < num_heads; h++) l[h] = exp_and_sum(scores + h * n, n, m + h);
-            chunk_values(&c, scores, table, p0, n, part);
+            const float *qr = q + r * num_heads * head_dim;
+            float *part = parts + it * part_len;
+            switch (fmt) { /* a constant format in each branch: one specialised copy of the loops each */
+            case KVG_KV_F32: attend_chunk(c, KVG_KV_F32, qr, table, p0, n, scores, part); break;
+            case KVG_KV_INT8: attend_chunk(c, KVG_KV_INT8, qr, table, p0, n, scores, part); break;
+            default: attend_chunk(c, KVG_KV_FP8_E4M3, qr, table, p0, n, scores, part); break; /* any fp8: the table decodes */
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_rows; r++)
@@ -207,6 +235,36 @@ KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cac
     }
     free(first_item), free(parts), free(item_row);
     return failed ? -2 : 0;
+}
+
+/*   out, q:        (num_rows, num_heads, head_dim)
+ *   cache_k/v:     (num_blocks, block_size, kv_heads, head_dim)
+ *   block_tables:  (num_seqs, table_stride) int64
+ *   row_seq:       (num_rows,) int64;  row_keys: (num_rows,) int64, each >= 1
+ *   chunk_blocks:  blocks per work item (> 0)
+ * head_dim must be a multiple of 8. Returns 0, or < 0 on bad arguments / no memory. */
+KVG_API int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
+                                    const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
+                                    const int64_t *row_keys, int64_t num_rows, int64_t num_heads,
+                                    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                    int64_t chunk_blocks) {
+    if (kv_heads < 1) return -1;
+    const cache_view c = {(const char *)cache_k, (const char *)cache_v, NULL, NULL, NULL, 1.0f, 1.0f,
+                          num_heads, kv_heads, num_heads / kv_heads, head_dim, block_size, scale};
+    return paged_decode(out, q, &c, KVG_KV_F32, block_tables, table_stride, row_seq, row_keys, num_rows, chunk_blocks);
+}
+
+/* kvgate_paged_decode_f32 over a quantized cache (kv->fmt fp8 or int8). */
+KVG_API int kvgate_paged_decode_q(float *out, const float *q, const kvg_kv *kv, const int64_t *block_tables,
+                                  int64_t table_stride, const int64_t *row_seq, const int64_t *row_keys,
+                                  int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                  int64_t block_size, float scale, int64_t chunk_blocks) {
+    const int fmt = (int)kv->fmt;
+    if (kv_heads < 1 || fmt == KVG_KV_F32 || fmt > KVG_KV_INT8) return -1;
+    if ((fmt == KVG_KV_INT8 && (!kv->k_scales || !kv->v_scales)) || (fmt != KVG_KV_INT8 && !kv->lut)) return -1;
+    const cache_view c = {kv->cache_k, kv->cache_v, kv->k_scales, kv->v_scales, kv->lut, kv->k_scale, kv->v_scale,
+                          num_heads, kv_heads, num_heads / kv_heads, head_dim, block_size, scale};
+    return paged_decode(out, q, &c, fmt, block_tables, table_stride, row_seq, row_keys, num_rows, chunk_blocks);
 }
 
 /* ------------------------------------------------------------------------------- linear */

@@ -133,8 +133,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         loaded, unexpected = set(), []
+        self.checkpoint_kv_scales = {}
         for name, tensor in weights:
             if name in tied:  # some tied checkpoints carry the head too: the embedding's copy wins
+                continue
+            if _take_kv_scale(self.checkpoint_kv_scales, name, tensor):
                 continue
             param = params.get(name)
             if param is None:
@@ -148,6 +151,14 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded - tied)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+    def kv_scales_from_checkpoint(self) -> list[tuple[float, float]] | None:
+        """Per-layer (k_scale, v_scale) when the checkpoint had both for every layer."""
+        scales = self.checkpoint_kv_scales
+        try:
+            return [(scales[(i, "k")], scales[(i, "v")]) for i in range(self.config.num_layers)]
+        except KeyError:
+            return None
 
     def process_weights_after_loading(self) -> None:
         for module in self.modules():
@@ -198,3 +209,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab) fp32. Pass only the rows that will be sampled."""
         return self.lm_head(hidden).float()
+
+
+# fp8 KV scales as checkpoints carry them (vLLM's and llm-compressor's names), one number each.
+_KV_SCALE_NAMES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v",
+                   "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v"}
+
+
+def _take_kv_scale(scales: dict, name: str, tensor: torch.Tensor) -> bool:
+    """Keep `model.layers.N.<kv scale>` in `scales[(N, "k"|"v")]`; False for any other tensor."""
+    parts = name.split(".", 3)
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or parts[3] not in _KV_SCALE_NAMES:
+        return False
+    scales[(int(parts[2]), _KV_SCALE_NAMES[parts[3]])] = float(tensor.float().max())
+    return True

@@ -438,6 +438,17 @@ def test_rendered_configs_pass_check_config(rendered, name, tmp_path, monkeypatc
         assert code == 0, f"{cm_name}:\n{output}"
 
 
+def test_a_quantized_kv_cache_reaches_the_engine_and_a_bad_one_is_refused(helm, tmp_path, monkeypatch):
+    docs = render(helm, [], ["engineDefaults.kvCacheDtype=int8"])
+    text = config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"]
+    assert "kv_cache_dtype: int8" in text
+    code, output = check_config(text, {}, tmp_path, monkeypatch)
+    assert code == 0, output
+    proc = subprocess.run([helm, "template", RELEASE, str(CHART), "--set", "engineDefaults.kvCacheDtype=fp4"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "kvCacheDtype" in proc.stderr
+
+
 def test_engine_config_with_tensor_parallelism_is_refused_clearly_until_the_engine_has_it(helm, tmp_path, monkeypatch):
     docs = render(helm, [], ["engineDefaults.tensorParallelSize=2", "engineDefaults.device=cuda"])
     code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)

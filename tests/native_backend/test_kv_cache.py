@@ -52,5 +52,6 @@ def test_cache_layout_and_dtypes():
     assert (layer.num_blocks, layer.block_size, layer.num_kv_heads, layer.head_dim) == (5, 16, 3, 64)
     assert cache.nbytes == 5 * 16 * kv_bytes_per_token(**SMOLLM2, bytes_per_element=2)
     assert resolve_kv_dtype(torch.float16).bytes_per_element == 2
-    with pytest.raises(NotImplementedError):
-        resolve_kv_dtype("fp8_e4m3")
+    assert resolve_kv_dtype("fp8").storage == torch.float8_e4m3fn and resolve_kv_dtype("int8").bytes_per_element == 1
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp4'"):
+        resolve_kv_dtype("fp4")

@@ -50,9 +50,9 @@ class NativeSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"] = Field(
         "auto", description="KV-cache storage: auto (the model's dtype), a float dtype, fp8 (per-layer scales) "
         "or int8 (a scale per token and KV head).")
-    kv_scales: Literal["calibrate", "checkpoint", "unit"] = Field(
-        "calibrate", description="fp8 KV only: per-layer K/V scales from a calibration pass at start, from the "
-        "checkpoint, or 1.0.")
+    kv_scales: Literal["auto", "calibrate", "unit"] = Field(
+        "auto", description="fp8 KV only: per-layer K/V scales from the checkpoint when it has them, else from a "
+        "calibration pass at start (auto); always calibrated (calibrate); or 1.0 (unit, with a warning).")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     block_size: int = Field(16, gt=0, le=256, description="Tokens per KV-cache block.")
     max_num_seqs: int = Field(32, gt=0, description="Requests running at once.")

@@ -1,0 +1,82 @@
+"""The whole engine on the default model with each quantized KV cache: a cache so small that
+requests are preempted and recomputed, chunked prefill, prefix-cache hits and abort all work
+unchanged; no block leaks; and the greedy text stays close to the float32 cache's."""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+import pytest
+
+from native_backend.engine import LLMEngine
+from native_backend.engine_config import EngineConfig
+from native_backend.loader import default_gguf_path
+from native_backend.protocol import EngineRequest
+from native_backend.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(900)
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# ~6 sequences of ~100 tokens at float32: 30 layers x 3 KV heads x 64 x 4 B x 2 = 46 KiB a token.
+# Prompts (of 8) whose first 6 tokens must match the float32 cache's: e5m2 keeps 2 mantissa bits.
+MIN_AGREEMENT = {"fp8_e4m3": 6, "int8": 6, "fp8_e5m2": 4}
+SMALL_CACHE = {"float32": 24 << 20, "fp8_e4m3": 6 << 20, "fp8_e5m2": 6 << 20, "int8": 6 << 20}
+
+
+@pytest.fixture(scope="module")
+def make_engine(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("tok"))
+
+    def make(kv_cache_dtype: str) -> LLMEngine:
+        return LLMEngine(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
+                                            kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=SMALL_CACHE[kv_cache_dtype],
+                                            max_num_seqs=8, max_num_batched_tokens=64))
+    return make
+
+
+@pytest.fixture(scope="module")
+def prompts(make_engine):
+    text = " ".join(list(pydoc_data.topics.topics.values())[50:60])
+    ids = make_engine("float32").tokenizer.encode(text)
+    return [ids[i * 90: i * 90 + 60 + 7 * i] for i in range(8)]
+
+
+def run(engine: LLMEngine, prompts, tag: str) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"{tag}{i}", p, GREEDY))
+    out = {f"{tag}{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None
+            out[o.request_id].extend(o.new_token_ids)
+    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks  # nothing leaked
+    return [out[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def float32_tokens(make_engine, prompts):
+    return run(make_engine("float32"), prompts, "f")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_preemption_prefix_cache_and_abort_with_a_quantized_cache(make_engine, prompts, float32_tokens, kv_cache_dtype):
+    engine = make_engine(kv_cache_dtype)
+    assert kv_cache_dtype in engine.describe()
+    first = run(engine, prompts, "a")
+    stats = engine.stats()
+    assert stats.num_preemptions > 0  # the small cache forced recomputation
+    assert all(len(t) == NEW_TOKENS for t in first)
+    # The same prompts again: their prefixes come from the cache, the text does not change.
+    second = run(engine, prompts, "b")
+    assert engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+    assert sum(a == b for a, b in zip(first, second)) >= len(prompts) - 1
+    # Close to the float32 cache: the first tokens agree for most prompts.
+    agree = sum(q[:6] == f[:6] for q, f in zip(first, float32_tokens))
+    assert agree >= MIN_AGREEMENT[kv_cache_dtype], (kv_cache_dtype, agree)
+    engine.add_request(EngineRequest("gone", prompts[3], GREEDY))
+    engine.step()
+    engine.step()
+    engine.abort("gone")
+    engine.step()
+    assert not engine.has_unfinished()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
