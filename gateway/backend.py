@@ -105,6 +105,9 @@ class LoadSnapshot:
     capacity: int = 0  # concurrent requests it can run; 0 means unknown
     healthy: bool = True  # False once the backend knows it cannot serve (engine died, restarting)
     extra: dict[str, float] = field(default_factory=dict)  # engine counters (prefix hits, ...)
+    # What does not change while it runs, as text (the KV cache's block_size, cache_dtype,
+    # num_gpu_blocks): exported as labels of info-style metrics.
+    info: dict[str, str] = field(default_factory=dict)
     problem: str | None = None  # why it is not healthy, for operators (status page, readiness body)
     # True when it cannot recover by itself (an engine in a crash loop): the gateway's liveness
     # probe then fails, so the orchestrator restarts the whole process.

@@ -73,6 +73,7 @@ class _LiveCollector:
         yield from _pool_gauges(state.registry)
         yield from _deployment_gauges(state.registry)
         yield from _engine_metrics(state.registry)
+        yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
 
 
@@ -123,6 +124,21 @@ def _restart_counters(registry):
         if load is not None and "engine_restarts" in load.extra:
             restarts.add_metric([d.model, d.name], load.extra["engine_restarts"])
     yield restarts
+
+
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_gpu_blocks")  # vLLM's names for them
+
+
+def _cache_config_info(registry):
+    """vLLM's `vllm:cache_config_info` (value 1, the KV cache's configuration as labels) for every
+    backend that reports one, so dashboards and routers can read each engine's capacity."""
+    family = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's KV cache configuration.",
+                               labels=["model_name", "engine", *CACHE_CONFIG_LABELS])
+    for d in registry.deployments():
+        info = d.backend.load().info if d.started else {}
+        if all(label in info for label in CACHE_CONFIG_LABELS):
+            family.add_metric([d.model, d.name, *(str(info[label]) for label in CACHE_CONFIG_LABELS)], 1.0)
+    yield family
 
 
 def _engine_metrics(registry):

@@ -192,6 +192,8 @@ class LLMEngine:
             num_step_tokens=self.num_step_tokens,
             step_seconds=self.step_seconds,
             num_failed_requests=self.num_failed_requests,
+            block_size=self.plan.block_size,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
 

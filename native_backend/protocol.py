@@ -65,6 +65,8 @@ class EngineStats:
     num_step_tokens: int = 0  # tokens computed by steps (prompt and output), since start
     step_seconds: float = 0.0  # time spent in steps, since start
     num_failed_requests: int = 0  # requests failed alone (their fault) while the engine went on
+    block_size: int = 0  # tokens per KV block
+    kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
 
 
 @dataclass

@@ -234,6 +234,10 @@ def test_metrics_expose_the_engine_under_vllm_names(gw, client):
     assert samples["vllm:prefix_cache_queries_total"].value > 0
     assert samples["kvgate_engine_kv_blocks_total"].value > 0
     assert samples["kvgate_engine_step_seconds_total"].value > 0
+    info = samples["vllm:cache_config_info"]
+    blocks = samples["kvgate_engine_kv_blocks_total"].value
+    assert info.value == 1.0 and info.labels == {"model_name": "smollm2", "engine": "native-0", "block_size": "16",
+                                                 "cache_dtype": "float32", "num_gpu_blocks": str(int(blocks))}
 
 
 def test_another_kvgate_in_front_reaches_the_engine_through_the_openai_backend(gw, client):

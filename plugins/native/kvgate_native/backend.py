@@ -132,7 +132,7 @@ class NativeBackend:
         sup = self.supervisor
         up = sup.up
         stats = dataclasses.asdict(self.client.stats()) if up else {}
-        extra = {k: float(v) for k, v in stats.items()}
+        extra = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
         extra["engine_restarts"] = float(sup.restarts)
         return LoadSnapshot(
             waiting=int(stats.get("num_waiting", 0)),
@@ -141,6 +141,7 @@ class NativeBackend:
             capacity=self.settings.max_num_seqs,
             healthy=up,
             extra=extra,
+            info=_cache_info(stats),
             problem=None if sup.state == UP else _problem(sup),
             fatal=sup.crash_looped,
         )
@@ -230,6 +231,14 @@ def _named_field(message: str) -> str | None:
     """The engine's checks say 'field: problem'."""
     head, sep, _ = message.partition(":")
     return head if sep and head.isidentifier() else None
+
+
+def _cache_info(stats: dict) -> dict[str, str]:
+    """The KV cache's configuration under vLLM's label names (`vllm:cache_config_info`)."""
+    if not stats.get("kv_cache_dtype"):
+        return {}
+    return {"block_size": str(stats["block_size"]), "cache_dtype": stats["kv_cache_dtype"],
+            "num_gpu_blocks": str(stats["kv_blocks_total"])}
 
 
 def _problem(sup: EngineSupervisor) -> str:
