@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.hookspecs import hookimpl
 from kvgate_native.backend import make_native_backend
 from kvgate_native.plan_cli import PlanCommand
+from kvgate_native.quantize_cli import QuantizeCommand
 
 
 @hookimpl
@@ -15,3 +16,4 @@ def register_backends(register, config):
 @hookimpl
 def register_commands(register):
     register("plan", PlanCommand)
+    register("quantize", QuantizeCommand)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from typing import Literal
@@ -69,14 +70,17 @@ class NativeSettings(BaseModel):
                                              description="Watchdog and restarts of the engine process.")
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
-    quantization: str = Field("none", description="Weight quantization of the checkpoint.")
+    quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
+                              "stored; an AWQ checkpoint is detected from its config.json) or awq (an AWQ int4 "
+                              "directory is required, e.g. from `kvgate quantize`).")
 
     @model_validator(mode="after")
     def _supported_so_far(self):
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: this engine runs on one device so far; use 1")
-        if self.quantization != "none":
-            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine yet; use none")
+        if self.quantization not in ("none", "awq"):  # GPTQ, FP8 weights, ...: no kernels for them yet
+            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float "
+                             "and AWQ int4 (AutoAWQ GEMM) checkpoints; use none or awq")
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -115,6 +119,9 @@ class NativeBackend:
     async def start(self) -> None:
         if not os.path.exists(self.config.model.path):
             raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model.path} does not exist")
+        if self.settings.quantization == "awq" and not _is_awq_checkpoint(self.config.model.path):
+            raise RuntimeError(f"native deployment '{self.name}': quantization awq, but {self.config.model.path} "
+                               "is not an AWQ checkpoint (no quantization_config with quant_method awq in config.json)")
         await self.supervisor.start()  # loads the model and unpacks the tokenizer into the cache
         log.info("native deployment '%s': %s", self.name, self.client.description)
         self.tokenizer = await asyncio.to_thread(
@@ -183,6 +190,16 @@ class NativeBackend:
         except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
             log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
             raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
+
+
+def _is_awq_checkpoint(path: str) -> bool:
+    """An HF directory whose config.json says AWQ (read here without the engine: json alone)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            quant = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return str(quant.get("quant_method", "")).lower() == "awq"
 
 
 def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
