@@ -25,6 +25,7 @@ from native_backend.kv_cache import KVCache, KVCachePlan, device_memory_bytes, p
 from native_backend.layers.context import LayerContext
 from native_backend.loader import load_model
 from native_backend.model_runner import ModelRunner
+from native_backend.quantization.method import describe_weights
 
 log = logging.getLogger("kvgate.engine")
 
@@ -72,7 +73,7 @@ class InProcessExecutor:
         p, mc = self.plan, self.config.model
         fp32_per_token = self.plan.bytes_per_token if self.kv_dtype.name == "float32" else (
             2 * self.model_config.num_layers * self.model_config.num_kv_heads * self.model_config.head_dim * 4)
-        return (f"{mc.path} on {self.device} ({mc.dtype}, {self.ctx.kernels}); "
+        return (f"{mc.path} on {self.device} ({mc.dtype}, {self.model.ctx.kernels}); {describe_weights(self.model)}; "
                 f"KV cache {self.kv_dtype.name} {p.kv_cache_bytes / 2**20:.0f} MiB = "
                 f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token, "
                 f"{fp32_per_token / p.bytes_per_token:.2f}x the tokens of float32), "

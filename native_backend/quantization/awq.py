@@ -10,7 +10,8 @@ Layer by layer, with the float outputs of the layer before as inputs (calibratio
          up          -> down         (judged on down's output)
   2. per group, a grid of 20 exponents a: per input channel
          s = mean|x|^a / mean(|w| / max|w| of its group)^(1 - a),   s /= sqrt(max(s) min(s))
-     and the s whose fake-quantized weights Q(w s) / s change the judged output least;
+     and the s whose fake-quantized weights Q(w s) / s change the judged output least (judged on
+     LOSS_TOKENS of the calibration tokens; mean|x| over all of them);
   3. fold each s into the op before the group (the norm's weight, or the rows of v / up), the
      group's weights times s, their captured inputs divided by it;
   4. per output row and group of every linear but q and k, the clip of max|w| (down to half) whose
@@ -34,6 +35,10 @@ N_GRID = 20  # scale exponents 0, 0.05, .. 0.95 (AutoAWQ's n_grid)
 CLIP_STEPS = 10  # clip max|w| to 1, 0.95, .. 0.55 of itself (max_shrink 0.5 over n_grid 20)
 CLIP_TOKENS = 512  # tokens the clip search samples (AutoAWQ's n_sample_token)
 CLIP_ROWS = 64  # output rows per clip batch (memory: rows x tokens x in floats)
+# Tokens (whole sequences) whose output the scale grid's loss compares: 21 forward passes of each
+# linear group per layer over every calibration token cost most of the search on a CPU (AutoAWQ,
+# on a GPU, judges on all of them); the statistics mean|x| still use every token.
+LOSS_TOKENS = 1024
 
 
 # ------------------------------------------------------------------------------ the layer in float
@@ -111,6 +116,10 @@ def search_scale(group: ScaleGroup, x: torch.Tensor, group_size: int) -> torch.T
     w = torch.cat([lin.weight for lin in group.linears])  # (sum of outs, in)
     wg = w.abs().reshape(-1, group_size)
     w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+    # every calibration token counts for the statistics; the loss is judged on whole sequences
+    # (attention is causal) spread over the calibration set
+    n = max(1, LOSS_TOKENS // x.shape[1])
+    x = x[:: max(1, x.shape[0] // n)][:n]  # (n, T, in)
     reference = group.judge(x)
     originals = [lin.weight.clone() for lin in group.linears]
     best, best_loss = None, float("inf")

@@ -72,3 +72,14 @@ def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Per call: the weights were checked once (created here, loaded through the shard loaders)."""
     return (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and (bias is None or bias.dtype == torch.float32))
+
+
+def describe_weights(model) -> str:
+    """The start-up line's weights: resident bytes, and the linears' format when int4."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counted once
+    awq = [m for m in model.modules() if isinstance(getattr(m, "method", None), AWQLinearMethod)]
+    if not awq:
+        return f"weights {total / 2**20:.0f} MiB"
+    packed = sum(p.numel() * p.element_size() for m in awq for p in m.parameters())
+    return (f"weights {total / 2**20:.0f} MiB ({len(awq)} linears {awq[0].method.name}: {packed / 2**20:.0f} MiB; "
+            f"embedding, norms and head in {model.ctx.dtype})".replace("torch.", ""))
