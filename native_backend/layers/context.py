@@ -61,7 +61,7 @@ class LayerContext:
         from native_backend.quantization.method import AWQLinearMethod  # imports layers.linear
 
         kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
-        method = AWQLinearMethod(quant.group_size, kernel=kernel)
+        method = AWQLinearMethod(quant.group_size, kernel=kernel, triton=self.device.type == "cuda")
         kernels = self.kernels.replace(", one-call decode steps", "")  # no longer true, see above
         return dataclasses.replace(self, linear_method=method, head_method=self.linear_method, fuse_decode=False,
                                    kernels=f"{kernels}; linears {method.name}, LM head {self.linear_method.name}")

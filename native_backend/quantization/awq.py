@@ -38,7 +38,7 @@ CLIP_ROWS = 64  # output rows per clip batch (memory: rows x tokens x in floats)
 # Tokens (whole sequences) whose output the scale grid's loss compares: 21 forward passes of each
 # linear group per layer over every calibration token cost most of the search on a CPU (AutoAWQ,
 # on a GPU, judges on all of them); the statistics mean|x| still use every token.
-LOSS_TOKENS = 1024
+LOSS_TOKENS = 512
 
 
 # ------------------------------------------------------------------------------ the layer in float

@@ -6,7 +6,8 @@ float copy of the weight.
                      [, bias (out,)]; each marks its input and output dimension for the shard
                      loaders (the transpose of a dense weight's: output is dim 1 here)
     apply:           C kernel (cpu_kernels.int4_linear) for up to KERNEL_MAX_ROWS float32 rows on
-                     the CPU; beyond, or elsewhere, the reference: dequantize then matmul. Like
+                     the CPU; the Triton kernel (triton_int4.py) on CUDA (not yet run on a GPU:
+                     tested under TRITON_INTERPRET=1); otherwise the reference: dequantize then matmul. Like
                      vLLM's AWQ path, a long prefill chunk pays for one transient dequantized
                      matrix and gets a BLAS GEMM for it.
 """
@@ -29,10 +30,12 @@ KERNEL_MAX_ROWS = 128
 class AWQLinearMethod(LinearMethod):
     """Int4 weights with a zero point and an fp16 scale per group of `group_size` inputs."""
 
-    def __init__(self, group_size: int, *, kernel: bool):
+    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False):
         self.group_size = group_size
         self.kernel = kernel  # the C kernel for few rows (CPU, where it builds)
-        self.name = f"int4 AWQ g{group_size} ({'C kernel' if kernel else 'torch reference'})"
+        self.triton = triton  # the Triton kernel (CUDA)
+        how = "Triton" if triton else "C kernel" if kernel else "torch reference"
+        self.name = f"int4 AWQ g{group_size} ({how})"
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         g = self.group_size
@@ -41,6 +44,8 @@ class AWQLinearMethod(LinearMethod):
                              f"(group sizes that do: {valid_group_sizes(in_features)})")
         if out_features % PACK:
             raise ValueError(f"int4 AWQ: {out_features} output features is not a multiple of {PACK}")
+        if self.triton and (g < 16 or g & (g - 1)):  # refused at load, not mid-request
+            raise ValueError(f"int4 AWQ on CUDA: group size {g} is not a power of two >= 16 (the Triton kernel's tiles)")
         shapes = {"qweight": ((in_features, out_features // PACK), torch.int32),
                   "qzeros": ((in_features // g, out_features // PACK), torch.int32),
                   "scales": ((in_features // g, out_features), torch.float16)}
@@ -63,6 +68,10 @@ class AWQLinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])  # (tokens, in)
         if self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_unchecked(rows, qweight, qzeros, scales, bias)
+        elif self.triton and rows.is_cuda:
+            from native_backend.quantization import triton_int4  # imports triton: CUDA only
+
+            y = triton_int4.int4_linear(rows, qweight, qzeros, scales, bias)
         else:
             y = reference.int4_linear(rows, qweight, qzeros, scales, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
