@@ -48,6 +48,11 @@ def write_kv(k, v, kv: KVLayer, slot_mapping) -> None:
         reference.write_kv(k, v, kv, slot_mapping)
 
 
+def quantized_view(kv: KVLayer) -> cpu_kernels.QuantizedKV:
+    """What the quantized C kernels read of a layer (models.fused_decode builds its table from it)."""
+    return _quantized(kv)
+
+
 def _quantized(kv: KVLayer) -> cpu_kernels.QuantizedKV:
     lut = kv_quant.fp8_lut(kv.dtype.storage) if kv.dtype.scaling == "per_layer" else None
     return cpu_kernels.QuantizedKV(kv_quant.as_bytes(kv.key), kv_quant.as_bytes(kv.value), kv.dtype.code,

@@ -30,6 +30,7 @@ typedef struct {
     const float *input_norm, *post_norm; /* (hidden,) */
     kvg_linear q, k, v, o, gate, up, down;
     float *cache_k, *cache_v; /* (num_blocks, block_size, kv_heads, head_dim) */
+    const kvg_kv *kv;         /* a quantized cache (fp8, int8), or NULL: the float32 cache_k / cache_v */
 } kvg_layer;
 
 typedef struct {
@@ -55,9 +56,17 @@ static int layer_forward(const kvg_layer *L, const kvg_dims *d, const kvg_step *
     int rc = kvgate_add_rms_norm_f32(residual, delta_in, L->input_norm, x, M, d->hidden, d->eps);
     rc |= project(&L->q, x, q, M) | project(&L->k, x, k, M) | project(&L->v, x, v, M);
     rc |= kvgate_rope_qk_f32(q, k, s->positions, s->cos, s->sin, M, H, KV, D);
-    rc |= kvgate_write_kv_f32(L->cache_k, L->cache_v, k, v, s->slots, M, KV * D);
-    rc |= kvgate_paged_decode_f32(attn, q, L->cache_k, L->cache_v, s->block_tables, s->table_stride, s->row_seq,
-                                  s->row_keys, M, H, KV, D, d->block_size, d->scale, s->chunk_blocks);
+    if (L->kv) { /* the same two kernels the "cpu" backend calls for a quantized cache */
+        const kvg_kv *c = L->kv;
+        rc |= kvgate_write_kv_q((void *)c->cache_k, (void *)c->cache_v, (float *)c->k_scales, (float *)c->v_scales, k, v,
+                                s->slots, M, KV, D, (int)c->fmt, c->k_scale, c->v_scale);
+        rc |= kvgate_paged_decode_q(attn, q, c, s->block_tables, s->table_stride, s->row_seq, s->row_keys, M, H, KV, D,
+                                    d->block_size, d->scale, s->chunk_blocks);
+    } else {
+        rc |= kvgate_write_kv_f32(L->cache_k, L->cache_v, k, v, s->slots, M, KV * D);
+        rc |= kvgate_paged_decode_f32(attn, q, L->cache_k, L->cache_v, s->block_tables, s->table_stride, s->row_seq,
+                                      s->row_keys, M, H, KV, D, d->block_size, d->scale, s->chunk_blocks);
+    }
     rc |= project(&L->o, attn, delta, M);
     rc |= kvgate_add_rms_norm_f32(residual, delta, L->post_norm, x, M, d->hidden, d->eps);
     rc |= project(&L->gate, x, gate, M) | project(&L->up, x, up, M);

@@ -6,6 +6,9 @@ library a table of every layer's weight and cache pointers once, and then runs a
 are all short queries (decodes) with one call; it runs the same kernels in the same order as the
 Python path, so the hidden states are bit-identical (tests/native_backend/test_cpu_decode.py).
 
+A quantized cache (fp8, int8) goes through the quantized write and decode kernels, the ones the
+"cpu" attention backend calls, so those steps too are bit-identical to the per-layer path.
+
 The model is built in its final form, so its weights never move after loading: the table is
 built once, when the model binds its KV cache (`FusedDecode.build`), from the model's declared
 list of decoder layers. A model the kernels cannot take (not float32 weights and cache, odd
@@ -35,7 +38,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _f32p), ("post_norm", _f32p)] + [
         (name, _Linear) for name in _LINEAR_FIELDS] + [
-        ("cache_k", _f32p), ("cache_v", _f32p)]
+        ("cache_k", _f32p), ("cache_v", _f32p), ("kv", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -50,7 +53,7 @@ class _Step(ctypes.Structure):
 
 
 class FusedDecode:
-    def __init__(self, model, layers, dims: _Dims, keep_alive: list[torch.Tensor]):
+    def __init__(self, model, layers, dims: _Dims, keep_alive: list):
         self.embed = model.model.embed_tokens
         self.final_norm = model.model.norm.weight
         self.rotary = model.model.rotary_emb
@@ -73,6 +76,12 @@ class FusedDecode:
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             kv = layer.self_attn.attn.kv
             entry.cache_k, entry.cache_v = kv.key.data_ptr(), kv.value.data_ptr()
+            if kv.dtype.quantized:  # the struct the quantized kernels read, kept alive with the table
+                quantized = cpu_attention.quantized_view(kv)
+                quantized.check()
+                struct = quantized.struct()
+                tensors += [quantized, struct]
+                entry.kv = ctypes.addressof(struct)
             for proj, name in zip(_projections(layer), _LINEAR_FIELDS):
                 b = proj.bias
                 setattr(entry, name, _Linear(proj.weight.data_ptr(), b.data_ptr() if b is not None else None,
@@ -115,7 +124,9 @@ def _tensors(model, layers) -> list[torch.Tensor | None]:
     tensors = [model.model.norm.weight, model.model.embed_tokens.weight]
     for layer in layers:
         kv = layer.self_attn.attn.kv
-        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, kv.key, kv.value]
+        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if not kv.dtype.quantized:  # float32 caches are read as floats; quantized ones are checked on their own
+            tensors += [kv.key, kv.value]
         for proj in _projections(layer):
             tensors += [proj.weight, proj.bias]
     return tensors
@@ -129,7 +140,8 @@ def _fits(model, layers, tensors) -> bool:
     if config.head_dim % 16 or config.hidden_size % 8 or config.intermediate_size % 8:
         return False
     kvs = [layer.self_attn.attn.kv for layer in layers]
-    if any(kv.dtype.name != "float32" or kv.block_size != kvs[0].block_size for kv in kvs):
+    if any(not (kv.dtype.name == "float32" or kv.dtype.quantized) or kv.block_size != kvs[0].block_size
+           for kv in kvs):
         return False
     norms_eps = {model.model.norm.eps} | {n.eps for layer in layers
                                           for n in (layer.input_layernorm, layer.post_attention_layernorm)}

@@ -144,3 +144,29 @@ def test_positions_beyond_the_rotary_tables_are_refused(models):
     inputs.positions[1] = ours.config.max_position_embeddings
     with torch.inference_mode(), pytest.raises(IndexError, match="rotary tables"):
         ours.fused_decode(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_caches_take_the_fused_step_bit_identical_to_the_python_path(models, kv_dtype):
+    _, ours = models
+    results = []
+    for fused in (True, False):
+        cache = KVCache.for_model(ours.config, num_blocks=32, block_size=BLOCK_SIZE, dtype=kv_dtype)
+        for layer in cache.layers:
+            layer.k_scale, layer.v_scale = 0.02, 0.01
+        runner = ModelRunner(ours, cache)
+        assert ours.fused_decode is not None
+        ours.fused_decode = Counting(ours.fused_decode) if fused else None
+        pos = dict.fromkeys(SEQS, 0)
+        steps = []
+        for step in [PROMPTS, *STEPS]:
+            chunks = [chunk(r, SEQS[r][pos[r]: pos[r] + n], pos[r], TABLES[r]) for r, n in step.items()]
+            steps.append(runner.compute_logits(SchedulerOutput(chunks), all_tokens=True))
+            for r, n in step.items():
+                pos[r] += n
+        if fused:
+            assert ours.fused_decode.taken == len(STEPS)
+        results.append(steps)
+    for step_fused, step_python in zip(*results):
+        for rid in step_python:
+            assert torch.equal(step_fused[rid], step_python[rid]), (kv_dtype, rid)
