@@ -66,6 +66,8 @@ _SIGNATURES = {
     # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
     "kvgate_int4_linear_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
     "kvgate_int4_supported": ([], ctypes.c_int),
+    # y, x, w8, scale, M, K, N (int4_linear.c: an int4 model's LM head)
+    "kvgate_int8_rows_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
 }
 
 
@@ -482,6 +484,22 @@ def int4_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.
                                        m, k, n, k // scales.shape[0])
     if rc != 0:
         raise RuntimeError(f"kvgate_int4_linear_f32 failed ({rc})")
+    return y
+
+
+def int8_rows(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ (w8 (N, K) int8 * scale (N,) float32)^T -> (M, N) float32; K a multiple of 8."""
+    _check(x, scale, dtype=torch.float32)
+    _check(w8, dtype=torch.int8)
+    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1] or scale.shape != (w8.shape[0],) \
+            or w8.shape[1] % 8 or not (w8.is_contiguous() and scale.is_contiguous()):
+        raise ValueError(f"int8_rows: x {tuple(x.shape)}, w8 {tuple(w8.shape)}, scale {tuple(scale.shape)}")
+    x = x.contiguous()
+    y = x.new_empty((x.shape[0], w8.shape[0]))
+    rc = load().kvgate_int8_rows_f32(y.data_ptr(), x.data_ptr(), w8.data_ptr(), scale.data_ptr(), x.shape[0],
+                                     x.shape[1], w8.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"kvgate_int8_rows_f32 failed ({rc})")
     return y
 
 

@@ -130,3 +130,45 @@ KVG_API int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qwei
 }
 
 #pragma GCC pop_options
+
+/* ------------------------------------------------------------------------------- int8 rows */
+
+/* The LM head of an int4 model, stored int8 with a scale per output row (vocabulary entry):
+ *
+ *   y (M, N) = x (M, K) @ (w8 (N, K) * scale[n])^T
+ *
+ * Decode reads the whole head every step: a quarter of float32's bytes. Rows of w8 are split
+ * over the threads; each row is converted 8 weights at a time and dotted with up to 4 rows of x. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* x (M, K) float32, w8 (N, K) int8, scale (N,) float32 -> y (M, N). K a multiple of 8. */
+KVG_API int kvgate_int8_rows_f32(float *y, const float *x, const int8_t *w8, const float *scale, int64_t M,
+                                 int64_t K, int64_t N) {
+    if (K % 8 || M < 1) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *w = w8 + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t R = M - m0 < 4 ? M - m0 : 4;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *x0 = x + m0 * K;
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 wv = load8_i8(w + k);
+                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
+                if (R > 1) a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + K + k), a1);
+                if (R > 2) a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + 2 * K + k), a2);
+                if (R > 3) a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + 3 * K + k), a3);
+            }
+            const __m256 acc[4] = {a0, a1, a2, a3};
+            for (int64_t r = 0; r < R; r++) y[(m0 + r) * N + n] = hsum256(acc[r]) * scale[n];
+        }
+    }
+    return 0;
+}
+
+#pragma GCC pop_options

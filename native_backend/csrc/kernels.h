@@ -41,5 +41,7 @@ int kvgate_silu_mul_f32(float *out, const float *gate, const float *up, int64_t 
 int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qweight, const int32_t *qzeros,
                            const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N, int64_t G);
 int kvgate_int4_supported(void);
+int kvgate_int8_rows_f32(float *y, const float *x, const int8_t *w8, const float *scale, int64_t M, int64_t K,
+                         int64_t N);
 
 #endif

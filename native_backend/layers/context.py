@@ -36,6 +36,7 @@ class LayerContext:
     fuse_decode: bool = False  # CPU: whole decode steps through one C call (models.fused_decode)
     kernels: str = ""  # what was chosen, for the engine's start-up line
     head_method: LinearMethod | None = None  # the LM head's, when not linear_method (int4 models)
+    int8_head: bool = True  # int4 models with the C kernels: logits from an int8 copy of the head
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -53,18 +54,20 @@ class LayerContext:
 
     def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
         """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
-        linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head as
-        before (AWQ checkpoints keep it in float), decode steps per layer (the one-call decode
-        step runs float32 weights only)."""
+        linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head kept
+        in float as AWQ checkpoints store it, with an int8 copy for the logits where the C kernels
+        run (`int8_head`), decode steps per layer (the one-call decode step runs float32 weights
+        only)."""
         if quant is None:
             return self
-        from native_backend.quantization.method import AWQLinearMethod  # imports layers.linear
+        from native_backend.quantization.method import INT8_HEAD, AWQLinearMethod  # imports layers.linear
 
         kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
         method = AWQLinearMethod(quant.group_size, kernel=kernel, triton=self.device.type == "cuda")
+        head = INT8_HEAD if kernel and self.int8_head and self.dtype == torch.float32 else self.linear_method
         kernels = self.kernels.replace(", one-call decode steps", "")  # no longer true, see above
-        return dataclasses.replace(self, linear_method=method, head_method=self.linear_method, fuse_decode=False,
-                                   kernels=f"{kernels}; linears {method.name}, LM head {self.linear_method.name}")
+        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=False,
+                                   kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
 
 
 def _cpu_context(device, dtype, attention, shard) -> LayerContext:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from native_backend import cpu_kernels
-from native_backend.layers.linear import LinearMethod
+from native_backend.layers.linear import DenseMethod, LinearMethod
 from native_backend.quantization import reference
 from native_backend.quantization.format import PACK, valid_group_sizes
 
@@ -85,10 +85,47 @@ def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def describe_weights(model) -> str:
     """The start-up line's weights: resident bytes, and the linears' format when int4."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counted once
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *_weight_buffers(model)))
     awq = [m for m in model.modules() if isinstance(getattr(m, "method", None), AWQLinearMethod)]
     if not awq:
         return f"weights {total / 2**20:.0f} MiB"
     packed = sum(p.numel() * p.element_size() for m in awq for p in m.parameters())
+    head = f", the head's int8 copy {sum(b.numel() for b in _weight_buffers(model)) / 2**20:.0f} MiB" \
+        if _weight_buffers(model) else ""
     return (f"weights {total / 2**20:.0f} MiB ({len(awq)} linears {awq[0].method.name}: {packed / 2**20:.0f} MiB; "
-            f"embedding, norms and head in {model.ctx.dtype})".replace("torch.", ""))
+            f"embedding, norms and head in {model.ctx.dtype}{head})".replace("torch.", ""))
+
+
+def _weight_buffers(model) -> list[torch.Tensor]:
+    """Weights held as buffers (the int8 copy of an int4 model's head); a tied head's float weight
+    is the embedding's and counted once with the parameters."""
+    return [b for name, b in model.named_buffers() if name.endswith(("weight_int8", "weight_scale"))]
+
+
+class Int8HeadMethod(DenseMethod):
+    """The LM head of an int4 model: the float weight as loaded (a tied head shares it with the
+    embedding, which looks rows up in it), plus an int8 copy with a scale per vocabulary row,
+    made once after loading, that every logits call multiplies by (C kernel). A decode step reads
+    the whole head: with int4 linears it is most of the bytes, and int8 reads a quarter of fp32's.
+
+        scale[n] = max_k |W[n, k]| / 127,   W8[n, k] = round(W[n, k] / scale[n])
+    """
+
+    name = "int8 rows (C kernel)"
+
+    def process_weights_after_loading(self, layer):
+        w = layer._parameters["weight"].detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (vocab,)
+        layer.register_buffer("weight_int8", torch.round(w / scale[:, None]).to(torch.int8), persistent=False)
+        layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
+
+    def apply(self, layer, x):
+        w8, scale, bias = layer._buffers["weight_int8"], layer._buffers["weight_scale"], layer._parameters["bias"]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and x.dim() == 2:
+            y = cpu_kernels.int8_rows(x, w8, scale)
+        else:  # the same numbers through torch
+            y = x @ (w8.to(x.dtype) * scale[:, None].to(x.dtype)).t()
+        return y if bias is None else y + bias
+
+
+INT8_HEAD = Int8HeadMethod()

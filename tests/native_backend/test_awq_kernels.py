@@ -140,3 +140,13 @@ def test_reference_dequantizes_per_group():
     scales = torch.tensor([[1.0] * 8, [0.5] * 8]).half()
     w = dequantize(pack_int4(q), pack_int4(z), scales)
     assert torch.equal(w, torch.cat([(q[:2] - z[0]) * 1.0, (q[2:] - z[1]) * 0.5]).float())
+
+
+@needs_int4_kernel
+def test_int8_rows_kernel_equals_torch():
+    w8 = torch.randint(-127, 128, (1000, 576), generator=gen(7), dtype=torch.int8)
+    scale = torch.rand(1000, generator=gen(8)) * 0.01
+    for m in (1, 3, 4, 6, 33):
+        x = torch.randn(m, 576, generator=gen(m))
+        ref = x @ (w8.float() * scale[:, None]).t()
+        assert rel_err(cpu_kernels.int8_rows(x, w8, scale), ref) < 1e-5, m

@@ -5,6 +5,7 @@ greedy tokens equal the torch reference's; damaged checkpoints fail at load nami
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -78,7 +79,10 @@ def test_loaded_packed_with_the_int4_method_and_no_float_weights(checkpoint):
     assert len(linears) == 14 and all(isinstance(m.method, AWQLinearMethod) for m in linears)
     assert all(m.method.kernel == cpu_kernels.int4_available() for m in linears)
     assert all(set(m._parameters) == {"qweight", "qzeros", "scales", "bias"} for m in linears)
-    assert model.lm_head.method.name in ("dense", "C kernel") and model.fused_decode is None
+    assert model.fused_decode is None
+    if cpu_kernels.int4_available():  # logits from an int8 copy of the float head
+        assert model.lm_head.method.name == "int8 rows (C kernel)" and model.lm_head.weight.dtype == torch.float32
+        assert model.lm_head.weight_int8.dtype == torch.int8
     assert "int4 AWQ g16" in model.ctx.kernels
 
 
@@ -91,7 +95,8 @@ def test_logits_equal_transformers_holding_the_independently_unpacked_weights(ch
         state[k.replace(".qweight", ".weight")] = rules_dequantize(tensors, k.removesuffix(".qweight"))
     hf_int4 = type(hf)(hf.config).eval()
     hf_int4.load_state_dict(state, strict=True)
-    ours = load_hf_model(str(out), LayerContext.for_device("cpu", torch.float32, cpu_kernels=kernels))
+    ctx = dataclasses.replace(LayerContext.for_device("cpu", torch.float32, cpu_kernels=kernels), int8_head=False)
+    ours = load_hf_model(str(out), ctx)
     prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(1)).tolist()
     runner = runner_for(ours)
     logits = runner.compute_logits(SchedulerOutput([chunk(prompt[:9], 0)]), all_tokens=True)["a"]
@@ -112,6 +117,20 @@ def test_greedy_tokens_of_the_c_kernel_equal_the_torch_reference(checkpoint):
     reference = load_hf_model(str(out), LayerContext.for_device("cpu", torch.float32, cpu_kernels=False))
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     assert greedy(kernel, prompt, 24) == greedy(reference, prompt, 24)
+
+
+@pytest.mark.skipif(not cpu_kernels.int4_available(), reason="needs the int4 C kernel")
+def test_the_int8_head_is_within_its_rounding_of_the_float_head(checkpoint):
+    _, _, out = checkpoint
+    model = load_hf_model(str(out))
+    head = model.lm_head
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    exact = x @ head.weight.t()
+    with torch.no_grad():
+        y = head(x)
+    # each weight moves by at most half a step (scale / 2), so each logit by sum |x| * scale / 2
+    bound = x.abs().sum(1, keepdim=True) * head.weight_scale[None, :] / 2
+    assert ((y - exact).abs() <= bound + 1e-5).all() and not torch.equal(y, exact)
 
 
 def test_a_group_that_does_not_divide_a_layer_is_refused_naming_it(checkpoint, tmp_path):
