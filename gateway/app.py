@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
+from gateway.openapi import openapi_json
 from gateway.plugins import Registry, collect_backends, collect_routing_policies, make_plugin_manager
 from gateway.reload import reload_config
 from gateway.status import RecentActivity, status_json, status_page
@@ -139,6 +140,7 @@ ROUTES = [
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
     Route("/", lambda request: RedirectResponse("/status"), methods=["GET"]),
     Route("/status", status_page, methods=["GET"]),
     Route("/status.json", status_json, methods=["GET"]),

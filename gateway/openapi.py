@@ -1,0 +1,124 @@
+"""GET /openapi.json: the HTTP API as OpenAPI 3.1, generated from the request models.
+
+The request bodies are the pydantic models the gateway validates with (`schemas.py`), with the
+server's own limits (max_tokens, n, stop, ...) and the names of the models it serves filled in,
+so a client generator or a fuzzer (schemathesis) sees exactly what this gateway accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway.config import RequestLimits
+from gateway.schemas import ChatBody, CompletionBody
+
+ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model",
+                  "413": "Body too large", "429": "Rate limited", "499": "Client closed the request",
+                  "502": "Backend failed", "503": "Overloaded", "504": "Backend timed out"}
+
+
+def openapi_document(models: list[str], limits: RequestLimits) -> dict:
+    defs: dict = {}
+    completion = _body_schema(CompletionBody, defs, models, limits)
+    chat = _body_schema(ChatBody, defs, models, limits)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvgate", "version": "0.1.0",
+                 "description": "OpenAI-compatible inference gateway. Errors are OpenAI-style."},
+        "paths": {
+            "/v1/completions": {"post": _generation("Create a completion", completion)},
+            "/v1/chat/completions": {"post": _generation("Create a chat completion", chat)},
+            "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
+            "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
+            "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
+        },
+        "components": {"schemas": {**defs, "Error": ERROR}},
+    }
+
+
+def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits) -> dict:
+    schema = copy.deepcopy(model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    defs.update(schema.pop("$defs", {}))
+    props = schema["properties"]
+    props["model"] = {"type": "string", "enum": models}
+    _cap(props, "max_tokens", limits.max_tokens)
+    _cap(props, "max_completion_tokens", limits.max_tokens)
+    _cap(props, "n", limits.max_n)
+    _cap(props, "logprobs", limits.max_top_logprobs)
+    _cap(props, "top_logprobs", limits.max_top_logprobs)
+    if "messages" in props:
+        props["messages"]["maxItems"] = limits.max_messages
+    _server_rules(props, limits)
+    return schema
+
+
+# Known parameters this server refuses unless empty or off (see schemas.py): say so in the schema.
+REFUSED_UNLESS_EMPTY = {
+    "tools": {"type": ["array", "null"], "maxItems": 0}, "functions": {"type": ["array", "null"], "maxItems": 0},
+    "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
+    "tool_choice": {"enum": ["none", None]}, "function_call": {"enum": ["none", None]},
+    "echo": {"type": "boolean", "const": False}, "suffix": {"type": ["string", "null"], "maxLength": 0},
+    "audio": {"type": "null"}, "best_of": {"type": "null"},
+}
+
+
+def _server_rules(props: dict, limits: RequestLimits) -> None:
+    """What the server's validators and limits add to the field types."""
+    for name, rule in REFUSED_UNLESS_EMPTY.items():
+        if name in props:
+            props[name] = {**rule, "description": "Not supported unless empty or off."}
+    if "stop" in props:
+        text = {"type": "string", "maxLength": limits.max_stop_chars}
+        props["stop"] = {"anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop},
+                                   {"type": "null"}]}
+    if "stop_token_ids" in props:
+        props["stop_token_ids"]["anyOf"][0]["maxItems"] = limits.max_stop_token_ids
+    if "prompt" in props:
+        for option in props["prompt"]["anyOf"]:
+            if option["type"] == "array" and option["items"].get("type") != "integer":
+                option["maxItems"] = limits.max_prompts
+            if option["type"] == "array":
+                option["minItems"] = 1
+
+
+def _cap(props: dict, name: str, maximum: int) -> None:
+    """Set the server's limit as the maximum of an integer field (inside Optional's anyOf too)."""
+    field = props.get(name)
+    if field is None:
+        return
+    for option in field.get("anyOf", [field]):
+        if option.get("type") == "integer":
+            option["maximum"] = maximum
+
+
+def _generation(summary: str, body: dict) -> dict:
+    return {"summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": _responses({"type": "object"}, streaming=True)}
+
+
+def _responses(ok: dict, streaming: bool = False) -> dict:
+    content = {"application/json": {"schema": ok}}
+    if streaming:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    out = {"200": {"description": "OK", "content": content}}
+    for status, description in ERROR_STATUSES.items():
+        out[status] = {"description": description,
+                       "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return out
+
+
+async def openapi_json(request: Request) -> JSONResponse:
+    state = request.app.state.kvgate
+    names = sorted(n for p in state.registry.pools for n in [p.name, *p.aliases])
+    return JSONResponse(openapi_document(names, state.config.server.limits))

@@ -1,0 +1,44 @@
+"""Drive schemathesis from hypothesis directly over every operation of a live gateway's
+OpenAPI schema (schemathesis' own pytest plugin does not load under this pytest), both in the
+positive (schema-valid) and negative (schema-violating) generation modes."""
+
+from __future__ import annotations
+
+import time
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+
+def openai_error_shape(ctx, response, case):
+    """Every refusal is {"error": {message, type, param, code}} with a string message."""
+    if 400 <= response.status_code < 500:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"], error
+        assert "Traceback" not in error["message"] and ".py" not in error["message"], error
+    return None
+
+
+def fuzz(base_url: str, examples_per_mode: int, operations: tuple[str, ...] = ("POST",)) -> dict:
+    """Run the cases; raise on the first failing check. Returns counts and the time taken."""
+    schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
+    statuses: dict[int, int] = {}
+    started = time.monotonic()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.method.upper() not in operations:
+            continue
+        for mode in GenerationMode:
+            @settings(max_examples=examples_per_mode, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case):
+                response = case.call_and_validate(base_url=base_url, timeout=180,
+                                                  checks=[not_a_server_error, openai_error_shape])
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+            run()
+    return {"cases": sum(statuses.values()), "statuses": statuses, "seconds": time.monotonic() - started}

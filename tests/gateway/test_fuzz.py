@@ -1,0 +1,65 @@
+"""Fuzz the live gateway from its own OpenAPI schema (`GET /openapi.json`) with schemathesis.
+
+Valid and invalid bodies against the echo backend: no response >= 500, every 4xx an
+OpenAI-style error, and the gateway healthy and serving after, its breaker untouched. CI runs
+KVGATE_FUZZ_EXAMPLES (default 60) cases per operation and generation mode (a few hundred in
+all); the `fuzz` tier runs `KVGATE_FUZZ_EXAMPLES=2500` (>= 10,000 cases, see README).
+"""
+
+import os
+
+import httpx
+import pytest
+
+from fuzz_run import fuzz
+from servers import GatewayServer
+
+FUZZ_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "60"))
+
+CONFIG = """
+server:
+  limits: {max_tokens: 64, max_prompts: 8, max_choices: 16}
+models:
+  - name: echo
+    aliases: [echo-alias]
+    deployments:
+      - {name: echo-0, backend: echo}
+"""
+
+
+@pytest.fixture(scope="module")
+def gw():
+    with GatewayServer(CONFIG) as server:
+        yield server
+
+
+def test_the_schema_is_the_request_models_with_this_servers_limits(gw):
+    doc = httpx.get(gw.base_url + "/openapi.json").json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["properties"]["model"]["enum"] == ["echo", "echo-alias"]
+    assert body["additionalProperties"] is False and "prompt" in body["required"]
+    n = [o for o in body["properties"]["n"].get("anyOf", [body["properties"]["n"]]) if o.get("type") == "integer"]
+    assert n[0]["maximum"] == 8
+    assert set(doc["paths"]) >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+
+
+@pytest.mark.timeout(3600)
+def test_no_input_reaches_a_500_and_every_refusal_is_an_openai_error(gw):
+    result = fuzz(gw.base_url, FUZZ_EXAMPLES)
+    print(f"fuzz (echo): {result}")
+    assert result["cases"] >= FUZZ_EXAMPLES  # really ran
+    assert any(400 <= s < 500 for s in result["statuses"]) and 200 in result["statuses"]
+    assert httpx.get(gw.base_url + "/health/live").status_code == 200
+    r = httpx.post(gw.base_url + "/v1/completions", json={"model": "echo", "prompt": "still here", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "still here"
+    deployment = gw.state.registry.deployments()[0]
+    assert deployment.breaker.state == "closed" and deployment.in_flight == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_fuzz_tier_ten_thousand_cases(gw):
+    result = fuzz(gw.base_url, 2500)  # 2 operations x 2 generation modes x 2500
+    print(f"fuzz tier (echo): {result}")
+    assert result["cases"] >= 10_000
+    assert httpx.get(gw.base_url + "/health/live").status_code == 200
