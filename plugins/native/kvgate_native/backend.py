@@ -31,7 +31,8 @@ from gateway.errors import (
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
-from native_backend.engine_config import CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions
+from native_backend.engine_config import (
+    CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions, SpeculativeOptions)
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
 from native_backend.sampling_params import SamplingParams as EngineSampling
 from native_backend.tokenizer import Tokenizer, default_model_path
@@ -39,6 +40,36 @@ from native_backend.tokenizer import Tokenizer, default_model_path
 log = logging.getLogger("kvgate.native")
 
 ENGINE_FACTORY = "native_backend.engine:make_engine_core"
+
+
+class SpeculativeSettings(BaseModel):
+    """`settings.speculative` of a native deployment (SpeculativeOptions, field by field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "draft"] = Field(description="ngram: prompt lookup; draft: a draft model.")
+    num_speculative_tokens: int = Field(4, gt=0, description="Tokens proposed and verified per step (k).")
+    prompt_lookup_min: int = Field(2, gt=0, description="ngram: shortest suffix match, tokens.")
+    prompt_lookup_max: int = Field(4, gt=0, description="ngram: longest suffix match, tokens.")
+    draft_model: str | None = Field(None, description="draft: GGUF file or HF directory with the target's "
+                                    "tokenizer ('default' is SmolLM2-135M-Instruct).")
+    draft_num_layers: int | None = Field(None, gt=0, description="draft: the target's first n layers "
+                                         "(self-speculative, no extra weights).")
+    max_batch_size: int | None = Field(8, gt=0, description="No speculation while more requests than this "
+                                       "decode in one step; null: always.")
+    min_acceptance_rate: float = Field(0.2, ge=0, lt=1, description="A request accepting fewer drafts than this "
+                                       "(moving average) pauses speculation for a while.")
+
+    @model_validator(mode="after")
+    def _valid_for_the_engine(self):
+        self.options()  # the engine's own checks (method vs draft fields, ranges), as a settings error
+        return self
+
+    def options(self) -> SpeculativeOptions:
+        values = self.model_dump()
+        if values["draft_model"] == "default":
+            values["draft_model"] = default_model_path()
+        return SpeculativeOptions(**values)
 
 
 class NativeSettings(BaseModel):
@@ -69,6 +100,7 @@ class NativeSettings(BaseModel):
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
                                              description="Watchdog and restarts of the engine process.")
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
+    speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
                               "stored; an AWQ checkpoint is detected from its config.json) or awq (an AWQ int4 "
@@ -95,6 +127,7 @@ class NativeSettings(BaseModel):
             scheduler=SchedulerOptions(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                        max_model_len=self.max_model_len),
             parallel=ParallelOptions(tensor_parallel_size=self.tensor_parallel_size),
+            speculative=self.speculative.options() if self.speculative is not None else None,
         )
 
 
@@ -139,7 +172,7 @@ class NativeBackend:
         sup = self.supervisor
         up = sup.up
         stats = dataclasses.asdict(self.client.stats()) if up else {}
-        extra = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        extra = _flat_stats(stats)
         extra["engine_restarts"] = float(sup.restarts)
         return LoadSnapshot(
             waiting=int(stats.get("num_waiting", 0)),
@@ -190,6 +223,17 @@ class NativeBackend:
         except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
             log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
             raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
+
+
+def _flat_stats(stats: dict) -> dict[str, float]:
+    """Engine stats as LoadSnapshot.extra floats; a per-position tuple becomes name_pos_<j> keys."""
+    extra = {}
+    for key, value in stats.items():
+        if isinstance(value, (tuple, list)):
+            extra.update({f"{key}_pos_{j}": float(v) for j, v in enumerate(value)})
+        elif isinstance(value, (int, float)):  # text (the KV cache's dtype) goes to LoadSnapshot.info
+            extra[key] = float(value)
+    return extra
 
 
 def _is_awq_checkpoint(path: str) -> bool:
