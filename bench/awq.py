@@ -2,7 +2,8 @@
 
 Rows: `fp32` (the default Q4_1 GGUF dequantized to fp32: the reference), `rtn` and `awq` (int4,
 group 64, written by `kvgate quantize` from that same fp32 model; AWQ calibrated on the shipped
-calibration text). Columns:
+calibration text), their logits from the int8 copy of the head as the engine runs them, and
+`awq (fp32 head)`: the AWQ model with logits from the float head (what int8 costs). Columns:
 
 - perplexity on held-out text: `pydoc_data.topics` (all topics joined, tokenized with the model's
   tokenizer, no special tokens), the first --eval-tokens tokens (default 20480) in windows of
@@ -26,6 +27,7 @@ install` (a ~6 minute build); it is not run here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FP32_HEAD = " (fp32 head)"  # a row of the AWQ model whose logits come from the float head
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -89,10 +92,12 @@ def score(model, windows: list[list[int]]):
 
 
 def weight_bytes(model) -> tuple[int, int]:
-    """(every parameter, the decoder's linear layers alone) in bytes; a tied head counted once."""
+    """(every weight the engine holds, the decoder's linear layers alone) in bytes; a tied head's
+    float weight counted once, an int4 model's int8 head copy counted."""
     from native_backend.layers.linear import LinearBase
+    from native_backend.quantization.method import _weight_buffers
 
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *_weight_buffers(model)))
     linears = sum(p.numel() * p.element_size() for name, m in model.named_modules()
                   if isinstance(m, LinearBase) and name != "lm_head" for p in m.parameters())
     return total, linears
@@ -101,13 +106,15 @@ def weight_bytes(model) -> tuple[int, int]:
 def accuracy_rows(args, paths: dict[str, str]) -> dict[str, dict]:
     import torch
 
+    from native_backend.layers.context import LayerContext
     from native_backend.loader import load_model
 
     torch.set_num_threads(args.threads)
     windows = eval_windows(args)
     rows, fp_argmax = {}, None
     for name, path in paths.items():
-        model = load_model(path)
+        ctx = LayerContext.for_device("cpu", torch.float32)
+        model = load_model(path, dataclasses.replace(ctx, int8_head=not name.endswith(FP32_HEAD)))
         started = time.perf_counter()
         nll, count, argmax = score(model, windows)
         total, linears = weight_bytes(model)
@@ -151,10 +158,12 @@ def main() -> None:
     from native_backend.loader import default_gguf_path
 
     paths = {"fp32": default_gguf_path(), "rtn": checkpoint_dir(args, "rtn"), "awq": checkpoint_dir(args, "awq")}
+    paths["awq" + FP32_HEAD] = paths["awq"]  # what the int8 head costs
     rows = accuracy_rows(args, paths)
     if not args.skip_speed:
         for name, path in paths.items():
-            rows[name].update(speed(args, path))
+            if not name.endswith(FP32_HEAD):
+                rows[name].update(speed(args, path))
     result = {"group_size": args.group_size, "eval_tokens": args.eval_tokens, "window": args.window,
               "threads": args.threads, "paths": paths, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -164,11 +173,11 @@ def main() -> None:
 
 def print_table(rows: dict[str, dict]) -> None:
     fp = rows["fp32"]
-    print(f"{'':6} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12} "
+    print(f"{'':17} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12} "
           f"{'b1 tok/s':>9} {'thrpt tok/s':>12}")
     for name, r in rows.items():
         b1, tp = r.get("b1_decode_tok_s"), r.get("throughput_out_tok_s")
-        print(f"{name:6} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "
+        print(f"{name:17} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "
               f"{100 * r['top1_agreement_with_fp32']:11.1f}% {r['weight_bytes'] / 2**20:12.1f} "
               f"{r['linear_weight_bytes'] / 2**20:12.1f} {b1 or float('nan'):9.1f} {tp or float('nan'):12.1f}")
     rtn, awq = rows.get("rtn"), rows.get("awq")

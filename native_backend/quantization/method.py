@@ -22,9 +22,10 @@ from native_backend.layers.linear import DenseMethod, LinearMethod
 from native_backend.quantization import reference
 from native_backend.quantization.format import PACK, valid_group_sizes
 
-# The C kernel against dequantize + MKL GEMM: the kernel re-unpacks the weight for every tile of 4
-# rows, so from a few hundred rows on one dequantization and a blocked GEMM win.
-KERNEL_MAX_ROWS = 128
+# The C kernel re-unpacks the weight for every tile of 4 rows; dequantize + MKL GEMM pays for one
+# float copy of the weight per call. On the 2-core box they were even at 512 rows (the engine's
+# default step budget), so the kernel takes every chunk up to there.
+KERNEL_MAX_ROWS = 512
 
 
 class AWQLinearMethod(LinearMethod):

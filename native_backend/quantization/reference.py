@@ -16,11 +16,10 @@ from native_backend.quantization.format import unpack_int4
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(in, out) float32 from qweight (in, out/8), qzeros (in/g, out/8), scales (in/g, out)."""
-    group = qweight.shape[0] // scales.shape[0]
-    q = unpack_int4(qweight).float()  # (in, out)
-    z = unpack_int4(qzeros).float().repeat_interleave(group, dim=0)  # (in, out)
-    s = scales.float().repeat_interleave(group, dim=0)
-    return (q - z) * s
+    groups, out = scales.shape
+    q = unpack_int4(qweight).view(groups, -1, out)  # (in/g, g, out) int32
+    z = unpack_int4(qzeros).unsqueeze(1)  # (in/g, 1, out)
+    return ((q - z).float() * scales.float().unsqueeze(1)).view(-1, out)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
