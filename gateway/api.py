@@ -87,7 +87,7 @@ async def _serve(request: Request, parse, id_prefix: str):
     pool = _resolve_pool(state, key, parsed.model)
     sla = _sla_class(request, state, key)
     if key is not None:
-        _admit_key(state, key, parsed.num_choices)
+        await _admit_key(state, key, parsed.num_choices)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     recorder = RequestRecorder(
         state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
@@ -140,9 +140,9 @@ async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None
     recorder.finish(CLIENT_CLOSED, None)
 
 
-def _admit_key(state, key: ApiKey, choices: int) -> None:
+async def _admit_key(state, key: ApiKey, choices: int) -> None:
     try:
-        state.limiter.admit(key, choices)  # each prompt x n is a request's worth of work
+        await state.limiter.acquire(key, choices)  # each prompt x n is a request's worth of work
     except RateLimited:
         state.metrics.rate_limited.labels(key.name).inc()
         raise

@@ -23,6 +23,7 @@ from gateway.asgi import BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
+from gateway.limits_store import make_limiter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_json
@@ -51,7 +52,7 @@ class GatewayState:
     tracer_provider: object = None  # this gateway's OpenTelemetry TracerProvider, when tracing
     tracer: object = None  # an OpenTelemetry tracer, or None when tracing is off
     metrics: GatewayMetrics = None  # set by build_state
-    limiter: KeyLimiter = field(default_factory=KeyLimiter)
+    limiter: KeyLimiter = field(default_factory=KeyLimiter)  # or a RedisLimiter (auth.limits_store)
     recent: RecentActivity = field(default_factory=RecentActivity)
     streams: set = field(default_factory=set)  # tasks serving SSE streams right now
     started_at: float = field(default_factory=time.time)
@@ -65,10 +66,11 @@ def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
     backends = collect_backends(pm, config.plugins)
     policies = collect_routing_policies(pm)
     keys = KeyStore.from_config(config.auth)
+    limiter = make_limiter(config.auth.limits_store)
     registry = ModelRegistry.build(config, backends, policies)
     provider = make_tracer_provider(config.telemetry.tracing, span_exporter)
     state = GatewayState(config, pm, registry, keys, backends, policies, config_path, tracer_provider=provider,
-                         tracer=provider.get_tracer("kvgate.gateway") if provider else None)
+                         limiter=limiter, tracer=provider.get_tracer("kvgate.gateway") if provider else None)
     state.metrics = GatewayMetrics(lambda: state)
     return state
 
@@ -153,6 +155,7 @@ def create_app(state: GatewayState):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.registry.start()
+        await state.limiter.start()
         _reload_on_sighup(state)
         try:
             yield
@@ -160,6 +163,7 @@ def create_app(state: GatewayState):
             if state.streams:  # streams cut by the shutdown timeout: let them send their last event
                 await asyncio.wait(set(state.streams), timeout=STREAM_FAREWELL_S)
             await state.registry.stop()
+            await state.limiter.stop()
             if state.tracer_provider is not None:
                 state.tracer_provider.shutdown()  # flushes spans still in the batch queue
 

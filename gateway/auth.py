@@ -143,6 +143,14 @@ class _Window:
         return 60.0
 
 
+def check_weight(key: ApiKey, weight: int) -> None:
+    """A request larger than the key's whole minute can never pass: a 400, not a 429."""
+    if key.requests_per_minute and weight > key.requests_per_minute:
+        raise InvalidRequestError(f"This request has {weight} choices (prompts x n), more than the "
+                                  f"{key.requests_per_minute} requests per minute of key '{key.name}'.",
+                                  param="n")
+
+
 class KeyLimiter:
     """Requests/min, tokens/min and concurrency per key name, in sliding 60 s windows.
 
@@ -163,10 +171,7 @@ class KeyLimiter:
         tokens = self._tokens.setdefault(key.name, _Window())
         requests.trim(now)
         tokens.trim(now)
-        if key.requests_per_minute and weight > key.requests_per_minute:
-            raise InvalidRequestError(f"This request has {weight} choices (prompts x n), more than the "
-                                      f"{key.requests_per_minute} requests per minute of key '{key.name}'.",
-                                      param="n")
+        check_weight(key, weight)
         if key.requests_per_minute and requests.total + weight > key.requests_per_minute:
             wait = requests.seconds_until_below(key.requests_per_minute - weight + 1, now)
             raise RateLimited(f"Rate limit of {key.requests_per_minute} requests per minute reached for key '{key.name}'.",
@@ -182,10 +187,31 @@ class KeyLimiter:
         requests.add(now, weight)
         self._in_flight[key.name] = in_flight + 1
 
+    async def acquire(self, key: ApiKey, weight: int = 1) -> None:
+        """`admit` as the serving path calls it (a shared store answers over the network)."""
+        self.admit(key, weight)
+
     def finish(self, key: ApiKey, tokens: int) -> None:
+        self.release(key)
+        self.charge(key, tokens)
+
+    def release(self, key: ApiKey) -> None:
+        """One of the key's requests is no longer in flight."""
         self._in_flight[key.name] = max(0, self._in_flight.get(key.name, 0) - 1)
+
+    def charge(self, key: ApiKey, tokens: int) -> None:
+        """Count `tokens` (prompt + completion of every choice) against the key's minute."""
         if tokens:
             self._tokens.setdefault(key.name, _Window()).add(self.clock(), tokens)
+
+    async def start(self) -> None:
+        """Nothing to connect to: the windows live in this process."""
+
+    async def stop(self) -> None:
+        pass
+
+    def status(self) -> dict:
+        return {"kind": "memory", "shared": False, "problem": None}
 
 
 class AuthMiddleware:

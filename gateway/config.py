@@ -148,8 +148,26 @@ class ApiKeyConfig(StrictModel):
         return self
 
 
+class LimitsStoreConfig(StrictModel):
+    """Where per-key limits are counted: in this process, or in a Redis shared by every replica."""
+
+    kind: Literal["memory", "redis"] = Field(
+        "memory", description="memory: each gateway counts alone; redis: all gateways share one budget per key.")
+    url_env: str | None = Field(None, description="Environment variable holding the Redis URL (redis://host:6379/0).")
+    key_prefix: str = Field("kvgate", description="Prefix of the Redis keys (gateways sharing budgets share it).")
+    timeout_s: float = Field(0.5, gt=0, description="Seconds a Redis call may take before the gateway "
+                             "falls back to local limits.")
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self):
+        if self.kind == "redis" and not self.url_env:
+            raise ValueError("url_env is required when kind is redis")
+        return self
+
+
 class AuthConfig(StrictModel):
     keys: list[ApiKeyConfig] = Field(default_factory=list)
+    limits_store: LimitsStoreConfig = LimitsStoreConfig()
     keys_file_env: str | None = Field(
         None, description="Environment variable naming a YAML file with more keys (a list like `keys`)."
     )

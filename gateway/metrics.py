@@ -75,6 +75,7 @@ class _LiveCollector:
         yield from _engine_metrics(state.registry)
         yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
+        yield from _limits_store_gauge(state.limiter)
 
 
 def _pool_gauges(registry):
@@ -99,6 +100,16 @@ def _deployment_gauges(registry):
         up.add_metric([d.model, d.name], 1.0 if d.started and d.backend.load().healthy else 0.0)
     yield breaker
     yield up
+
+
+def _limits_store_gauge(limiter):
+    """Only for a shared store (Redis): 0 while this replica enforces the key limits alone."""
+    status = limiter.status()
+    if status["kind"] != "memory":
+        up = GaugeMetricFamily("kvgate_limits_store_up", "1 when per-key limits are counted in the shared "
+                               "store; 0 while this replica falls back to local limits.", labels=["store"])
+        up.add_metric([status["kind"]], 1.0 if status["shared"] else 0.0)
+        yield up
 
 
 # (our name, vLLM's name or None, help, kind, key in LoadSnapshot.extra or attribute)

@@ -64,6 +64,7 @@ async def status_json(request: Request) -> JSONResponse:
             "tpot_p50": percentile(recent.tpot, 0.5), "tpot_p99": percentile(recent.tpot, 0.99),
         },
         "recent_errors": list(recent.errors),
+        "limits_store": state.limiter.status(),
     })
 
 

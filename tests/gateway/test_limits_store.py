@@ -1,0 +1,154 @@
+"""RedisLimiter against a real redis-server: two limiters in one process stand for two replicas."""
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.auth import ApiKey
+from gateway.config import ConfigError, LimitsStoreConfig, parse_config
+from gateway.errors import InvalidRequestError, RateLimited
+from gateway.limits_store import RedisLimiter, make_limiter
+from redis_server import redis_or_skip
+from servers import free_port
+
+
+def key(name="k", rpm=None, tpm=None, conc=None) -> ApiKey:
+    return ApiKey(name, b"", None, None, rpm, tpm, conc)
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = redis_or_skip()
+    yield server
+    server.kill()
+
+
+def replicas(redis, n=2, **kw):
+    cfg = LimitsStoreConfig(kind="redis", url_env="X", key_prefix=f"t{time.monotonic_ns()}")
+    return [RedisLimiter(cfg, redis.url, **kw) for _ in range(n)]
+
+
+async def settle(*limiters):
+    """Wait for the finishes sent to Redis in the background."""
+    for lim in limiters:
+        if lim._tasks:
+            await asyncio.wait(set(lim._tasks))
+
+
+async def close(*limiters):
+    for lim in limiters:
+        await lim.stop()
+
+
+def test_requests_per_minute_weighted_by_choices_across_replicas(redis):
+    async def main():
+        a, b = replicas(redis)
+        k = key(rpm=10)
+        for _ in range(3):
+            await a.acquire(k, 3)  # 9: three requests of 3 choices (prompts x n)
+        await b.acquire(k, 1)  # 10
+        with pytest.raises(RateLimited, match="10 requests per minute") as info:
+            await a.acquire(k, 1)
+        assert 55 <= float(info.value.headers["retry-after-ms"]) / 1000 <= 60  # the oldest event expires first
+        with pytest.raises(InvalidRequestError, match="11 choices"):
+            await b.acquire(k, 11)  # can never pass: a 400, not a 429
+        await close(a, b)
+    asyncio.run(main())
+
+
+def test_tokens_per_minute_charged_at_finish_are_seen_by_the_other_replica(redis):
+    async def main():
+        a, b = replicas(redis)
+        k = key(tpm=100)
+        await a.acquire(k)
+        await b.acquire(k)  # under 100 tokens so far: admitted
+        a.finish(k, 60)
+        b.finish(k, 40)
+        await settle(a, b)
+        with pytest.raises(RateLimited, match="100 tokens per minute"):
+            await b.acquire(k)
+        await close(a, b)
+    asyncio.run(main())
+
+
+def test_concurrency_is_shared_and_freed_by_finish(redis):
+    async def main():
+        a, b = replicas(redis)
+        k = key(conc=2)
+        await a.acquire(k)
+        await b.acquire(k)
+        with pytest.raises(RateLimited, match="already has 2 requests in flight"):
+            await a.acquire(k)
+        b.finish(k, 0)
+        await settle(b)
+        await a.acquire(k)
+        await close(a, b)
+    asyncio.run(main())
+
+
+def test_a_dead_replicas_slots_lapse_with_its_leases(redis):
+    async def main():
+        dead, alive = replicas(redis, lease_s=1)
+        k = key(conc=1)
+        await dead.acquire(k)  # never finished, never renewed: its replica is gone
+        with pytest.raises(RateLimited):
+            await alive.acquire(k)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await alive.acquire(k)
+                break
+            except RateLimited:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                await asyncio.sleep(0.2)
+        await close(dead, alive)
+    asyncio.run(main())
+
+
+def test_old_events_leave_the_window(redis):
+    async def main():
+        (a,) = replicas(redis, n=1)
+        k = key(rpm=2)
+        seconds, micros = await a.redis.time()
+        req, total = a._keys(k, "req", "req:sum")
+        await a.redis.zadd(req, {"2:old": seconds + micros / 1e6 - 59.5})  # two requests 59.5 s ago
+        await a.redis.set(total, 2)
+        with pytest.raises(RateLimited) as info:
+            await a.acquire(k)
+        assert float(info.value.headers["retry-after-ms"]) <= 1000
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await a.acquire(k)
+                break
+            except RateLimited:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        assert int(await a.redis.get(total)) == 1  # the expired weight left the sum
+        assert 0 < await a.redis.ttl(req) <= 61  # and every key expires by itself
+        await close(a)
+    asyncio.run(main())
+
+
+def test_unreachable_redis_at_start_serves_on_local_limits(caplog):
+    async def main():
+        cfg = LimitsStoreConfig(kind="redis", url_env="X", timeout_s=0.2)
+        lim = RedisLimiter(cfg, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        await lim.start()
+        assert lim.status()["shared"] is False and "Redis unreachable" in lim.status()["problem"]
+        k = key(rpm=2)
+        await lim.acquire(k)
+        await lim.acquire(k)
+        with pytest.raises(RateLimited):
+            await lim.acquire(k)  # the key's limits still hold, for this replica alone
+        await close(lim)
+    asyncio.run(main())
+    assert "limits store: Redis unreachable" in caplog.text
+
+
+def test_config_needs_a_url_for_redis():
+    with pytest.raises(ConfigError, match=r"auth.limits_store: .*url_env is required"):
+        parse_config("auth: {limits_store: {kind: redis}}\nmodels:\n  - name: m\n    deployments: [{name: d, backend: echo}]\n")
+    with pytest.raises(ValueError, match="environment variable NOPE_UNSET is not set"):
+        make_limiter(LimitsStoreConfig(kind="redis", url_env="NOPE_UNSET"), env={})
