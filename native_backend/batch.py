@@ -4,8 +4,8 @@ The scheduler decides *which tokens of which requests* run this step and where t
 the runner turns that into tensors, runs the model, and returns sampled tokens. Keeping this
 seam as plain data lets the scheduler be tested with hand-made runner outputs.
 
-    sequence positions:  0 .. start_pos-1        start_pos .. start_pos+len(token_ids)-1
-                         [ already in KV cache ]  [ token_ids: computed (and cached) this step ]
+    sequence positions:  0 .. start_pos-1        start_pos .. start_pos+len(token_ids)-1   then num_spec_tokens
+                         [ already in KV cache ]  [ token_ids: computed (and cached) this step ] [ drafts ]
     block_table[i] holds positions [i*block_size, (i+1)*block_size).
 """
 
@@ -29,8 +29,14 @@ class ScheduledChunk:
     # Token history for repetition/presence/frequency penalties (shared lists, not copies).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    # Speculative decoding: number of trailing positions that need logits (1 for plain decode).
+    # Speculative decoding: number of trailing positions that need logits (1 for plain decode;
+    # 1 + num_spec_tokens for a verification).
     num_logits: int = 1
+    # Speculative decoding: slots reserved after token_ids for drafts (block_table covers them).
+    # draft_token_ids are the drafts when the scheduler knew them (n-gram); empty with k slots,
+    # the executor's draft model proposes them. The runner returns the accepted drafts plus one.
+    num_spec_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from native_backend.executor import make_executor
 from native_backend.protocol import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
 from native_backend.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.sequence import Sequence
+from native_backend.spec_decode.policy import SpeculationPolicy
 from native_backend.stop import StopStringMatcher
 from native_backend.tokenizer import Tokenizer
 
@@ -62,7 +63,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-        ))
+        ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
         self._texts: dict[str, _TextState] = {}
         self.num_steps = 0
         self.num_step_tokens = 0
@@ -194,7 +195,16 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             block_size=self.plan.block_size,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            **_spec_decode_stats(s.spec_decode),
         )
+
+
+def _spec_decode_stats(stats) -> dict:
+    if stats is None:
+        return {}
+    return dict(spec_decode_num_drafts=stats.num_drafts, spec_decode_num_draft_tokens=stats.num_draft_tokens,
+                spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=tuple(stats.accepted_per_pos))
 
 
 def make_engine_core(config: EngineConfig) -> LLMEngine:

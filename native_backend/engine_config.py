@@ -90,15 +90,58 @@ class ParallelOptions:
                              "runs on one device so far (use 1)")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 @dataclass(frozen=True)
 class SpeculativeOptions:
-    """Reserved for speculative decoding; any value is refused until it lands."""
+    """Speculative decoding: a proposer guesses tokens, the target checks them in one step.
+
+    ngram: the continuation of the longest earlier match (prompt_lookup_min..max tokens) of the
+    sequence's suffix. draft: a draft model proposes them, either the target's own first
+    `draft_num_layers` layers with its final norm and head (no extra weights), or `draft_model`,
+    another Llama-family checkpoint with the target's tokenizer."""
 
     method: str
-    num_speculative_tokens: int = 1
+    num_speculative_tokens: int = 4  # k: tokens proposed (and verified in one target step) per request
+    prompt_lookup_min: int = 2  # ngram: shortest suffix that counts as a match, tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first, tokens
+    draft_model: str | None = None  # draft: a GGUF file or HF directory; None: self-speculative
+    draft_num_layers: int | None = None  # draft: the target's first n layers (self-speculative)
+    # Load policy: no speculation while more requests than this decode in one step (it costs
+    # compute that a full batch no longer has spare); None: always.
+    max_batch_size: int | None = 8
+    # A request whose drafts are accepted less often than this (moving average) stops
+    # speculating for a while, then tries again.
+    min_acceptance_rate: float = 0.2
 
     def __post_init__(self):
-        raise ValueError(f"speculative.method: {self.method!r}: speculative decoding is not supported yet")
+        _one_of("speculative", "method", self.method, SPECULATIVE_METHODS)
+        _positive("speculative", num_speculative_tokens=self.num_speculative_tokens,
+                  prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+                  draft_num_layers=self.draft_num_layers, max_batch_size=self.max_batch_size)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative.num_speculative_tokens: {self.num_speculative_tokens} is above "
+                             f"{MAX_SPECULATIVE_TOKENS} (a verification's rows must stay a short query)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ValueError(f"speculative.min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")
+        self._check_draft()
+
+    def _check_draft(self) -> None:
+        has_model, has_layers = self.draft_model is not None, self.draft_num_layers is not None
+        if self.method == "ngram" and (has_model or has_layers):
+            raise ValueError("speculative.draft_model / draft_num_layers: only for method 'draft'")
+        if self.method == "draft" and has_model == has_layers:
+            raise ValueError("speculative: method 'draft' needs exactly one of draft_model (another checkpoint) "
+                             "or draft_num_layers (the target's first layers)")
+        if has_model and not self.draft_model:
+            raise ValueError("speculative.draft_model: a GGUF file or a Hugging Face directory is required")
+
+
+MAX_SPECULATIVE_TOKENS = 7  # 1 + k rows per request: the CPU kernels' short-query path takes up to 8
 
 
 @dataclass(frozen=True)
@@ -117,13 +160,16 @@ class EngineConfig:
     @classmethod
     def build(cls, **settings) -> EngineConfig:
         """From flat setting names, each of which belongs to exactly one part (`FIELD_PARTS`);
-        an unknown name raises instead of being dropped."""
+        an unknown name raises instead of being dropped. `speculative` (a dict or
+        SpeculativeOptions) is the one nested part: it is absent unless asked for."""
         parts: dict[str, dict] = {name: {} for name in PARTS}
+        speculative = settings.pop("speculative", None)
         for key, value in settings.items():
             if key not in FIELD_PARTS:
                 raise TypeError(f"unknown engine setting {key!r}")
             parts[FIELD_PARTS[key]][key] = value
-        return cls(**{name: PARTS[name](**values) for name, values in parts.items()})
+        spec = SpeculativeOptions(**speculative) if isinstance(speculative, dict) else speculative
+        return cls(**{name: PARTS[name](**values) for name, values in parts.items()}, speculative=spec)
 
 
 PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions}

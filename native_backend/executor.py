@@ -26,6 +26,7 @@ from native_backend.layers.context import LayerContext
 from native_backend.loader import load_model
 from native_backend.model_runner import ModelRunner
 from native_backend.quantization.method import describe_weights
+from native_backend.spec_decode import draft_model
 
 log = logging.getLogger("kvgate.engine")
 
@@ -54,17 +55,20 @@ class InProcessExecutor:
         self.device = torch.device(mc.device)
         self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels)
         self.model = load_model(mc.path, self.ctx)
+        self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config
         limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype)
-        self.plan = self._plan_kv_cache()
+        self.plan = draft_model.leave_room_for_draft(self._plan_kv_cache(), draft_model.draft_kv_bytes_per_token(
+            self.draft_model, TORCH_DTYPES[mc.dtype]))
         scales = self._fp8_scales() if self.kv_dtype.scaling == "per_layer" else None
         self.kv_cache = KVCache.for_model(self.model_config, num_blocks=self.plan.num_blocks,
                                           block_size=config.cache.block_size, dtype=self.kv_dtype, device=self.device)
         if scales is not None:
             kv_scales.apply(self.kv_cache, scales)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        drafter = draft_model.make_drafter(config, self.model, self.kv_cache, self.draft_model, self.device, mc.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, drafter=drafter)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(scheduled)

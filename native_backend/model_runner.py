@@ -6,8 +6,15 @@
     slots:       block_table[pos // block_size] * block_size + pos % block_size
     logits rows: the last `num_logits` rows of each sampling chunk: [a4, b0]
 
-The runner owns no request state beyond the sampler's per-request generators, dropped when the
-scheduler reports a request finished. It binds the KV cache to the model once (each attention
+Speculative decoding: a chunk with num_spec_tokens k runs [last token, d_1 .. d_k] (drafts from
+the scheduler's n-gram lookup, or proposed here by the drafter's draft model) and its k + 1
+logits rows are verified by rejection sampling (`Sampler.verify`): it returns the accepted drafts
+plus one token.
+
+    chunk D: verify k=2:  input_ids [.. | d0 d1 d2 | ..]   logits rows [d0 d1 d2] -> e.g. [d1, x]
+
+The runner owns no request state beyond the sampler's per-request generators (and the drafter's
+draft-KV progress), dropped when the scheduler reports a request finished. It binds the KV cache to the model once (each attention
 layer takes its `KVLayer`); from then on a step passes only the step's tensors.
 """
 
@@ -33,8 +40,9 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str | None = None,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, drafter=None):
         self.model = model
+        self.drafter = drafter  # spec_decode.drafter.Drafter: proposes drafts with a draft model
         self.kv_cache = kv_cache
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
@@ -46,23 +54,52 @@ class ModelRunner:
         """Run one step; return the token(s) sampled for every chunk with `sample=True`."""
         self.sampler.forget(sched_out.finished_request_ids)
         output = RunnerOutput()
+        if self.drafter is not None:
+            self.drafter.forget(sched_out.finished_request_ids + sched_out.preempted_request_ids)
         if sched_out.is_empty:
             return output
-        inputs = self.prepare_inputs(sched_out.chunks)
+        chunks, draft_probs = sched_out.chunks, {}
+        if self.drafter is not None:
+            chunks, draft_probs = self.drafter.propose(chunks, self.sampler)
+        inputs = self.prepare_inputs(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        sampling_chunks = [c for c in sched_out.chunks if c.sample]
+        sampling_chunks = [c for c in chunks if c.sample]
         if not sampling_chunks:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_logit_rows, vocab)
-        rows = [_sampling_row(c) for c in sampling_chunks for _ in range(c.num_logits)]
-        tokens, logprobs = self.sampler(logits, rows, errors=output.errors)
+        plain, verify, row = [], [], 0
+        for chunk in sampling_chunks:  # logits rows: num_logits per chunk, in chunk order
+            (verify if chunk.num_spec_tokens else plain).append((chunk, row))
+            row += chunk.num_logits
+        self._sample(logits, plain, output)
+        for chunk, row in verify:
+            self._verify(chunk, logits[row : row + chunk.num_logits], draft_probs.get(chunk.request_id), output)
+        return output
+
+    def _sample(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], output: RunnerOutput) -> None:
+        """One token for each chunk, batched; a request whose row fails lands in output.errors."""
+        if not chunks:
+            return
+        rows = [_sampling_row(c) for c, _ in chunks]
+        index = torch.tensor([r for _, r in chunks], device=logits.device)
+        tokens, logprobs = self.sampler(logits.index_select(0, index), rows, errors=output.errors)
         for row, token, lp in zip(rows, tokens, logprobs):
             if row.request_id in output.errors:
                 continue  # fails alone in Scheduler.update
-            output.sampled_token_ids.setdefault(row.request_id, []).append(token)
+            output.sampled_token_ids[row.request_id] = [token]
             if lp is not None:
-                output.logprobs.setdefault(row.request_id, []).append(lp)
-        return output
+                output.logprobs[row.request_id] = [lp]
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, draft_probs, output: RunnerOutput) -> None:
+        """One request's drafts through rejection sampling; its failure is its own."""
+        try:
+            tokens, logprobs = self.sampler.verify(logits, _sampling_row(chunk), chunk.draft_token_ids, draft_probs)
+        except Exception as exc:  # noqa: BLE001 - this request's settings or drafts are the cause
+            output.errors[chunk.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+            return
+        output.sampled_token_ids[chunk.request_id] = tokens
+        if logprobs[0] is not None:
+            output.logprobs[chunk.request_id] = logprobs
 
     @torch.inference_mode()
     def compute_logits(self, sched_out: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
@@ -73,7 +110,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         result, start = {}, 0
         for chunk in sched_out.chunks:
-            end = start + len(chunk.token_ids)
+            end = start + len(step_tokens(chunk))
             if all_tokens:
                 result[chunk.request_id] = self.model.compute_logits(hidden[start:end])
             elif chunk.sample:
@@ -83,7 +120,7 @@ class ModelRunner:
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> ModelInputs:
         """Flat tensors for the whole batch, built on the host and moved to the device once."""
-        query_lens = [len(c.token_ids) for c in chunks]
+        query_lens = [len(c.token_ids) + len(c.draft_token_ids) for c in chunks]
         context_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
         for c, ctx in zip(chunks, context_lens):
             if len(c.block_table) * self.block_size < ctx:
@@ -95,14 +132,19 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        input_ids = [t for c in chunks for t in c.token_ids]
-        positions = [p for c in chunks for p in range(c.start_pos, c.start_pos + len(c.token_ids))]
+        input_ids = [t for c in chunks for t in step_tokens(c)]
+        positions = [p for c, n in zip(chunks, query_lens) for p in range(c.start_pos, c.start_pos + n)]
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn_metadata=md,
             logits_indices=_logits_indices(chunks, query_lens).to(self.device),
         )
+
+
+def step_tokens(chunk: ScheduledChunk) -> list[int]:
+    """The tokens a chunk runs: its known tokens, then its drafts (verification)."""
+    return chunk.token_ids + chunk.draft_token_ids if chunk.draft_token_ids else chunk.token_ids
 
 
 def _logits_indices(chunks: list[ScheduledChunk], query_lens: list[int]) -> torch.Tensor:

@@ -14,6 +14,12 @@ Seeded requests draw their noise from their own `torch.Generator`, created on fi
 kept across steps, so a seed gives the same tokens whatever else shares the batch. Unseeded rows
 share the sampler's generator.
 
+Speculative verification (`verify`): one request's k + 1 rows, each the target's distribution
+after the drafts before it (penalties see those drafts as output), go through the same steps
+and then `spec_decode.rejection`. A seeded request draws one vocab-sized noise row per position,
+and its generator is rewound to the first position not emitted, so it draws exactly what it
+would have drawn without speculation.
+
 One request's settings must not fail the others' tokens. The engine refuses bad values when a
 request arrives (`SamplingParams.check`); should a batch still raise, each row is sampled on
 its own and only the rows that raise again fail (reported in `errors`, token FAILED).
@@ -27,6 +33,7 @@ import torch
 
 from native_backend.batch import SampledLogprobs
 from native_backend.sampling_params import SamplingParams
+from native_backend.spec_decode.rejection import rejection_sample
 
 
 @dataclass
@@ -99,6 +106,60 @@ class Sampler:
         else:
             logprobs = [None] * len(rows)
         return token_list, logprobs
+
+    def verify(self, logits: torch.Tensor, row: SamplingRow, drafts: list[int],
+               draft_probs: torch.Tensor | None = None) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """logits: (k + 1, vocab), the target's rows after [last token, d_1 .. d_k]; draft_probs:
+        (k, vocab) q of a draft model, None for n-gram drafts. Returns the accepted drafts plus
+        one token, and logprobs for them where asked for."""
+        k, p = len(drafts), row.params
+        rows = [SamplingRow(row.request_id, p, row.prompt_token_ids, row.output_token_ids + drafts[:j])
+                for j in range(k + 1)]
+        logits = logits.float()
+        logprobs = self._logprobs(logits, rows)
+        logits = apply_penalties(logits, rows)
+        if p.greedy:  # a one-hot target; any draft of a greedy request is compared with its argmax
+            probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()
+            noise, uniform, draft_probs = torch.ones_like(probs), None, None
+        else:
+            probs = sampling_probs(logits, [p] * (k + 1))  # (k + 1, vocab)
+            noise, uniform, rewind = self._verify_noise(probs, row, with_uniform=draft_probs is not None)
+        draft_ids = torch.tensor([drafts], dtype=torch.long, device=logits.device)
+        tokens, num_accepted = rejection_sample(
+            probs[None], draft_ids, noise[None], None if draft_probs is None else draft_probs[None].float(),
+            None if uniform is None else uniform[None])
+        emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()
+        if not p.greedy:
+            rewind(len(emitted))
+        if logprobs is None:
+            return emitted, [None] * len(emitted)
+        return emitted, [_pick_logprobs(logprobs[j], t, row) for j, t in enumerate(emitted)]
+
+    def _verify_noise(self, probs: torch.Tensor, row: SamplingRow, with_uniform: bool):
+        """(noise (k + 1, vocab), uniform (k,) in (0, 1] or None, rewind(num_emitted)).
+
+        Per position: one vocab-sized Exp(1) row (what the plain sampler draws per token), then
+        a uniform for the acceptance test of a draft model's token. A seeded generator is wound
+        back to the state before the first position that emitted nothing."""
+        num_rows, device = probs.shape[0], probs.device
+        seeded = row.params.seed is not None
+        gen = self._generator_for(row, device) if seeded else self._shared_generator(device)
+        noise, uniform = torch.empty_like(probs), torch.ones(num_rows - 1, device=device)
+        states = []
+        for j in range(num_rows):
+            if seeded:
+                states.append(gen.get_state())
+            noise[j].exponential_(generator=gen)
+            if with_uniform and j < num_rows - 1:
+                uniform[j] = 1.0 - torch.rand((), generator=gen, device=device)
+        if not with_uniform:
+            uniform = None
+
+        def rewind(num_emitted: int) -> None:
+            if seeded and num_emitted < num_rows:
+                gen.set_state(states[num_emitted])
+
+        return noise, uniform, rewind
 
     # ------------------------------------------------------------------ internals
 

@@ -14,8 +14,12 @@ token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs)?
 A preempted request keeps its output tokens; when readmitted it re-prefills prompt + output
 (often partly from the prefix cache) and carries on where it stopped.
 
-`update()` applies the runner's sampled tokens, advances KV progress, registers newly full blocks
-in the prefix cache, and detects the end of a request.
+With speculative decoding (a `SpeculationPolicy`), a decoding request may carry k drafts: it
+takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
+drafts (without free blocks it decodes plainly).
+
+`update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
+rejected drafts), registers newly full blocks in the prefix cache, and detects the end of a request.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 from native_backend.batch import RunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
 from native_backend.block_manager import BlockManager
 from native_backend.sequence import FinishReason, Sequence, SequenceStatus
+from native_backend.spec_decode.policy import NO_PROPOSAL, Proposal, SpeculationPolicy
+from native_backend.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -99,6 +105,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int  # total since start
+    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
 
 
 class WaitingQueue:
@@ -136,18 +143,19 @@ class _StepPlan:
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks[chunk.request_id] = chunk
-        self.token_budget -= len(chunk.token_ids)
+        self.token_budget -= len(chunk.token_ids) + chunk.num_spec_tokens
 
     def drop(self, request_id: str) -> None:
         """Un-schedule a request preempted after it got its chunk; its tokens return to the budget."""
         chunk = self.chunks.pop(request_id, None)
         if chunk is not None:
-            self.token_budget += len(chunk.token_ids)
+            self.token_budget += len(chunk.token_ids) + chunk.num_spec_tokens
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | None = None):
         self.config = config
+        self.speculation = speculation
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting = WaitingQueue()
@@ -223,6 +231,7 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode=self.speculation.stats if self.speculation is not None else None,
         )
 
     # --- batch formation -------------------------------------------------------------------
@@ -241,14 +250,29 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        for seq in self._running_in_step_order():
+        order = self._running_in_step_order()
+        speculate = self.speculation is not None and self.speculation.speculating(
+            sum(1 for s in order if s.num_uncomputed_tokens == 1))
+        for seq in order:
             if plan.token_budget == 0:
                 return
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
+            proposal = self._proposal(seq, plan) if speculate and seq.num_uncomputed_tokens == 1 else NO_PROPOSAL
             if self._reserve_blocks(seq, num_new, plan):
-                plan.add(self._make_chunk(seq, num_new))
+                plan.add(self._make_chunk(seq, num_new, proposal))
+
+    def _proposal(self, seq: Sequence, plan: _StepPlan) -> Proposal:
+        """Drafts for a decoding request, within the budget and the request's remaining output
+        (a verification emits at most k + 1 tokens), holding blocks for them only if free ones
+        are there: drafts never preempt."""
+        room = min(plan.token_budget, seq.max_tokens - seq.num_output_tokens) - 1
+        proposal = self.speculation.propose(seq, room)
+        if proposal.num_tokens and self.block_manager.can_allocate(seq, 1 + proposal.num_tokens):
+            self.block_manager.allocate_slots(seq, 1 + proposal.num_tokens)
+            return proposal
+        return NO_PROPOSAL
 
     def _running_in_step_order(self) -> list[Sequence]:
         """Decodes first (cheap, latency-critical), then continuing prefills; each by importance."""
@@ -305,7 +329,7 @@ class Scheduler:
         self.running.append(seq)
         return self._make_chunk(seq, num_new)
 
-    def _make_chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _make_chunk(self, seq: Sequence, num_new: int, proposal: Proposal = NO_PROPOSAL) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_new
         return ScheduledChunk(
@@ -317,6 +341,9 @@ class Scheduler:
             sampling=seq.sampling,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
+            num_logits=1 + proposal.num_tokens,
+            num_spec_tokens=proposal.num_tokens,
+            draft_token_ids=list(proposal.draft_token_ids),
         )
 
     # --- applying the runner's results -----------------------------------------------------
@@ -340,11 +367,13 @@ class Scheduler:
             self._end(seq, "abort")
             return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
                               num_output_tokens=seq.num_output_tokens, error=error)
-        seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+        seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
         sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
-        if chunk.sample and not sampled:
+        if chunk.sample and not 1 <= len(sampled) <= 1 + chunk.num_spec_tokens:
             # Without its token the request would wait forever for a logit nobody computes.
-            raise RuntimeError(f"runner sampled nothing for {seq.request_id}")
+            raise RuntimeError(f"runner sampled {len(sampled)} tokens for {seq.request_id}")
+        if chunk.num_spec_tokens:
+            self._keep_accepted(seq, chunk.num_spec_tokens, num_accepted=len(sampled) - 1)
         new_tokens, reason = self._append_until_stop(seq, sampled)
         self.block_manager.cache_full_blocks(seq)
         if reason is not None:
@@ -363,6 +392,12 @@ class Scheduler:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
         )
+
+    def _keep_accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """The rejected drafts' slots are rolled back (blocks still needed stay); the accepted
+        ones are the sequence's tokens from now on (their KV is already computed)."""
+        self.block_manager.rollback(seq, num_proposed - num_accepted)
+        self.speculation.record(seq, num_proposed, num_accepted)
 
     @staticmethod
     def _append_until_stop(seq: Sequence, sampled: list[int]) -> tuple[list[int], FinishReason | None]:

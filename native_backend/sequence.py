@@ -15,9 +15,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from native_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from native_backend.spec_decode.policy import SpecState
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -56,6 +59,7 @@ class Sequence:
 
     num_preemptions: int = 0
     arrival_index: int = 0  # set by the scheduler: breaks arrival_time ties in FIFO order
+    spec: SpecState | None = None  # speculative decoding's history of this request (its policy's)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -398,6 +398,49 @@ def test_existing_secrets_are_referenced_not_created(rendered):
 
 # ------------------------------------------------------------------------------ the routing config
 
+# ------------------------------------------------------------------------------ shared limits (Redis)
+
+REDIS_SETS = ["auth.limitsStore.kind=redis", "networkPolicy.enabled=true"]
+
+
+def test_chart_deploys_a_redis_for_the_gateways_shared_limits(helm, tmp_path, monkeypatch):
+    import kubernetes_validate
+
+    proc = run_helm(helm, "lint", "--strict", str(CHART), *values_args([], REDIS_SETS))
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+    docs = render(helm, [], REDIS_SETS)
+    for d in find(docs, "Deployment", f"{RELEASE}-kvgate-redis") + find(docs, "Service", f"{RELEASE}-kvgate-redis") + \
+            find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-redis"):
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    pod = find(docs, "Deployment", f"{RELEASE}-kvgate-redis")[0]["spec"]["template"]["spec"]
+    # The restricted standard, less our rule that kvgate's cache variables point at emptyDirs.
+    problems = [p for p in restricted_violations("redis", pod) if "KVGATE_CACHE_DIR" not in p and "emptyDir" not in p]
+    assert not problems, problems
+    # Only the gateway pods may reach it.
+    policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-redis")[0]["spec"]
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert gateway_config(docs)["auth"]["limits_store"] == {"kind": "redis", "url_env": "KVGATE_REDIS_URL"}
+    env = {e["name"]: e for e in container_env(docs, "Deployment", f"{RELEASE}-kvgate")}
+    assert env["KVGATE_REDIS_URL"]["value"] == f"redis://{RELEASE}-kvgate-redis:6379/0"
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-config"],
+                                {"KVGATE_REDIS_URL": env["KVGATE_REDIS_URL"]["value"]}, tmp_path, monkeypatch)
+    assert code == 0, output
+
+
+def test_an_existing_redis_is_referenced_not_deployed(helm, rendered):
+    docs = render(helm, [], ["auth.limitsStore.kind=redis", "auth.limitsStore.existingUrlSecret.name=limits-redis"])
+    assert not [d for d in docs if d["metadata"]["name"] == f"{RELEASE}-kvgate-redis"]
+    env = {e["name"]: e for e in container_env(docs, "Deployment", f"{RELEASE}-kvgate")}
+    assert env["KVGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "limits-redis", "key": "url"}
+    assert gateway_config(docs)["auth"]["limits_store"]["kind"] == "redis"
+    # The default counts in each gateway: no Redis, no variable.
+    default = rendered("default")
+    assert not [d for d in default if d["metadata"]["name"] == f"{RELEASE}-kvgate-redis"]
+    assert "limits_store" not in gateway_config(default).get("auth", {})
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "auth.limitsStore.kind=memcached", check=False)
+    assert proc.returncode != 0 and "limitsStore" in proc.stderr
+
+
 def secret_env(docs, kind, name) -> dict[str, str]:
     """The env a pod would get from its Secrets: chart-made ones decoded, others made up."""
     made = {(s["metadata"]["name"], k): base64.b64decode(v).decode()
@@ -447,6 +490,23 @@ def test_a_quantized_kv_cache_reaches_the_engine_and_a_bad_one_is_refused(helm, 
     proc = subprocess.run([helm, "template", RELEASE, str(CHART), "--set", "engineDefaults.kvCacheDtype=fp4"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "kvCacheDtype" in proc.stderr
+
+
+def test_speculative_settings_reach_the_engine_and_bad_ones_are_refused(helm, tmp_path, monkeypatch):
+    docs = render(helm, [], ["engineDefaults.speculative.method=ngram", "engineDefaults.speculative.numSpeculativeTokens=3",
+                             "engineDefaults.speculative.maxBatchSize=6"])
+    text = config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"]
+    settings = yaml.safe_load(text)["models"][0]["deployments"][0]["settings"]
+    assert settings["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "max_batch_size": 6}
+    code, output = check_config(text, {}, tmp_path, monkeypatch)
+    assert code == 0, output
+    proc = subprocess.run([helm, "template", RELEASE, str(CHART), "--set", "engineDefaults.speculative.method=eagle"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "speculative" in proc.stderr
+    # What the schema cannot see (a draft method without a draft) the engine's settings check refuses.
+    docs = render(helm, [], ["engineDefaults.speculative.method=draft"])
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    assert code == 1 and "needs exactly one of draft_model" in output
 
 
 def test_engine_config_with_tensor_parallelism_is_refused_clearly_until_the_engine_has_it(helm, tmp_path, monkeypatch):

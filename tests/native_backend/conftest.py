@@ -56,15 +56,27 @@ class FakeKVRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for chunk in out.chunks:
-            assert len(chunk.block_table) * self.block_size >= chunk.start_pos + len(chunk.token_ids)
-            for i, token in enumerate(chunk.token_ids):
+            tokens = chunk.token_ids + chunk.draft_token_ids  # drafts' KV is written too
+            assert len(chunk.draft_token_ids) == chunk.num_spec_tokens == chunk.num_logits - 1
+            assert len(chunk.block_table) * self.block_size >= chunk.start_pos + len(tokens)
+            for i, token in enumerate(tokens):
                 self.kv[self.slot(chunk.block_table, chunk.start_pos + i)] = (chunk.start_pos + i, token)
         sampled = {}
         for chunk in out.chunks:
             if chunk.sample:
-                history = self.read_history(chunk.block_table, chunk.start_pos + len(chunk.token_ids))
-                sampled[chunk.request_id] = [next_token(history)]
+                sampled[chunk.request_id] = self.verify(chunk)
         return RunnerOutput(sampled_token_ids=sampled)
+
+    def verify(self, chunk) -> list[int]:
+        """Greedy verification: the model's token after each accepted draft, up to the first
+        token that differs from its draft (or the bonus token after all of them)."""
+        end = chunk.start_pos + len(chunk.token_ids)
+        emitted = []
+        for j in range(chunk.num_spec_tokens + 1):
+            token = next_token(self.read_history(chunk.block_table, end + j))
+            emitted.append(token)
+            if j == chunk.num_spec_tokens or token != chunk.draft_token_ids[j]:
+                return emitted
 
     def read_history(self, block_table: list[int], length: int) -> list[int]:
         history = []
@@ -103,7 +115,10 @@ def assert_step_valid(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert chunk.start_pos == seq.num_computed_tokens
         assert chunk.token_ids == seq.all_token_ids[chunk.start_pos : chunk.start_pos + len(chunk.token_ids)]
         assert chunk.sample == (chunk.start_pos + len(chunk.token_ids) == seq.num_tokens)
-        assert len(seq.block_table) == cdiv(chunk.start_pos + len(chunk.token_ids), config.block_size)
+        reserved = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
+        assert len(seq.block_table) == cdiv(reserved, config.block_size)
+        if chunk.num_spec_tokens:
+            assert len(chunk.token_ids) == 1 and chunk.num_logits == 1 + chunk.num_spec_tokens
     assert not set(out.preempted_request_ids) & {c.request_id for c in out.chunks}
 
 
@@ -164,8 +179,8 @@ def make_scheduler():
     """Factory for small schedulers; after the test, each one must be fully drained."""
     created: list[Scheduler] = []
 
-    def make(**overrides) -> Scheduler:
-        scheduler = Scheduler(SchedulerConfig(**{**SMALL_CONFIG, **overrides}))
+    def make(speculation=None, **overrides) -> Scheduler:
+        scheduler = Scheduler(SchedulerConfig(**{**SMALL_CONFIG, **overrides}), speculation)
         created.append(scheduler)
         return scheduler
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from native_backend.batch import RunnerOutput, SampledLogprobs
+from native_backend.engine_config import SpeculativeOptions
 from native_backend.sampling_params import SamplingParams
 from native_backend.sequence import Sequence, SequenceStatus
+from native_backend.spec_decode.policy import SpeculationPolicy
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int | None = 4, **kwargs) -> Sequence:
@@ -385,15 +387,18 @@ def test_max_model_len_ends_requests_without_max_tokens(make_scheduler):
 
 
 def test_speculative_tokens_after_a_stop_are_dropped(make_scheduler):
-    sched = make_scheduler(eos_token_id=2)
+    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2), propose=lambda seq, k: [2, 6])
+    sched = make_scheduler(eos_token_id=2, speculation=policy)
     s = request("a", tokens(3), max_tokens=10)
     sched.add(s)
+    sched.update(sched.schedule(), RunnerOutput({"a": [5]}))  # the prompt: no drafts yet
     out = sched.schedule()
-    logprobs = [SampledLogprobs(t, -0.5) for t in (5, 2, 6)]
-    runner = RunnerOutput({"a": [5, 2, 6]}, logprobs={"a": logprobs})
+    assert out.chunks[0].draft_token_ids == [2, 6]
+    logprobs = [SampledLogprobs(t, -0.5) for t in (2, 6, 7)]
+    runner = RunnerOutput({"a": [2, 6, 7]}, logprobs={"a": logprobs})  # both accepted, and a bonus
     (result,) = sched.update(out, runner)
-    assert result.new_token_ids == [5, 2] and result.finish_reason == "stop"
-    assert result.logprobs == logprobs[:2]
+    assert result.new_token_ids == [2] and result.finish_reason == "stop"
+    assert result.logprobs == logprobs[:1]
 
 
 def test_runner_that_samples_nothing_is_an_error(make_scheduler):

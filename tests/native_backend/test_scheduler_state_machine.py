@@ -1,4 +1,5 @@
-"""Random add / step / abort / finish sequences against tiny caches (preemption is the norm).
+"""Random add / step / abort / finish sequences against tiny caches (preemption is the norm),
+with and without speculative drafts (right, wrong, or right for a while).
 
 After every rule: blocks are accounted for exactly once, every request sits in one queue, and
 every request's output is a prefix of what an unbatched, unpreempted run produces. At the end
@@ -21,9 +22,11 @@ from hypothesis.stateful import (
 )
 
 from native_backend.block_manager import cdiv
+from native_backend.engine_config import SpeculativeOptions
 from native_backend.sampling_params import SamplingParams
 from native_backend.scheduler import Scheduler, SchedulerConfig
 from native_backend.sequence import Sequence
+from native_backend.spec_decode.policy import SpeculationPolicy
 
 # Prompts draw on a few shared prefixes so the prefix cache gets hits (and evictions).
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
@@ -40,8 +43,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         enable_prefix_caching=st.booleans(),
         use_eos=st.booleans(),
+        num_speculative=st.sampled_from([0, 1, 3]),
     )
-    def setup(self, block_size, num_slots, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, use_eos):
+    def setup(self, block_size, num_slots, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, use_eos,
+              num_speculative):
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -51,7 +56,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=enable_prefix_caching,
             eos_token_id=self.kit.EOS if use_eos else None,
         )
-        self.scheduler = Scheduler(config)
+        speculation = None
+        if num_speculative:
+            options = SpeculativeOptions("ngram", num_speculative_tokens=num_speculative, max_batch_size=4,
+                                         min_acceptance_rate=0.3)
+            speculation = SpeculationPolicy(options, propose=self.drafts)
+        self.scheduler = Scheduler(config, speculation)
         self.runner = self.kit.FakeKVRunner(self.scheduler)
         self.ids = (f"r{i}" for i in itertools.count())
         self.seqs: dict[str, Sequence] = {}  # every accepted request, ended or not
@@ -94,6 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if any(c.start_pos > 0 and c.request_id not in self.started for c in out.chunks):
             event("prefix cache hit")
         self.started.update(c.request_id for c in out.chunks)
+        if any(len(r.new_token_ids) > 1 for r in results):
+            event("drafts accepted")
         for result in results:
             assert self.seqs[result.request_id].output_token_ids[-len(result.new_token_ids) :] == result.new_token_ids
 
@@ -123,6 +135,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = set(self.scheduler.requests)
         ended = {rid for rid, seq in self.seqs.items() if seq.is_finished}
         assert live | ended == set(self.seqs) and not live & ended
+
+    def drafts(self, seq: Sequence, k: int) -> list[int]:
+        """The reference run's next k tokens, one of them wrong about half the time (which one
+        and whether depends on the request and position, not on the step)."""
+        position = seq.num_output_tokens
+        drafts = self.expected(seq)[position : position + k]
+        noise = hash((seq.request_id, position))
+        if drafts and noise % 2:
+            i = noise // 2 % len(drafts)
+            drafts[i] = (drafts[i] + 1) % self.kit.VOCAB
+        if drafts and seq.num_output_tokens:
+            event("speculation")
+        return drafts
 
     def expected(self, seq: Sequence) -> list[int]:
         return self.kit.expected_output(seq.prompt_token_ids, seq.max_tokens, seq.eos_token_id)

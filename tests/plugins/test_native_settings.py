@@ -8,18 +8,50 @@ import dataclasses
 import pydantic
 import pytest
 
-from kvgate_native.backend import NativeSettings
-from native_backend.engine_config import FIELD_PARTS, EngineConfig
+from kvgate_native.backend import NativeSettings, SpeculativeSettings
+from native_backend.engine_config import FIELD_PARTS, EngineConfig, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "quantization", "supervision"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
+NESTED = {"speculative"}  # a nested part, absent unless asked for: its fields are held in step below
+SPECULATIVE = dict(method="draft", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                   draft_model="/models/draft.gguf", draft_num_layers=None, max_batch_size=5,
+                   min_acceptance_rate=0.3)
 
 
 def test_every_setting_is_an_engine_field_and_back():
-    settings = set(NativeSettings.model_fields) - PLUGIN_ONLY
+    settings = set(NativeSettings.model_fields) - PLUGIN_ONLY - NESTED
     assert settings == set(FIELD_PARTS) - ENGINE_ONLY
+    assert set(SpeculativeSettings.model_fields) == {f.name for f in dataclasses.fields(SpeculativeOptions)}
+
+
+def test_speculative_settings_arrive_field_by_field():
+    assert set(SPECULATIVE) == set(SpeculativeSettings.model_fields)
+    for name, value in SPECULATIVE.items():  # every value differs from its default but these two
+        assert SpeculativeSettings.model_fields[name].default != value or name in ("method", "draft_num_layers")
+    config = NativeSettings(speculative=SPECULATIVE).engine_config()
+    assert config.speculative == SpeculativeOptions(**SPECULATIVE)
+    self_draft = dict(method="draft", draft_num_layers=6)  # the other way to name a draft
+    assert NativeSettings(speculative=self_draft).engine_config().speculative == SpeculativeOptions(**self_draft)
+    assert NativeSettings().engine_config().speculative is None
+
+
+@pytest.mark.parametrize("speculative, message", [
+    (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(method="eagle"), "method"),
+    (dict(method="draft"), "needs exactly one of draft_model"),
+    (dict(method="draft", draft_model="d.gguf", draft_num_layers=4), "needs exactly one of draft_model"),
+    (dict(method="ngram", draft_num_layers=4), "only for method 'draft'"),
+    (dict(method="ngram", prompt_lookup_min=5, prompt_lookup_max=3), "prompt_lookup_min"),
+    (dict(method="ngram", num_speculative_tokens=12), "above 7"),
+    (dict(method="ngram", typo=1), "typo"),
+])
+def test_bad_speculative_settings_are_refused_with_the_reason(speculative, message):
+    with pytest.raises(pydantic.ValidationError, match=message) as info:
+        NativeSettings(speculative=speculative)
+    assert "speculative" in str(info.value)
 
 
 def _non_default_settings() -> dict:
@@ -31,7 +63,7 @@ def _non_default_settings() -> dict:
 
 def test_each_setting_arrives_in_its_part():
     values = _non_default_settings()
-    assert set(values) == set(NativeSettings.model_fields) - PLUGIN_ONLY
+    assert set(values) == set(NativeSettings.model_fields) - PLUGIN_ONLY - NESTED
     config = NativeSettings(model="/models/x.gguf", **values).engine_config()
     for name, value in values.items():
         assert getattr(getattr(config, FIELD_PARTS[name]), name) == value, name

@@ -32,6 +32,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: gateway
 {{- end -}}
 
+{{/* Non-empty when the chart deploys the Redis of the shared per-key limits. */}}
+{{- define "kvgate.chartRedis" -}}
+{{- if and (eq .Values.auth.limitsStore.kind "redis") (not .Values.auth.limitsStore.existingUrlSecret.name) }}yes{{ end -}}
+{{- end -}}
+
+{{- define "kvgate.redisSelector" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: limits-store
+{{- end -}}
+
 {{/* dict root engine */}}
 {{- define "kvgate.engineSelector" -}}
 app.kubernetes.io/name: {{ include "kvgate.name" .root }}
@@ -203,6 +214,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $_ := set $auth "admin_key_env" "KVGATE_ADMIN_KEY" -}}
 {{- end -}}
 {{- if .Values.auth.keysFile.existingSecret }}{{ $_ := set $auth "keys_file_env" "KVGATE_KEYS_FILE" }}{{ end -}}
+{{- if eq .Values.auth.limitsStore.kind "redis" }}{{ $_ := set $auth "limits_store" (dict "kind" "redis" "url_env" "KVGATE_REDIS_URL") }}{{ end -}}
 {{- toYaml $auth -}}
 {{- end -}}
 
@@ -223,6 +235,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- if not (kindIs "invalid" $e.numThreads) }}{{ $_ := set $settings "num_threads" (int $e.numThreads) }}{{ end -}}
 {{- if gt (int $e.tensorParallelSize) 1 }}{{ $_ := set $settings "tensor_parallel_size" (int $e.tensorParallelSize) }}{{ end -}}
 {{- with $e.quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
+{{- with $e.speculative }}{{ $_ := set $settings "speculative" (include "kvgate.speculativeSettings" . | fromYaml) }}{{ end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $e.port) -}}
@@ -236,4 +249,12 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY"))) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* engines[].speculative (camelCase values) as the native settings' speculative (snake_case). */}}
+{{- define "kvgate.speculativeSettings" -}}
+{{- $names := dict "method" "method" "numSpeculativeTokens" "num_speculative_tokens" "promptLookupMin" "prompt_lookup_min" "promptLookupMax" "prompt_lookup_max" "draftModel" "draft_model" "draftNumLayers" "draft_num_layers" "maxBatchSize" "max_batch_size" "minAcceptanceRate" "min_acceptance_rate" -}}
+{{- $out := dict -}}
+{{- range $key, $value := . }}{{ $_ := set $out (get $names $key) $value }}{{ end -}}
+{{- toYaml $out -}}
 {{- end -}}

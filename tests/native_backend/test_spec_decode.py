@@ -1,0 +1,162 @@
+"""Speculative decoding's pure parts: n-gram lookup, the policy, the scheduler's drafts and
+rollback, and the sampler's verification against plain sampling (seeded streams included)."""
+
+import pytest
+import torch
+
+from native_backend.batch import RunnerOutput
+from native_backend.engine_config import SpeculativeOptions
+from native_backend.sampler import Sampler, SamplingRow
+from native_backend.sampling_params import SamplingParams
+from native_backend.sequence import Sequence
+from native_backend.spec_decode.ngram import propose_ngram
+from native_backend.spec_decode.policy import PAUSE_STEPS, SpeculationPolicy
+
+# --- n-gram lookup ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, k, lo, hi, drafts", [
+    ([1, 2, 3, 4, 5, 9, 1, 2, 3], 3, 2, 4, [4, 5, 9]),  # suffix "1 2 3" seen before
+    ([1, 2, 3, 4, 7, 2, 3, 5, 9, 2, 3], 2, 2, 4, [5, 9]),  # the latest match with k tokens after it
+    ([8, 2, 3, 4, 6, 2, 3], 3, 2, 4, [4, 6, 2]),
+    ([1, 2, 3, 9, 9, 2, 3], 2, 3, 4, []),  # only a 2-token match, below prompt_lookup_min
+    ([5, 6, 7], 2, 1, 4, []),  # nothing repeats
+    ([4, 4, 4, 4], 3, 1, 3, [4]),  # the only match ends one token before the end
+])
+def test_ngram_proposes_the_continuation_of_the_longest_match(tokens, k, lo, hi, drafts):
+    assert propose_ngram(tokens, k, lo, hi) == drafts
+
+
+def test_ngram_prefers_the_longest_suffix():
+    # "3" alone last occurred before 7; "2 3" before 4: the longer match wins.
+    assert propose_ngram([2, 3, 4, 0, 3, 7, 2, 3], 1, 1, 3) == [4]
+
+
+# --- policy ------------------------------------------------------------------------------------
+
+
+def _seq(tokens=(1, 2, 3, 1, 2), outputs=(3,), max_tokens=50) -> Sequence:
+    seq = Sequence("a", list(tokens), SamplingParams(max_tokens=max_tokens))
+    seq.output_token_ids = list(outputs)
+    seq.max_tokens = max_tokens
+    return seq
+
+
+def test_policy_stops_speculating_when_the_batch_is_large():
+    policy = SpeculationPolicy(SpeculativeOptions("ngram", max_batch_size=4))
+    assert policy.speculating(4) and not policy.speculating(5)
+    assert SpeculationPolicy(SpeculativeOptions("ngram", max_batch_size=None)).speculating(10_000)
+
+
+def test_policy_pauses_a_request_whose_drafts_keep_failing():
+    policy = SpeculationPolicy(SpeculativeOptions("draft", num_speculative_tokens=3, draft_num_layers=2,
+                                                  min_acceptance_rate=0.5))
+    seq = _seq()
+    assert policy.propose(seq, 10).num_tokens == 3  # a draft model: k slots, no tokens yet
+    policy.record(seq, 3, 0)
+    policy.record(seq, 3, 0)  # average 1.0 -> 0.7 -> 0.49: below 0.5
+    assert [policy.propose(seq, 10).num_tokens for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
+    assert policy.propose(seq, 10).num_tokens == 3  # then it tries again
+    assert policy.propose(seq, 1).num_tokens == 1  # never more than the room it is given
+    assert policy.stats.num_drafts == 2 and policy.stats.acceptance_rate == 0.0
+
+
+# --- the scheduler: drafts, rollback, no preemption for drafts ---------------------------------
+
+
+def _policy(drafts, k=3):
+    return SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=k), propose=lambda seq, n: drafts[:n])
+
+
+def _prefilled(sched, prompt_len=6, max_tokens=20):
+    seq = Sequence("a", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+    sched.add(seq)
+    sched.update(sched.schedule(), RunnerOutput({rid: [9] for rid in sched.requests}))
+    return seq
+
+
+def test_rejected_drafts_give_back_their_blocks(make_scheduler):
+    sched = make_scheduler(block_size=4, speculation=_policy([10, 11, 12]))
+    seq = _prefilled(sched)  # 6 prompt tokens computed, output [9] pending
+    out = sched.schedule()
+    (chunk,) = out.chunks
+    assert chunk.token_ids == [9] and chunk.draft_token_ids == [10, 11, 12] and chunk.num_logits == 4
+    assert len(seq.block_table) == 3  # positions 0..9: [9, 10, 11, 12] sit at 6..9
+    kept = list(seq.block_table[:2])
+    sched.update(out, RunnerOutput({"a": [10, 7]}))  # 10 accepted, 11 rejected -> 7 instead
+    assert seq.output_token_ids == [9, 10, 7] and seq.num_computed_tokens == 8
+    assert seq.block_table == kept  # position 8 (token 7) goes into block 1 again
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks - 2
+    stats = sched.stats().spec_decode
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    sched.abort("a")
+
+
+def test_drafts_never_preempt_and_fit_the_remaining_output(make_scheduler):
+    sched = make_scheduler(block_size=4, num_blocks=2, speculation=_policy([10, 11, 12]))
+    _prefilled(sched, prompt_len=7, max_tokens=2)  # block 1 holds position 7 and nothing else can grow
+    (chunk,) = sched.schedule().chunks
+    assert chunk.num_spec_tokens == 0  # one more output token allowed: drafts could never be used
+    sched.abort("a")
+    sched = make_scheduler(block_size=4, num_blocks=3, speculation=_policy([10, 11, 12]))
+    sched.add(Sequence("b", [1, 2, 3], SamplingParams(max_tokens=5)))  # one block, held while it decodes
+    _prefilled(sched, prompt_len=7, max_tokens=4)  # two blocks; drafts would need a third
+    chunks = sched.schedule().chunks
+    assert [c.num_spec_tokens for c in chunks] == [0, 0] and sched.num_running == 2  # plain decodes
+    sched.abort("a")
+    sched.abort("b")
+
+
+# --- the sampler's verification ----------------------------------------------------------------
+
+
+def _plain_tokens(sampler, logits, row, drafts_then):
+    """Plain sampling, one position at a time, with the drafts as history (what a non-speculative
+    run does when it emits the same tokens)."""
+    out = []
+    for j in range(logits.shape[0]):
+        r = SamplingRow(row.request_id, row.params, row.prompt_token_ids, row.output_token_ids + drafts_then[:j])
+        (token,), _ = sampler(logits[j : j + 1], [r])
+        out.append(token)
+        if j < len(drafts_then) and token != drafts_then[j]:
+            break
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, seed=5),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.8, repetition_penalty=1.5, frequency_penalty=0.5, seed=9),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),
+])
+def test_verification_draws_what_plain_sampling_draws(params):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12) * 3  # (k + 1, vocab)
+    row = SamplingRow("r", params, [1, 2], [3])
+    for drafts in ([0, 1, 2], [int(logits[0].argmax()), 4, 4], [5, 5, 5]):
+        spec, plain = Sampler(), Sampler()
+        tokens, _ = spec.verify(logits, row, drafts)
+        assert tokens == _plain_tokens(plain, logits, row, drafts)
+        if params.seed is not None:  # the generators agree afterwards: the next draw is the same
+            nxt = SamplingRow("r", params, [1, 2], [3] + tokens)
+            assert spec(logits[:1], [nxt])[0] == plain(logits[:1], [nxt])[0]
+            assert torch.equal(spec._generators["r"].get_state(), plain._generators["r"].get_state())
+
+
+# --- draft checks --------------------------------------------------------------------------------
+
+
+def test_a_draft_must_share_the_vocabulary_and_be_no_larger():
+    from types import SimpleNamespace
+
+    from native_backend.spec_decode.draft_model import check_draft_fits_target, check_same_tokenizer
+
+    target = SimpleNamespace(vocab_size=100)
+    check_draft_fits_target(SimpleNamespace(vocab_size=100), target, 50, 100)  # fits
+    check_draft_fits_target(SimpleNamespace(vocab_size=100), target, 100, 100)  # the target itself: fits
+    with pytest.raises(ValueError, match="vocabulary has 96 tokens, the target's 100"):
+        check_draft_fits_target(SimpleNamespace(vocab_size=96), target, 50, 100)
+    with pytest.raises(ValueError, match="more than the target's"):
+        check_draft_fits_target(SimpleNamespace(vocab_size=100), target, 101, 100)
+    check_same_tokenizer({"a": 0, "b": 1}, {"b": 1, "a": 0})
+    with pytest.raises(ValueError, match="maps 2 tokens differently"):
+        check_same_tokenizer({"a": 1, "b": 0}, {"a": 0, "b": 1})
