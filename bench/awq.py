@@ -27,7 +27,6 @@ install` (a ~6 minute build); it is not run here.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -67,8 +66,9 @@ def eval_windows(args) -> list[list[int]]:
     return [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
 
 
-def score(model, windows: list[list[int]]):
-    """(total negative log-likelihood, tokens scored, argmax of every scored position)."""
+def score(model, windows: list[list[int]], float_head: bool = False) -> list[tuple]:
+    """[(total negative log-likelihood, tokens scored, argmax of every scored position)] of the
+    model's logits, and with float_head also of its head's float weight on the same hidden states."""
     import torch
     import torch.nn.functional as F
 
@@ -79,16 +79,23 @@ def score(model, windows: list[list[int]]):
 
     block = 16
     runner = ModelRunner(model, KVCache.for_model(model.config, num_blocks=len(windows[0]) // block + 1, block_size=block))
-    nll, count, argmax = 0.0, 0, []
+    extra = []
+    if float_head:  # the same hidden states through the float head too (bench-only hook)
+        own = model.compute_logits
+        model.compute_logits = lambda h: (extra.append(h @ model.lm_head.weight.t()), own(h))[1]
+    totals = [[0.0, 0, []] for _ in range(1 + float_head)]
     for w in windows:
         table = list(range(len(w) // block + 1))
         chunk = ScheduledChunk("w", list(w), 0, table, True, SamplingParams(temperature=0.0))
-        logits = runner.compute_logits(SchedulerOutput([chunk]), all_tokens=True)["w"][:-1]  # predicts w[1:]
+        logits = runner.compute_logits(SchedulerOutput([chunk]), all_tokens=True)["w"]
         targets = torch.tensor(w[1:])
-        nll += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
-        count += len(targets)
-        argmax.append(logits.argmax(-1))
-    return nll, count, torch.cat(argmax)
+        for total, lg in zip(totals, [logits] + extra[-1:]):
+            lg = lg[:-1].float()  # position i predicts w[i + 1]
+            total[0] += float(F.cross_entropy(lg, targets, reduction="sum"))
+            total[1] += len(targets)
+            total[2].append(lg.argmax(-1))
+        extra.clear()
+    return [(nll, count, torch.cat(argmax)) for nll, count, argmax in totals]
 
 
 def weight_bytes(model) -> tuple[int, int]:
@@ -106,27 +113,39 @@ def weight_bytes(model) -> tuple[int, int]:
 def accuracy_rows(args, paths: dict[str, str]) -> dict[str, dict]:
     import torch
 
-    from native_backend.layers.context import LayerContext
     from native_backend.loader import load_model
 
     torch.set_num_threads(args.threads)
     windows = eval_windows(args)
-    rows, fp_argmax = {}, None
+    fp_argmax_file = Path(args.workdir) / f"fp32-argmax-{args.eval_tokens}-{args.window}.pt"
+    rows = {}
     for name, path in paths.items():
-        ctx = LayerContext.for_device("cpu", torch.float32)
-        model = load_model(path, dataclasses.replace(ctx, int8_head=not name.endswith(FP32_HEAD)))
+        if name.endswith(FP32_HEAD):
+            continue  # scored with the model it belongs to
+        model = load_model(path)
         started = time.perf_counter()
-        nll, count, argmax = score(model, windows)
+        with_float_head = name + FP32_HEAD in paths
+        scores = score(model, windows, float_head=with_float_head)
+        if name == "fp32":
+            torch.save(scores[0][2], fp_argmax_file)
+        fp_argmax = torch.load(fp_argmax_file)
         total, linears = weight_bytes(model)
-        fp_argmax = argmax if fp_argmax is None else fp_argmax
-        rows[name] = {"perplexity": math.exp(nll / count), "tokens_scored": count,
-                      "top1_agreement_with_fp32": float((argmax == fp_argmax).float().mean()),
-                      "weight_bytes": total, "linear_weight_bytes": linears, "eval_s": time.perf_counter() - started,
-                      "kernels": model.ctx.kernels}
-        print(f"{name}: ppl {rows[name]['perplexity']:.3f} ({count} tokens, {rows[name]['eval_s']:.0f}s)",
-              file=sys.stderr)
+        for row_name, (nll, count, argmax) in zip([name, name + FP32_HEAD], scores):
+            bytes_ = (total - _int8_head_bytes(model), linears) if row_name.endswith(FP32_HEAD) else (total, linears)
+            rows[row_name] = {"perplexity": math.exp(nll / count), "tokens_scored": count,
+                              "top1_agreement_with_fp32": float((argmax == fp_argmax).float().mean()),
+                              "weight_bytes": bytes_[0], "linear_weight_bytes": bytes_[1],
+                              "eval_s": time.perf_counter() - started, "kernels": model.ctx.kernels}
+            print(f"{row_name}: ppl {rows[row_name]['perplexity']:.3f} ({count} tokens, "
+                  f"{rows[row_name]['eval_s']:.0f}s)", file=sys.stderr)
         del model
     return rows
+
+
+def _int8_head_bytes(model) -> int:
+    from native_backend.quantization.method import _weight_buffers
+
+    return sum(b.numel() * b.element_size() for b in _weight_buffers(model))
 
 
 def speed(args, path: str) -> dict:
@@ -148,6 +167,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--rows", help="comma-separated subset of fp32,rtn,awq,'awq (fp32 head)'; merged into "
+                                       "--out's existing rows (perplexity is deterministic; speed is not)")
     parser.add_argument("--requests", type=int, default=64, help="throughput workload size")
     parser.add_argument("--b1-repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/kvgate-awq-bench")
@@ -157,26 +179,38 @@ def main() -> None:
 
     from native_backend.loader import default_gguf_path
 
-    paths = {"fp32": default_gguf_path(), "rtn": checkpoint_dir(args, "rtn"), "awq": checkpoint_dir(args, "awq")}
-    paths["awq" + FP32_HEAD] = paths["awq"]  # what the int8 head costs
-    rows = accuracy_rows(args, paths)
+    names = args.rows.split(",") if args.rows else ["fp32", "rtn", "awq", "awq" + FP32_HEAD]
+    methods = {"fp32": None, "rtn": "rtn", "awq": "awq", "awq" + FP32_HEAD: "awq"}  # the head's cost
+    paths = {name: checkpoint_dir(args, methods[name]) if methods[name] else default_gguf_path() for name in names}
+    rows = {} if args.skip_accuracy else accuracy_rows(args, paths)
     if not args.skip_speed:
         for name, path in paths.items():
             if not name.endswith(FP32_HEAD):
-                rows[name].update(speed(args, path))
+                rows.setdefault(name, {}).update(speed(args, path))
     result = {"group_size": args.group_size, "eval_tokens": args.eval_tokens, "window": args.window,
               "threads": args.threads, "paths": paths, "rows": rows}
+    if args.rows and Path(args.out).exists():  # a part of the table: merged into the rest
+        previous = json.loads(Path(args.out).read_text())
+        for name, row in previous["rows"].items():
+            rows[name] = {**row, **rows.get(name, {})}
+        result["paths"] = {**previous["paths"], **paths}
+        rows = result["rows"] = {n: rows[n] for n in ["fp32", "rtn", "awq", "awq" + FP32_HEAD] if n in rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_table(rows)
 
 
 def print_table(rows: dict[str, dict]) -> None:
-    fp = rows["fp32"]
+    fp = rows.get("fp32")
+    if not fp or "perplexity" not in fp:
+        print(json.dumps(rows, indent=2))
+        return
     print(f"{'':17} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12} "
           f"{'b1 tok/s':>9} {'thrpt tok/s':>12}")
     for name, r in rows.items():
         b1, tp = r.get("b1_decode_tok_s"), r.get("throughput_out_tok_s")
+        if "perplexity" not in r:
+            continue
         print(f"{name:17} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "
               f"{100 * r['top1_agreement_with_fp32']:11.1f}% {r['weight_bytes'] / 2**20:12.1f} "
               f"{r['linear_weight_bytes'] / 2**20:12.1f} {b1 or float('nan'):9.1f} {tp or float('nan'):12.1f}")
