@@ -60,10 +60,14 @@ STEPS = [{"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 8, "c": 1}, {"a": 1, "b": 1}, {
 TABLES = {"a": [3, 17, 8, 25, 1, 30, 12, 6], "b": [9, 2, 28, 14, 21, 5], "c": [19, 11, 27, 4, 23, 15, 7]}
 
 
-def run_steps(model, fused: bool) -> list[dict[str, torch.Tensor]]:
+def run_steps(model, fused: bool, kv_dtype: str = "float32") -> list[dict[str, torch.Tensor]]:
     """Every step's logits rows per sequence (all rows of each chunk), with the model's one-call
-    decode steps (counted) or without them."""
-    runner = ModelRunner(model, KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK_SIZE))
+    decode steps (counted) or without them, over a fresh cache of `kv_dtype`."""
+    cache = KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK_SIZE, dtype=kv_dtype)
+    for layer in cache.layers:  # fp8's per-layer scales (unused by other formats)
+        layer.k_scale, layer.v_scale = 0.02, 0.01
+    runner = ModelRunner(model, cache)
+    assert model.fused_decode is not None
     model.fused_decode = Counting(model.fused_decode) if fused else None
     pos = dict.fromkeys(SEQS, 0)
     results = []
@@ -149,24 +153,9 @@ def test_positions_beyond_the_rotary_tables_are_refused(models):
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
 def test_quantized_caches_take_the_fused_step_bit_identical_to_the_python_path(models, kv_dtype):
     _, ours = models
-    results = []
-    for fused in (True, False):
-        cache = KVCache.for_model(ours.config, num_blocks=32, block_size=BLOCK_SIZE, dtype=kv_dtype)
-        for layer in cache.layers:
-            layer.k_scale, layer.v_scale = 0.02, 0.01
-        runner = ModelRunner(ours, cache)
-        assert ours.fused_decode is not None
-        ours.fused_decode = Counting(ours.fused_decode) if fused else None
-        pos = dict.fromkeys(SEQS, 0)
-        steps = []
-        for step in [PROMPTS, *STEPS]:
-            chunks = [chunk(r, SEQS[r][pos[r]: pos[r] + n], pos[r], TABLES[r]) for r, n in step.items()]
-            steps.append(runner.compute_logits(SchedulerOutput(chunks), all_tokens=True))
-            for r, n in step.items():
-                pos[r] += n
-        if fused:
-            assert ours.fused_decode.taken == len(STEPS)
-        results.append(steps)
-    for step_fused, step_python in zip(*results):
+    fused = run_steps(ours, fused=True, kv_dtype=kv_dtype)
+    assert ours.fused_decode.taken == len(STEPS)
+    python = run_steps(ours, fused=False, kv_dtype=kv_dtype)
+    for step_fused, step_python in zip(fused, python):
         for rid in step_python:
             assert torch.equal(step_fused[rid], step_python[rid]), (kv_dtype, rid)

@@ -18,6 +18,7 @@ from native_backend.engine_config import EngineConfig
 from native_backend.loader import default_gguf_path
 from native_backend.protocol import EngineError, EngineRequest
 from native_backend.sampling_params import SamplingParams
+from engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(1200)  # loads the real model twice (ours and transformers')
 
@@ -147,13 +148,7 @@ def test_requests_over_the_context_or_the_cache_are_refused(engine):
 
 
 def test_abort_frees_every_block_within_one_step(engine, prompts):
-    engine.add_request(EngineRequest("gone", prompts[10], GREEDY))
-    engine.step()
-    engine.step()
-    engine.abort("gone")
-    engine.step()
-    assert not engine.has_unfinished()
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
+    assert_abort_frees_every_block(engine, prompts[10], GREEDY)
 
 
 def test_chat_template_answer(engine):

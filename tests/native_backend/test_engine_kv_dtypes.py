@@ -12,6 +12,7 @@ from native_backend.engine_config import EngineConfig
 from native_backend.loader import default_gguf_path
 from native_backend.protocol import EngineRequest
 from native_backend.sampling_params import SamplingParams
+from engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -73,10 +74,4 @@ def test_preemption_prefix_cache_and_abort_with_a_quantized_cache(make_engine, p
     # Close to the float32 cache: the first tokens agree for most prompts.
     agree = sum(q[:6] == f[:6] for q, f in zip(first, float32_tokens))
     assert agree >= MIN_AGREEMENT[kv_cache_dtype], (kv_cache_dtype, agree)
-    engine.add_request(EngineRequest("gone", prompts[3], GREEDY))
-    engine.step()
-    engine.step()
-    engine.abort("gone")
-    engine.step()
-    assert not engine.has_unfinished()
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
+    assert_abort_frees_every_block(engine, prompts[3], GREEDY)

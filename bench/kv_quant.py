@@ -1,0 +1,199 @@
+"""What a quantized KV cache costs in accuracy and buys in capacity, on the default model (CPU).
+
+In one run, for every KV dtype (float32, bfloat16, fp8_e4m3, fp8_e5m2, int8):
+
+- perplexity of SmolLM2-135M-Instruct on held-out text (the last 20480 tokens of
+  pydoc_data.topics), sliding windows of WINDOW tokens every STRIDE tokens, each window one
+  prefill through the paged cache (every attention read, the window's own keys included, goes
+  through the stored format), its last STRIDE tokens scored (the first window: all of them);
+- greedy agreement with the float32 cache: 16 prompts x 64 new tokens through the engine,
+  how many sequences are identical and the mean share of tokens before the first difference;
+- capacity and speed: the C2 workload of bench/engine_throughput.py (64 requests, prompts of
+  64-512 tokens, outputs of 64-256) at a KV budget where float32 preempts (96 MiB): output tokens
+  per second (output tokens only) and preemptions, float32 vs fp8_e4m3 vs int8.
+
+fp8 scales come from the engine's calibration pass (stdlib docstrings, not the evaluation text).
+
+    .venv/bin/python bench/kv_quant.py [--quick] [--threads 2]
+
+Writes bench/results/kv_quant.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
+CAPACITY_DTYPES = ("float32", "fp8_e4m3", "int8")
+WINDOW, STRIDE, BLOCK = 512, 448, 16  # every scored token sees at least 64 tokens of context
+
+
+def held_out_ids(tokenizer, min_tokens: int) -> list[int]:
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode("\n\n".join(topics.values()), add_special_tokens=False)
+    if len(ids) < min_tokens:
+        raise SystemExit(f"only {len(ids)} tokens of evaluation text")
+    return ids[len(ids) - min_tokens:]  # the tail: the engine_throughput prompts come from the head
+
+
+def perplexity(model, ids: list[int], kv_dtype: str, scales) -> float:
+    """exp(mean NLL) over ids with sliding windows: every window after the first scores only its
+    last STRIDE tokens, each seen with WINDOW - STRIDE tokens of context."""
+    from native_backend.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.kv_cache import KVCache
+    from native_backend.kv_scales import apply
+    from native_backend.model_runner import ModelRunner
+    from native_backend.sampling_params import SamplingParams
+
+    blocks = WINDOW // BLOCK
+    cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=BLOCK, dtype=kv_dtype)
+    if scales is not None:
+        apply(cache, scales)
+    runner = ModelRunner(model, cache)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - WINDOW + 1, STRIDE):
+        window = ids[start:start + WINDOW]
+        scored = WINDOW - 1 if start == 0 else STRIDE  # rows whose next token is scored
+        # logits of the last scored + 1 rows only (the head's matmul is a third of a window's work)
+        chunk = ScheduledChunk("ppl", window, 0, list(range(1, blocks + 1)), True, SamplingParams(temperature=0.0),
+                               num_logits=scored + 1)
+        logits = runner.compute_logits(SchedulerOutput([chunk]))["ppl"]  # (scored + 1, vocab)
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        target = torch.tensor(window[WINDOW - scored:])
+        nll -= float(logp.gather(1, target[:, None]).sum())
+        count += target.numel()
+    return math.exp(nll / count)
+
+
+def engine(kv_dtype: str, threads: int, **overrides):
+    from native_backend.cache_dir import tokenizer_cache_dir
+    from native_backend.engine import LLMEngine
+    from native_backend.engine_config import EngineConfig
+    from native_backend.loader import default_gguf_path
+
+    return LLMEngine(EngineConfig.build(path=default_gguf_path(), num_threads=threads, kv_cache_dtype=kv_dtype,
+                                        tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
+
+
+def greedy_tokens(kv_dtype: str, prompts, new_tokens: int, threads: int) -> list[list[int]]:
+    from engine_throughput import _kvgate_run
+
+    e = engine(kv_dtype, threads, max_num_seqs=16)
+    run = _kvgate_run(e, prompts, [new_tokens] * len(prompts), "g")
+    return [run["tokens"][rid] for rid in run["ids"]]
+
+
+def agreement(ours: list[list[int]], base: list[list[int]]) -> dict:
+    from engine_throughput import first_divergence
+
+    shares = [first_divergence(a, b) / len(b) for a, b in zip(ours, base)]
+    return {"identical": sum(a == b for a, b in zip(ours, base)), "of": len(base),
+            "mean_share_before_divergence": sum(shares) / len(shares)}
+
+
+def capacity(kv_dtype: str, workload: dict, kv_bytes: int, threads: int) -> dict:
+    from engine_throughput import _kvgate_run, _kvgate_warmup
+
+    e = engine(kv_dtype, threads, kv_cache_bytes=kv_bytes)
+    _kvgate_warmup(e, {"workload": workload})
+    before = e.stats()
+    run = _kvgate_run(e, workload["prompts"], workload["output_lens"], "c")
+    stats = e.stats()
+    out_tokens = sum(len(t) for t in run["tokens"].values())
+    return {"kv_blocks": e.plan.num_blocks, "tokens_in_cache": e.plan.num_tokens, "wall_s": run["wall"],
+            "out_tokens": out_tokens, "out_tok_s": out_tokens / run["wall"],
+            "preemptions": stats.num_preemptions - before.num_preemptions, "describe": e.describe()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller text, fewer prompts and requests")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-mib", type=int, default=96)
+    ap.add_argument("--eval-tokens", type=int, default=20480, help="held-out tokens for perplexity (>= 20k for the table)")
+    ap.add_argument("--requests", type=int, default=64, help="requests of the capacity workload")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant.json"))
+    ap.add_argument("--only", nargs="+", choices=("perplexity", "greedy", "capacity"),
+                    default=("perplexity", "greedy", "capacity"),
+                    help="run these parts; the others keep what --out already holds")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from engine_throughput import build_workload
+
+    from native_backend.cache_dir import tokenizer_cache_dir
+    from native_backend.kv_cache import resolve_kv_dtype
+    from native_backend.kv_scales import CALIBRATION_TOKENS, calibrate, calibration_text
+    from native_backend.loader import default_gguf_path, load_model
+    from native_backend.tokenizer import Tokenizer
+
+    path = default_gguf_path()
+    tokenizer = Tokenizer.from_pretrained(path, cache_dir=str(tokenizer_cache_dir()))
+    model = load_model(path)
+    eval_ids = held_out_ids(tokenizer, 4096 if args.quick else args.eval_tokens)
+    calib = tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS]
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() else {"perplexity": {}, "greedy": {}, "capacity": {}}
+    report.update({"model": os.path.basename(path), "eval_tokens": len(eval_ids), "window": WINDOW, "stride": STRIDE,
+                   "threads": args.threads})
+    for name in DTYPES if "perplexity" in args.only else ():
+        d = resolve_kv_dtype(name)
+        scales = calibrate(model, calib, d, torch.device("cpu")) if d.scaling == "per_layer" else None
+        t0 = time.perf_counter()
+        report["perplexity"][name] = {"ppl": perplexity(model, eval_ids, name, scales), "seconds": time.perf_counter() - t0}
+        print(f"perplexity {name:9s} {report['perplexity'][name]['ppl']:.4f}", flush=True)
+    if "perplexity" in args.only:
+        base = report["perplexity"]["float32"]["ppl"]
+        for r in report["perplexity"].values():
+            r["vs_float32_pct"] = 100 * (r["ppl"] / base - 1)
+
+    wl_args = argparse.Namespace(seed=0, requests=8 if args.quick else args.requests, prompt_min=64, prompt_max=512,
+                                 output_min=64, output_max=256, b1_prompt=128, b1_repeats=2)
+    workload = build_workload(wl_args, path)
+    prompts = [p[:128] for p in workload["prompts"][:16]]
+    new = 16 if args.quick else 64
+    if "greedy" in args.only:
+        tokens = {name: greedy_tokens(name, prompts, new, args.threads) for name in DTYPES}
+        report["greedy"] = {name: agreement(tokens[name], tokens["float32"]) for name in DTYPES}
+        for name in DTYPES:
+            print(f"greedy     {name:9s} {report['greedy'][name]}", flush=True)
+    if "capacity" in args.only:
+        for name in CAPACITY_DTYPES:
+            report["capacity"][name] = capacity(name, workload, args.kv_cache_mib << 20, args.threads)
+            print(f"capacity   {name:9s} {report['capacity'][name]}", flush=True)
+        f32 = report["capacity"]["float32"]["out_tok_s"]
+        for r in report["capacity"].values():
+            r["speed_vs_float32"] = r["out_tok_s"] / f32
+    report[f"load_average_{'_'.join(args.only)}"] = os.getloadavg()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    if all(report[part] for part in ("perplexity", "greedy", "capacity")):
+        print_table(report)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    print(f"\nKV dtype   perplexity (vs fp32)   greedy identical / mean share before divergence")
+    for name in DTYPES:
+        p, g = r["perplexity"][name], r["greedy"][name]
+        print(f"{name:9s}  {p['ppl']:8.4f} ({p['vs_float32_pct']:+.2f} %)   {g['identical']:2d}/{g['of']}  "
+              f"{g['mean_share_before_divergence']:.2f}")
+    print(f"\nKV dtype   blocks  out tok/s (x fp32)  preemptions")
+    for name, c in r["capacity"].items():
+        print(f"{name:9s}  {c['kv_blocks']:6d}  {c['out_tok_s']:7.1f} ({c['speed_vs_float32']:.2f}x)  {c['preemptions']:6d}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
