@@ -13,14 +13,19 @@ from redis_server import redis_or_skip
 from servers import free_port, wait_ready
 
 SECRET = "sk-shared-budget-0123"
+STREAMER = "sk-streamer-key-4567"
 CONFIG = """
 server: {log_level: warning}
 auth:
   limits_store: {kind: redis, url_env: KVGATE_TEST_REDIS_URL, timeout_s: 0.3}
-  keys: [{name: team, key_env: KVGATE_TEST_KEY, requests_per_minute: 10}]
+  keys:
+    - {name: team, key_env: KVGATE_TEST_KEY, requests_per_minute: 10}
+    - {name: streamer, key_env: KVGATE_TEST_KEY2, max_concurrency: 4}
 models:
   - name: echo
     deployments: [{name: echo-0, backend: echo}]
+  - name: slow
+    deployments: [{name: slow-0, backend: echo, settings: {tokens_per_second: 20}}]
 """
 
 
@@ -35,7 +40,7 @@ def redis():
 def gateways(tmp_path, redis):
     config = tmp_path / "c.yaml"
     config.write_text(CONFIG)
-    env = {**os.environ, "KVGATE_TEST_REDIS_URL": redis.url, "KVGATE_TEST_KEY": SECRET}
+    env = {**os.environ, "KVGATE_TEST_REDIS_URL": redis.url, "KVGATE_TEST_KEY": SECRET, "KVGATE_TEST_KEY2": STREAMER}
     procs, bases = [], []
     try:
         for _ in range(2):
@@ -99,7 +104,16 @@ def test_exactly_ten_between_two_then_local_then_shared_again(gateways, redis):
     assert got.count(200) == 10 and got.count(429) == 10
     assert all(limits_store(b)["shared"] for b in gateways)
 
-    redis.kill()
+    # A stream admitted through Redis is running when Redis dies: it finishes normally.
+    body = {"model": "slow", "prompt": "a b c", "max_tokens": 20, "stream": True}
+    with httpx.stream("POST", gateways[0] + "/v1/completions", headers={"Authorization": f"Bearer {STREAMER}"},
+                      json=body, timeout=30) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        redis.kill()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
     # Redis is gone: neither gateway refuses traffic for it; each counts the key alone, from an
     # empty window, so each accepts 10 more.
     for base in gateways:

@@ -149,6 +149,7 @@ def test_unreachable_redis_at_start_serves_on_local_limits(caplog):
 
 def test_config_needs_a_url_for_redis():
     with pytest.raises(ConfigError, match=r"auth.limits_store: .*url_env is required"):
-        parse_config("auth: {limits_store: {kind: redis}}\nmodels:\n  - name: m\n    deployments: [{name: d, backend: echo}]\n")
+        parse_config("auth: {limits_store: {kind: redis}}\n"
+                     "models:\n  - name: m\n    deployments: [{name: d, backend: echo}]\n")
     with pytest.raises(ValueError, match="environment variable NOPE_UNSET is not set"):
         make_limiter(LimitsStoreConfig(kind="redis", url_env="NOPE_UNSET"), env={})
