@@ -15,8 +15,8 @@ ratios compare equal work.
 - C2 (under load): `bench/engine_throughput.py`'s workload (64 requests, prompts 64-512 tokens of
   pydoc text, outputs 64-256, all added at t=0, max_num_seqs 64): output tok/s of the whole run.
 
-- batch sweep (`--sweep`): B requests at once (copy-heavy and chat prompts in turn, 64 new
-  tokens) for B in 1, 4, 8, 16, 32, n-gram with the load policy disabled (max_batch_size null)
+- batch sweep (`--sweep`): B requests at once (copy-heavy and chat prompts in turn, 96 new
+  tokens, decode rate once all have their first token) for B in 1, 4, 8, 16, 32, n-gram with the load policy disabled (max_batch_size null)
   against no speculation: where speculation stops paying, which sets the policy's default.
 
 Configurations: off; ngram (k = --k); draft = the target's first --draft-layers layers
@@ -171,6 +171,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="configurations to run (default: all)")
     p.add_argument("--skip-c2", action="store_true")
     p.add_argument("--sweep", action="store_true", help="only the batch-size sweep")
+    p.add_argument("--sweep-new", type=int, default=96, help="new tokens per request in the sweep")
     p.add_argument("--quick", action="store_true", help="4 prompts per set, 16 C2 requests")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_decode.json"))
     args = p.parse_args()
@@ -225,8 +226,8 @@ def sweep(args) -> list[dict]:
         prompts = [pool[i % len(pool)] for i in range(b)]
         rates = {}
         for name, engine in engines.items():
-            r = run(engine, prompts, [64] * b, True, f"sweep{b}-")
-            rates[name] = sum(map(len, r["tokens"])) / r["wall"]
+            r = run(engine, prompts, [args.sweep_new] * b, True, f"sweep{b}-")
+            rates[name] = decode_rate(r)
             if name == "ngram":
                 rates.update(spec_summary(r["spec"]))
         row = {"batch": b, "off_tok_s": rates["off"], "ngram_tok_s": rates["ngram"],
@@ -234,6 +235,14 @@ def sweep(args) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def decode_rate(r: dict) -> float:
+    """Output tokens/s once every request has its first token (prefill excluded)."""
+    all_started = max(t[0] for t in r["times"])
+    end = max(t[-1] for t in r["times"])
+    later = sum(1 for t in r["times"] for x in t if x > all_started)
+    return later / (end - all_started)
 
 
 def summarize(args, results: dict) -> dict:

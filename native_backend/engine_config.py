@@ -110,7 +110,7 @@ class SpeculativeOptions:
     draft_num_layers: int | None = None  # draft: the target's first n layers (self-speculative)
     # Load policy: no speculation while more requests than this decode in one step (it costs
     # compute that a full batch no longer has spare); None: always.
-    max_batch_size: int | None = 8
+    max_batch_size: int | None = 4
     # A request whose drafts are accepted less often than this (moving average) stops
     # speculating for a while, then tries again.
     min_acceptance_rate: float = 0.2

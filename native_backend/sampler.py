@@ -33,7 +33,7 @@ import torch
 
 from native_backend.batch import SampledLogprobs
 from native_backend.sampling_params import SamplingParams
-from native_backend.spec_decode.rejection import rejection_sample
+from native_backend.spec_decode.rejection import accepted_prefix, rejection_sample
 
 
 @dataclass
@@ -118,18 +118,16 @@ class Sampler:
         logits = logits.float()
         logprobs = self._logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
-        if p.greedy:  # a one-hot target; any draft of a greedy request is compared with its argmax
-            probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()
-            noise, uniform, draft_probs = torch.ones_like(probs), None, None
+        if p.greedy:  # a one-hot target: any draft is compared with the argmax (rejection's one-hot case)
+            emitted = accepted_prefix(logits.argmax(dim=-1).tolist(), drafts)
         else:
             probs = sampling_probs(logits, [p] * (k + 1))  # (k + 1, vocab)
             noise, uniform, rewind = self._verify_noise(probs, row, with_uniform=draft_probs is not None)
-        draft_ids = torch.tensor([drafts], dtype=torch.long, device=logits.device)
-        tokens, num_accepted = rejection_sample(
-            probs[None], draft_ids, noise[None], None if draft_probs is None else draft_probs[None].float(),
-            None if uniform is None else uniform[None])
-        emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()
-        if not p.greedy:
+            draft_ids = torch.tensor([drafts], dtype=torch.long, device=logits.device)
+            tokens, num_accepted = rejection_sample(
+                probs[None], draft_ids, noise[None], None if draft_probs is None else draft_probs[None].float(),
+                None if uniform is None else uniform[None])
+            emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()
             rewind(len(emitted))
         if logprobs is None:
             return emitted, [None] * len(emitted)

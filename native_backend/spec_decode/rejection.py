@@ -52,3 +52,13 @@ def rejection_sample(
     tokens = torch.where(position == num_accepted[:, None], last, tokens)
     tokens = torch.where(position > num_accepted[:, None], PAD, tokens)
     return tokens, num_accepted
+
+
+def accepted_prefix(sampled: list[int], drafts: list[int]) -> list[int]:
+    """One-hot q with the target's own draws `sampled` (k + 1 of them, e.g. a greedy argmax per
+    position): the drafts up to the first that differs from its draw, then that draw (or the
+    bonus draw when all match). The same rule as `rejection_sample` without draft_probs."""
+    for j, draft in enumerate(drafts):
+        if sampled[j] != draft:
+            return drafts[:j] + [sampled[j]]
+    return drafts + [sampled[len(drafts)]]

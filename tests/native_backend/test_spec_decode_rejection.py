@@ -69,3 +69,11 @@ def test_greedy_rows_keep_the_drafts_up_to_the_first_mismatch():
     q = torch.nn.functional.one_hot(torch.tensor([[3, 7, 2]]), VOCAB).float()
     tokens, n = rejection_sample(p, torch.tensor([[3, 7, 2]]), noise, q, torch.full((1, K), 1e-9))
     assert tokens.tolist() == [[4, PAD, PAD, PAD]] and n.tolist() == [0]
+
+
+def test_the_greedy_shortcut_keeps_the_rule():
+    from native_backend.spec_decode.rejection import accepted_prefix
+
+    assert accepted_prefix([4, 7, 2, 9], [4, 7, 5]) == [4, 7, 2]
+    assert accepted_prefix([4, 7, 2, 9], [4, 7, 2]) == [4, 7, 2, 9]
+    assert accepted_prefix([4, 7, 2, 9], [3, 7, 2]) == [4]

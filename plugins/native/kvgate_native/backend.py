@@ -55,7 +55,7 @@ class SpeculativeSettings(BaseModel):
                                     "tokenizer ('default' is SmolLM2-135M-Instruct).")
     draft_num_layers: int | None = Field(None, gt=0, description="draft: the target's first n layers "
                                          "(self-speculative, no extra weights).")
-    max_batch_size: int | None = Field(8, gt=0, description="No speculation while more requests than this "
+    max_batch_size: int | None = Field(4, gt=0, description="No speculation while more requests than this "
                                        "decode in one step; null: always.")
     min_acceptance_rate: float = Field(0.2, ge=0, lt=1, description="A request accepting fewer drafts than this "
                                        "(moving average) pauses speculation for a while.")
