@@ -55,16 +55,17 @@ class LayerContext:
     def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
         """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
         linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head kept
-        in float as AWQ checkpoints store it, with an int8 copy for the logits where the C kernels
-        run (`int8_head`), decode steps per layer (the one-call decode step runs float32 weights
+        in float as AWQ checkpoints store it, with an int8 copy for the logits on the CPU
+        (`int8_head`; the C kernel, or torch on the same numbers), decode steps per layer (the one-call decode step runs float32 weights
         only)."""
         if quant is None:
             return self
-        from native_backend.quantization.method import INT8_HEAD, AWQLinearMethod  # imports layers.linear
+        from native_backend.quantization.method import AWQLinearMethod, Int8HeadMethod  # imports layers.linear
 
         kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
         method = AWQLinearMethod(quant.group_size, kernel=kernel, triton=self.device.type == "cuda")
-        head = INT8_HEAD if kernel and self.int8_head and self.dtype == torch.float32 else self.linear_method
+        int8_head = self.int8_head and self.device.type == "cpu" and self.dtype == torch.float32
+        head = Int8HeadMethod(kernel=kernel) if int8_head else self.linear_method
         kernels = self.kernels.replace(", one-call decode steps", "")  # no longer true, see above
         return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=False,
                                    kernels=f"{kernels}; linears {method.name}, LM head {head.name}")

@@ -112,7 +112,9 @@ class Int8HeadMethod(DenseMethod):
         scale[n] = max_k |W[n, k]| / 127,   W8[n, k] = round(W[n, k] / scale[n])
     """
 
-    name = "int8 rows (C kernel)"
+    def __init__(self, *, kernel: bool):
+        self.kernel = kernel  # the C kernel; else torch on the same int8 numbers
+        self.name = f"int8 rows ({'C kernel' if kernel else 'torch reference'})"
 
     def process_weights_after_loading(self, layer):
         w = layer._parameters["weight"].detach().float()
@@ -122,11 +124,10 @@ class Int8HeadMethod(DenseMethod):
 
     def apply(self, layer, x):
         w8, scale, bias = layer._buffers["weight_int8"], layer._buffers["weight_scale"], layer._parameters["bias"]
-        if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and x.dim() == 2:
+        if self.kernel and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() \
+                and x.dim() == 2:
             y = cpu_kernels.int8_rows(x, w8, scale)
         else:  # the same numbers through torch
             y = x @ (w8.to(x.dtype) * scale[:, None].to(x.dtype)).t()
         return y if bias is None else y + bias
 
-
-INT8_HEAD = Int8HeadMethod()
