@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-mib", type=int, default=96)
     ap.add_argument("--eval-tokens", type=int, default=20480, help="held-out tokens for perplexity (>= 20k for the table)")
     ap.add_argument("--requests", type=int, default=64, help="requests of the capacity workload")
+    ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES, help="perplexity of these dtypes only")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant.json"))
     ap.add_argument("--only", nargs="+", choices=("perplexity", "greedy", "capacity"),
                     default=("perplexity", "greedy", "capacity"),
@@ -148,13 +149,13 @@ def main(argv=None) -> int:
     report = json.loads(out.read_text()) if out.exists() else {"perplexity": {}, "greedy": {}, "capacity": {}}
     report.update({"model": os.path.basename(path), "eval_tokens": len(eval_ids), "window": WINDOW, "stride": STRIDE,
                    "threads": args.threads})
-    for name in DTYPES if "perplexity" in args.only else ():
+    for name in args.dtypes if "perplexity" in args.only else ():
         d = resolve_kv_dtype(name)
         scales = calibrate(model, calib, d, torch.device("cpu")) if d.scaling == "per_layer" else None
         t0 = time.perf_counter()
         report["perplexity"][name] = {"ppl": perplexity(model, eval_ids, name, scales), "seconds": time.perf_counter() - t0}
         print(f"perplexity {name:9s} {report['perplexity'][name]['ppl']:.4f}", flush=True)
-    if "perplexity" in args.only:
+    if "perplexity" in args.only and "float32" in report["perplexity"]:
         base = report["perplexity"]["float32"]["ppl"]
         for r in report["perplexity"].values():
             r["vs_float32_pct"] = 100 * (r["ppl"] / base - 1)
