@@ -133,6 +133,9 @@ SUPERVISED = """
 models:
   - name: smollm2
     saturation: {max_waiting: 64, max_kv_cache_usage: 1.0}
+    # The killed streams open the breaker; on a quiet machine the engine is back within the
+    # default 10 s cooldown, so a short one lets the first request after recovery probe it.
+    breaker: {failures: 5, cooldown_s: 1}
     deployments:
       - name: native-0
         backend: native
