@@ -187,21 +187,20 @@ class KVLayer:
         # zeros, not empty: padded block-table entries point at block 0 and are masked, but
         # masked garbage that happens to be NaN would still poison a matmul.
         key = torch.zeros(shape, dtype=kv_dtype.storage, device=device)
-        layer = cls(key, torch.zeros_like(key), kv_dtype)
-        if kv_dtype.scaling == "per_token_head":
-            layer.key_scales = torch.zeros(shape[:3], dtype=torch.float32, device=device)
-            layer.value_scales = torch.zeros_like(layer.key_scales)
-        return layer
+        return cls(key, torch.zeros_like(key), kv_dtype)._with_row_scales()
 
     @classmethod
     def of(cls, key: torch.Tensor, value: torch.Tensor) -> KVLayer:
         """Caches that already exist (tests, tools): the dtype follows the tensors'; an int8 cache
         gets zeroed row scales, an fp8 one unit scales."""
-        layer = cls(key, value, resolve_kv_dtype(key.dtype))
-        if layer.dtype.scaling == "per_token_head":
-            layer.key_scales = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
-            layer.value_scales = torch.zeros_like(layer.key_scales)
-        return layer
+        return cls(key, value, resolve_kv_dtype(key.dtype))._with_row_scales()
+
+    def _with_row_scales(self) -> KVLayer:
+        """int8: zeroed row scales (num_blocks, block_size, kv_heads) beside the blocks; others: as is."""
+        if self.dtype.scaling == "per_token_head":
+            self.key_scales = torch.zeros(self.key.shape[:3], dtype=torch.float32, device=self.key.device)
+            self.value_scales = torch.zeros_like(self.key_scales)
+        return self
 
     @property
     def num_blocks(self) -> int:

@@ -41,7 +41,7 @@ def write_kv(k, v, kv: KVLayer, slot_mapping) -> None:
     if k.dtype != torch.float32 or not cpu_kernels.available():
         reference.write_kv(k, v, kv, slot_mapping)
     elif kv.dtype.quantized:
-        cpu_kernels.write_kv_q(k, v, _quantized(kv), slot_mapping)
+        cpu_kernels.write_kv_q(k, v, quantized_view(kv), slot_mapping)
     elif kv.key.dtype == torch.float32:
         cpu_kernels.write_kv(k, v, kv.key, kv.value, slot_mapping)
     else:
@@ -50,10 +50,6 @@ def write_kv(k, v, kv: KVLayer, slot_mapping) -> None:
 
 def quantized_view(kv: KVLayer) -> cpu_kernels.QuantizedKV:
     """What the quantized C kernels read of a layer (models.fused_decode builds its table from it)."""
-    return _quantized(kv)
-
-
-def _quantized(kv: KVLayer) -> cpu_kernels.QuantizedKV:
     lut = kv_quant.fp8_lut(kv.dtype.storage) if kv.dtype.scaling == "per_layer" else None
     return cpu_kernels.QuantizedKV(kv_quant.as_bytes(kv.key), kv_quant.as_bytes(kv.value), kv.dtype.code,
                                    kv.k_scale, kv.v_scale, kv.key_scales, kv.value_scales, lut)
@@ -117,7 +113,7 @@ def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -
 
 def _short_rows(q, kv: KVLayer, md: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
     if kv.dtype.quantized:
-        return cpu_kernels.paged_decode_q(q, _quantized(kv), md.block_tables, plan.row_seq, plan.row_keys, scale,
+        return cpu_kernels.paged_decode_q(q, quantized_view(kv), md.block_tables, plan.row_seq, plan.row_keys, scale,
                                           chunk_blocks=plan.chunk_blocks)
     return cpu_kernels.paged_decode(q, kv.key, kv.value, md.block_tables, plan.row_seq, plan.row_keys, scale,
                                     chunk_blocks=plan.chunk_blocks)

@@ -154,7 +154,7 @@ def test_c_decode_over_many_chunks_merges_exactly():
     q, ks, vs, layer, md = quantized_case("int8", [(300, 1), (129, 1)], kv_heads=1, group=2, head_dim=32)
     plan = cpu.step_plan(md, torch.float32, q.device)
     for chunk_blocks in (1, 3, 64):
-        got = cpu_kernels.paged_decode_q(q, cpu._quantized(layer), md.block_tables, plan.row_seq, plan.row_keys,
+        got = cpu_kernels.paged_decode_q(q, cpu.quantized_view(layer), md.block_tables, plan.row_seq, plan.row_keys,
                                          0.2, chunk_blocks=chunk_blocks)
         torch.testing.assert_close(got, dense(q, ks, vs, md, 0.2), atol=2e-5, rtol=1e-5)
 
@@ -162,7 +162,7 @@ def test_c_decode_over_many_chunks_merges_exactly():
 @needs_kernels
 def test_c_kernels_refuse_what_they_cannot_read():
     layer = KVLayer.allocate(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8, dtype="int8")
-    bad = cpu._quantized(layer)
+    bad = cpu.quantized_view(layer)
     bad.key_scales = None
     with pytest.raises(ValueError, match="int8 needs its row scales"):
         cpu_kernels.write_kv_q(randn(1, 1, 8), randn(1, 1, 8), bad, torch.tensor([0]))
