@@ -81,8 +81,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prefix[:prefix_len] + suffix
         seq = Sequence(next(self.ids), prompt, sampling=SamplingParams(max_tokens=max_tokens), priority=priority)
         config = self.scheduler.config
-        longest = min(len(prompt) + max_tokens, config.max_model_len) - 1
-        fits = 0 < len(prompt) < config.max_model_len and cdiv(longest, config.block_size) <= config.num_blocks
+        # scheduler.check_request_fits: prompt + max_tokens within the context, and alone in the
+        # cache at its longest (the last sampled token's KV is never needed)
+        longest = len(prompt) + max_tokens - 1
+        fits = (0 < len(prompt) and len(prompt) + max_tokens <= config.max_model_len
+                and cdiv(longest, config.block_size) <= config.num_blocks)
         try:
             self.scheduler.add(seq)
         except ValueError:
