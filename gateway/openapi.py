@@ -31,6 +31,7 @@ def openapi_document(models: list[str], limits: RequestLimits) -> dict:
     defs: dict = {}
     completion = _body_schema(CompletionBody, defs, models, limits)
     chat = _body_schema(ChatBody, defs, models, limits)
+    defs["Message"] = _message_by_role(defs["Message"])
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": "0.1.0",
@@ -89,6 +90,25 @@ def _server_rules(props: dict, limits: RequestLimits) -> None:
                 option["maxItems"] = limits.max_prompts
             if option["type"] == "array":
                 option["minItems"] = 1
+            for inner in (option, option.get("items", {})):  # an empty prompt is refused: nothing to continue
+                if inner.get("type") == "string":
+                    inner["minLength"] = 1
+                if inner.get("type") == "array":
+                    inner["minItems"] = 1
+
+
+def _message_by_role(message: dict) -> dict:
+    """Only an assistant message may leave out its content (schemas.Message's validator): one
+    variant per case, so a schema-valid message is one the server takes."""
+    assistant = copy.deepcopy(message)
+    assistant["properties"]["role"] = {"type": "string", "enum": ["assistant"]}
+    speaker = copy.deepcopy(message)
+    speaker["properties"]["role"] = {"type": "string", "enum": ["system", "developer", "user"]}
+    content = speaker["properties"]["content"]
+    content["anyOf"] = [option for option in content["anyOf"] if option.get("type") != "null"]
+    content.pop("default", None)
+    speaker["required"] = ["role", "content"]
+    return {"title": "Message", "anyOf": [speaker, assistant]}
 
 
 def _cap(props: dict, name: str, maximum: int) -> None:

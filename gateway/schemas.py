@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import SamplingParams
 from gateway.config import RequestLimits, format_path
@@ -32,7 +32,19 @@ IGNORED = ("metadata", "store", "service_tier", "parallel_tool_calls")
 
 MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
 MAX_INT32 = 2**31 - 1  # token ids and top_k, as engines index them
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for completions
+
+
+def _integral_float(value: Any) -> Any:
+    """JSON has one number type, and JSON Schema counts 2.0 as an integer: take it as 2. Fractions,
+    infinities and booleans still fail the strict int check that follows."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral_float)]
 
 
 class _Strict(BaseModel):
@@ -47,16 +59,16 @@ class _Common(_Strict):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Int | None = Field(None, ge=0, le=MAX_SEED)
     user: str | None = Field(None, max_length=512)
     # vLLM-style extensions
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    top_k: Int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool = False
@@ -91,10 +103,10 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: Int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -131,10 +143,10 @@ class ResponseFormat(_Strict):
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     audio: Any = None
@@ -176,6 +188,9 @@ class ParsedRequest:
 def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
     req = _validate(CompletionBody, body)
     prompts = _prompt_list(req.prompt)
+    if "max_tokens" not in req.model_fields_set:
+        # The client asked for no number: OpenAI's default, but never over this server's limit.
+        req.max_tokens = min(DEFAULT_COMPLETION_TOKENS, limits.max_tokens)
     _check_limits(req, req.max_tokens, req.logprobs, limits)
     _check_prompts(prompts, req.n, limits)
     return ParsedRequest(
