@@ -158,6 +158,11 @@ class Upstream:
             return JSONResponse({"object": "error", "message": "This model's maximum context length is 8 "
                                  "tokens. However, you requested 9 tokens.", "type": "BadRequestError",
                                  "param": None, "code": 400}, status_code=400)
+        if verb == "big-answer":  # a non-streamed answer of arg MiB
+            text = "x" * (int(arg) * 1024 * 1024)
+            return JSONResponse({"choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
+        if verb == "endless-line":
+            return StreamingResponse(_endless_line(), media_type="text/event-stream")
         return StreamingResponse(self._stream(verb, body), media_type="text/event-stream")
 
     async def _stream(self, verb: str, body: dict):
@@ -181,6 +186,13 @@ class Upstream:
             yield b"data: [DONE]\n\n"
         finally:
             self.disconnected.set()
+
+
+async def _endless_line():
+    """One SSE line that never ends (64 MiB if nobody stops reading)."""
+    yield b"data: "
+    for _ in range(1024):
+        yield b"x" * 65536
 
 
 def _chunk(chat: bool, text: str, finish) -> bytes:
@@ -304,6 +316,26 @@ def test_dropped_connection_mid_stream_is_a_backend_error(upstream):
         return events
 
     assert [e.text for e in run(go, _backend(upstream))] == ["one"]
+
+
+def test_stream_event_over_the_bound_is_a_backend_error_not_unbounded_memory(upstream):
+    async def go(b):
+        with pytest.raises(BackendError, match="stream event over 1048576 bytes"):
+            await _collect(b, _request("endless-line"))
+
+    run(go, _backend(upstream, max_event_bytes=1024 * 1024))
+
+
+def test_non_streamed_answer_over_the_bound_is_a_backend_error(upstream):
+    request = _request("big-answer:2", stream=False)
+    [event] = run(lambda b: _collect(b, request), _backend(upstream, max_body_bytes=3 * 1024 * 1024))
+    assert len(event.text) == 2 * 1024 * 1024
+
+    async def go(b):
+        with pytest.raises(BackendError, match="answer over 1048576 bytes"):
+            await _collect(b, request)
+
+    run(go, _backend(upstream, max_body_bytes=1024 * 1024))
 
 
 def test_abort_from_another_task_closes_the_upstream_request(upstream):

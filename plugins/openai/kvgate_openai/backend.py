@@ -27,7 +27,7 @@ from kvgate_openai import upstream_errors, wire
 from kvgate_openai.load import LoadTracker, poll_forever
 from kvgate_openai.pool import ClientPool
 from kvgate_openai.settings import OpenAISettings
-from kvgate_openai.sse import SSEDecoder
+from kvgate_openai.sse import EventTooLarge, SSEDecoder
 
 log = logging.getLogger("kvgate.openai")
 
@@ -58,6 +58,7 @@ class OpenAIBackend:
             headers["authorization"] = f"Bearer {key}"
         self._pool = ClientPool(
             s.max_connections,
+            s.keepalive_expiry_s,
             headers=headers,
             # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
             # a pooled connection counts towards the first byte.
@@ -107,7 +108,7 @@ class OpenAIBackend:
         self.tracker.inflight += 1
         response = None
         try:
-            response = await self._send(pool.clients[slice_], path, body, request, deadline)
+            response = await self._send(pool, slice_, path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
                 async for event in self._events(response, request, path == wire.CHAT, deadline):
@@ -122,14 +123,14 @@ class OpenAIBackend:
             if response is not None:
                 await response.aclose()
 
-    async def _send(self, client: httpx.AsyncClient, path: str, body: dict, request: GenerationRequest,
+    async def _send(self, pool: ClientPool, slice_: int, path: str, body: dict, request: GenerationRequest,
                     deadline: float) -> httpx.Response:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
         content = json.dumps(body, separators=(",", ":")).encode()
-        upstream = client.build_request("POST", self.settings.base_url + path, content=content, headers=headers)
         try:
             async with asyncio.timeout_at(deadline):
-                response = await client.send(upstream, stream=True)
+                response = await pool.send(slice_, "POST", self.settings.base_url + path, content=content,
+                                           headers=headers)
         except TimeoutError:
             raise self._first_byte_timeout() from None
         except httpx.PoolTimeout:
@@ -162,7 +163,7 @@ class OpenAIBackend:
 
     async def _events(self, response: httpx.Response, request: GenerationRequest, chat: bool, deadline: float):
         """Token events as chunks arrive; the finishing event waits for the usage chunk."""
-        decoder, chunks = SSEDecoder(), response.aiter_bytes()
+        decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
         finish: TokenEvent | None = None
         usage: Usage | None = None
         sent = 0
@@ -177,7 +178,7 @@ class OpenAIBackend:
                     yield TokenEvent(finish_reason="abort", usage=usage)
                     return
                 raise
-            payloads = decoder.close() if data is None else decoder.feed(data)
+            payloads = self._payloads(decoder, data)
             for payload in payloads:
                 if payload == DONE:
                     done = True
@@ -198,12 +199,21 @@ class OpenAIBackend:
             await self._drain(chunks)
         yield self._last(finish, usage, sent, request, ended_cleanly=done)
 
+    def _payloads(self, decoder: SSEDecoder, data: bytes | None) -> list[bytes]:
+        try:
+            return decoder.close() if data is None else decoder.feed(data)
+        except EventTooLarge:
+            log.warning("deployment %s: upstream stream event over %d bytes", self.name, decoder.max_event_bytes)
+            raise BackendError(f"The backend '{self.name}' sent a stream event over "
+                               f"{decoder.max_event_bytes} bytes.") from None
+
     async def _whole(self, response: httpx.Response, request: GenerationRequest, chat: bool,
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
+        limit = self.settings.max_body_bytes
         try:
             async with asyncio.timeout_at(deadline):
-                raw = await response.aread()
+                raw = await _read_some(response, limit + 1)
         except TimeoutError:
             raise self._first_byte_timeout() from None
         except httpx.HTTPError as exc:
@@ -211,6 +221,9 @@ class OpenAIBackend:
                 return TokenEvent(finish_reason="abort")
             log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
             raise BackendError(f"The backend '{self.name}' dropped the connection.") from None
+        if len(raw) > limit:
+            log.warning("deployment %s: upstream answer over %d bytes", self.name, limit)
+            raise BackendError(f"The backend '{self.name}' sent an answer over {limit} bytes.")
         try:
             body = json.loads(raw)
             if isinstance(body, dict) and "error" in body:
@@ -289,9 +302,11 @@ def _is_event_stream(response: httpx.Response) -> bool:
 
 
 async def _read_some(response: httpx.Response, limit: int) -> bytes:
-    out = b""
+    """At most `limit` bytes of the body (the rest is never read)."""
+    parts, size = [], 0
     async for part in response.aiter_bytes():
-        out += part
-        if len(out) >= limit:
+        parts.append(part)
+        size += len(part)
+        if size >= limit:
             break
-    return out[:limit]
+    return b"".join(parts)[:limit]

@@ -26,6 +26,16 @@ class OpenAISettings(BaseModel):
     )
     idle_s: float = Field(30.0, gt=0, description="Longest gap between two stream chunks, in seconds.")
     max_connections: int = Field(256, gt=0, description="Size of the shared connection pool.")
+    keepalive_expiry_s: float = Field(
+        4.0, ge=0, description="Seconds an idle pooled connection is kept for reuse; keep it below the "
+        "upstream's keep-alive timeout (uvicorn's, behind vLLM and SGLang, is 5 s); 0: no reuse."
+    )
+    max_event_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest stream event (SSE line) accepted from the upstream, in bytes."
+    )
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="Largest non-streamed answer accepted from the upstream, in bytes."
+    )
     capacity: int = Field(0, ge=0, description="Concurrent requests the upstream can run; 0: unknown.")
     metrics: MetricsPreset = Field(
         "auto", description="Which Prometheus names carry the upstream's load; none: in-flight counts only."

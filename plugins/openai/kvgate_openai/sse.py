@@ -2,18 +2,28 @@
 
 Lines end with \\n or \\r\\n (sse-starlette, used by llama.cpp's Python server, sends \\r\\n);
 an event ends at a blank line; several `data:` lines of one event are joined with \\n.
+An event may hold at most `max_event_bytes`: an upstream that never ends its line (or its event)
+cannot make us buffer without end.
 """
 
 from __future__ import annotations
 
+DEFAULT_MAX_EVENT = 8 * 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    pass
+
 
 class SSEDecoder:
-    def __init__(self):
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT):
+        self.max_event_bytes = max_event_bytes
         self._tail = b""
         self._data: list[bytes] = []
+        self._held = 0  # bytes in self._data
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads of every event completed by `chunk`."""
+        """The payloads of every event completed by `chunk`; EventTooLarge past the bound."""
         lines = (self._tail + chunk).split(b"\n")
         self._tail = lines.pop()  # an unfinished line waits for the next chunk
         out = []
@@ -23,10 +33,13 @@ class SSEDecoder:
             if not line:
                 if self._data:
                     out.append(b"\n".join(self._data))
-                    self._data = []
+                    self._data, self._held = [], 0
             elif line.startswith(b"data:"):
                 self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+                self._held += len(line)
             # comments (":"), event:, id: and retry: lines carry nothing we use
+        if self._held + len(self._tail) > self.max_event_bytes:
+            raise EventTooLarge(f"a stream event is over {self.max_event_bytes} bytes")
         return out
 
     def close(self) -> list[bytes]:
