@@ -59,7 +59,12 @@ def _check(args) -> int:
     if state is None:
         return 1
     models = ", ".join(p.name for p in state.registry.pools)
-    print(f"{args.config}: OK ({len(state.registry.deployments())} deployments; models: {models})")
+    groups = state.registry.groups()
+    found = f", {len(groups)} found in DNS at run time" if groups else ""
+    print(f"{args.config}: OK ({len(state.registry.deployments())} deployments{found}; models: {models})")
+    for g in groups:  # not resolved here: the names may only exist where the gateway runs
+        d = g.discovery
+        print(f"  {g.model}/{g.name}: every address of {d.dns}, port {d.port}, every {d.refresh_s:g} s")
     return 0
 
 

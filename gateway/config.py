@@ -7,6 +7,8 @@ Each subsystem is handed its own sub-config, never the root.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,10 +51,68 @@ class ServerConfig(StrictModel):
         30.0, gt=0, description="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 
 
-class DeploymentConfig(StrictModel):
-    """One backend instance that can serve a model."""
+HOSTNAME = re.compile(r"^(?=.{1,254}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$")
 
-    name: str = Field(description="Unique within its model; shown in logs and metrics.")
+
+class DiscoveryConfig(StrictModel):
+    """A set of endpoints found at run time: every A/AAAA record of `dns` is one member (a
+    Kubernetes headless Service lists one per ready pod). Each member gets the deployment's
+    settings with `base_url` = scheme://address:port + path."""
+
+    dns: str = Field(description="DNS name to resolve, e.g. engines.llm.svc.cluster.local. (a trailing dot "
+                     "skips the search domains).")
+    port: int = Field(ge=1, le=65535, description="TCP port of every member.")
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the members.")
+    path: str = Field("/v1", description="Appended to scheme://address:port to make each member's base_url.")
+    refresh_s: float = Field(5.0, ge=0.05, description="Seconds between two resolutions.")
+    timeout_s: float = Field(2.0, gt=0, description="Seconds a resolution, and a member's health check, may take.")
+    health_path: str | None = Field(
+        "/health", description="GET here must answer 2xx before a new member is routable (kvgate engines: "
+        "/health/ready); null: routable once its backend has started.")
+    resolver: str | None = Field(
+        None, description="DNS server as host:port (tests, a non-default resolver); default: /etc/resolv.conf.")
+
+    @field_validator("dns")
+    @classmethod
+    def _hostname(cls, name: str) -> str:
+        if not HOSTNAME.match(name):
+            raise ValueError(f"'{name}' is not a DNS name")
+        return name
+
+    @field_validator("path", "health_path")
+    @classmethod
+    def _url_path(cls, path: str | None) -> str | None:
+        if path and not path.startswith("/"):
+            raise ValueError("must start with /")
+        return path.rstrip("/") if path else path
+
+    @field_validator("resolver")
+    @classmethod
+    def _host_port(cls, resolver: str | None) -> str | None:
+        if resolver is not None:
+            resolver_address(resolver)
+        return resolver
+
+
+def resolver_address(resolver: str) -> tuple[str, int]:
+    """'127.0.0.1:53', '[::1]:5353' -> (ip, port); ValueError with the reason otherwise."""
+    host, sep, port = resolver.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"'{resolver}' is not an IP address and port (host:port, [v6]:port)") from None
+    if not sep or not 1 <= number <= 65535:
+        raise ValueError(f"'{resolver}': the port must be 1..65535")
+    return host, number
+
+
+class DeploymentConfig(StrictModel):
+    """One backend instance that can serve a model, or with `discovery`, one per DNS address."""
+
+    name: str = Field(description="Unique within its model; shown in logs and metrics. Discovered members "
+                      "are named name@address.")
     backend: str = Field(description="Backend kind registered by a plugin (e.g. echo, native).")
     upstream_model: str | None = Field(
         None, description="Model name the backend knows; defaults to the model's name."
@@ -61,6 +121,21 @@ class DeploymentConfig(StrictModel):
     settings: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, validated by its plugin."
     )
+    discovery: DiscoveryConfig | None = Field(
+        None, description="Find this deployment's endpoints in DNS at run time instead of settings.base_url.")
+
+    @field_validator("name")
+    @classmethod
+    def _no_member_marker(cls, name: str) -> str:
+        if "@" in name:
+            raise ValueError("'@' is reserved for discovered members (name@address)")
+        return name
+
+    @model_validator(mode="after")
+    def _discovery_sets_the_endpoint(self):
+        if self.discovery is not None and "base_url" in self.settings:
+            raise ValueError("settings.base_url: discovery sets each member's base_url; remove it")
+        return self
 
 
 class QueueConfig(StrictModel):

@@ -76,6 +76,7 @@ class _LiveCollector:
         yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
         yield from _limits_store_gauge(state.limiter)
+        yield from _discovery_metrics(state.registry)
 
 
 def _pool_gauges(registry):
@@ -110,6 +111,28 @@ def _limits_store_gauge(limiter):
                                "store; 0 while this replica falls back to local limits.", labels=["store"])
         up.add_metric([status["kind"]], 1.0 if status["shared"] else 0.0)
         yield up
+
+
+def _discovery_metrics(registry):
+    """Deployments found in DNS: whether the last lookup answered, and their members by state."""
+    groups = [(p.name, g) for p in registry.pools for g in p.groups]
+    if not groups:
+        return
+    up = GaugeMetricFamily("kvgate_discovery_up", "1 when the last DNS lookup of a discovered deployment answered; "
+                           "0 while it fails (its last known members keep serving).", labels=["model", "deployment"])
+    members = GaugeMetricFamily("kvgate_discovery_members", "Members of a discovered deployment: routable, pending "
+                                "(started, not healthy yet) or draining (gone from DNS, finishing requests).",
+                                labels=["model", "deployment", "state"])
+    failures = CounterMetricFamily("kvgate_discovery_failures", "DNS lookups of a discovered deployment that got no "
+                                   "answer.", labels=["model", "deployment"])
+    for model, g in groups:
+        up.add_metric([model, g.name], 1.0 if g.up else 0.0)
+        for state, found in (("routable", g.routable), ("pending", g.pending), ("draining", g.draining)):
+            members.add_metric([model, g.name, state], len(found))
+        failures.add_metric([model, g.name], g.failures)
+    yield up
+    yield members
+    yield failures
 
 
 # (our name, vLLM's name or None, help, kind, key in LoadSnapshot.extra or attribute)

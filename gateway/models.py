@@ -10,6 +10,7 @@ from gateway.admission import PoolAdmission
 from gateway.backend import Backend
 from gateway.breaker import CircuitBreaker
 from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, SaturationConfig
+from gateway.discovery import DiscoveryGroup
 from gateway.errors import ModelNotFound
 from gateway.plugins import Registry
 
@@ -52,10 +53,19 @@ class ModelPool:
     deployments: list[Deployment]
     policy: object = field(repr=False)
     config: ModelConfig = field(repr=False)
+    groups: list[DiscoveryGroup] = field(default_factory=list, repr=False)  # deployments found in DNS
     admission: PoolAdmission = field(init=False, repr=False)
 
     def __post_init__(self):
         self.admission = PoolAdmission(self, self.config.queue.max_size)
+        self.static = list(self.deployments)
+        self.deployments = self.static + [m for g in self.groups for m in g.members()]
+
+    def refresh_members(self) -> None:
+        """A discovery group's routable members changed: route over the new list from now on
+        (a request that already holds a member keeps it), and let queued requests try them."""
+        self.deployments = self.static + [m for g in self.groups for m in g.members()]
+        self.admission.wake()
 
     def take(self, request, exclude: frozenset[str] = frozenset()) -> Deployment | None:
         """Choose a deployment that can take `request` now and claim a slot on it, or None."""
@@ -80,7 +90,7 @@ class ModelPool:
 
     @property
     def in_flight(self) -> int:
-        return sum(d.in_flight for d in self.deployments)
+        return sum(d.in_flight for d in self.deployments) + sum(g.draining_in_flight() for g in self.groups)
 
 
 class ModelRegistry:
@@ -106,20 +116,43 @@ class ModelRegistry:
         return self._by_name.get(name)
 
     def deployments(self) -> list[Deployment]:
+        """Every routable deployment: the listed ones and the discovered members taking requests."""
         return [d for p in self.pools for d in p.deployments]
 
+    def groups(self) -> list[DiscoveryGroup]:
+        return [g for p in self.pools for g in p.groups]
+
+    def reusable(self) -> dict[tuple, "Deployment | DiscoveryGroup"]:
+        """What a reload may carry over as it is: listed deployments and discovery groups (with
+        their members), keyed by model, name and config."""
+        kept: dict[tuple, Deployment | DiscoveryGroup] = {}
+        for p in self.pools:
+            kept.update((deployment_key(p.name, d.config), d) for d in p.static if d.config)
+            kept.update((deployment_key(p.name, g.config), g) for g in p.groups)
+        return kept
+
     def ready(self, mode: str = "all") -> bool:
-        """Every deployment up ("all"), or at least one per model ("any")."""
+        """Every deployment up ("all"), or at least one per model ("any"). A discovery group
+        counts as one deployment, up while one of its members is."""
         if mode == "any":
             return all(any(_up(d) for d in p.deployments) for p in self.pools)
-        return all(_up(d) for d in self.deployments())
+        return all(_up(d) for d in self.deployments()) and all(
+            any(_up(d) for d in g.members()) for g in self.groups())
 
     async def start(self) -> None:
-        """Start every backend not yet started, concurrently. A backend that fails to start is
-        logged and stays out of rotation (readiness stays false); the others serve."""
-        await asyncio.gather(*(_start(d) for d in self.deployments() if not d.started))
+        """Start every backend not yet started, and every discovery group, concurrently. A
+        backend that fails to start is logged and stays out of rotation (readiness stays false);
+        the others serve."""
+        for p in self.pools:
+            for g in p.groups:
+                g.attach(p)
+        await asyncio.gather(*(_start(d) for p in self.pools for d in p.static if not d.started),
+                             *(g.start() for g in self.groups() if not g.running))
+        for p in self.pools:
+            p.refresh_members()
 
     async def stop(self) -> None:
+        await asyncio.gather(*(g.close() for g in self.groups()))
         await asyncio.gather(*(_stop(d) for d in self.deployments() if d.started))
 
 
@@ -133,15 +166,38 @@ def deployment_key(model: str, d: DeploymentConfig) -> tuple:
 
 def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Registry,
                 reuse: dict[tuple, Deployment]) -> ModelPool:
-    deployments = []
+    deployments, groups = [], []
     for j, d in enumerate(model.deployments):
+        where = f"models[{index}].deployments[{j}]"
         kept = reuse.get(deployment_key(model.name, d))
-        deployments.append(kept or _build_deployment(f"models[{index}].deployments[{j}]", model, d, backends))
+        if d.discovery is None:
+            deployments.append(kept or _build_deployment(where, model, d, backends))
+        else:
+            groups.append(kept or _build_group(where, model, d, backends))
     try:
         policy = policies.get(model.policy)(dict(model.policy_options))
     except KeyError as exc:
         raise ValueError(f"models[{index}].policy: {exc.args[0]}") from None
-    return ModelPool(model.name, list(model.aliases), deployments, policy, model)
+    return ModelPool(model.name, list(model.aliases), deployments, policy, model, groups)
+
+
+def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> DiscoveryGroup:
+    """A discovery group whose members are `d` with their own name and base_url. One member is
+    built now and dropped, so that bad settings are refused at load time (and by check-config)."""
+
+    def make_member(name: str, base_url: str) -> Deployment:
+        member = d.model_copy(update={"name": name, "settings": {**d.settings, "base_url": base_url}})
+        return _build_deployment(where, model, member, backends)
+
+    group = DiscoveryGroup(model.name, d, make_member)
+    try:
+        make_member(f"{d.name}@check", group.base_url("192.0.2.1"))  # TEST-NET-1: never contacted
+    except ValueError as exc:
+        if ".settings.base_url:" in str(exc):
+            raise ValueError(f"{where}.discovery: backend '{d.backend}' cannot take discovered endpoints "
+                             "(it has no settings.base_url); use a backend that does, such as openai") from None
+        raise
+    return group
 
 
 def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> Deployment:

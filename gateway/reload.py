@@ -2,8 +2,10 @@
 
 Deployments whose model, name and settings are unchanged are carried over as they are (an
 engine is not restarted); new ones are started before the switch; removed ones are stopped once
-their last in-flight request has closed. A config that does not load is refused, with its
-reasons logged and returned, and the old one keeps serving.
+their last in-flight request has closed. A discovery group is one deployment here: carried over
+with its members, or, when removed or changed, it stops resolving and its members are retired.
+A config that does not load is refused, with its reasons logged and returned, and the old one
+keeps serving.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 
 from gateway.auth import KeyStore
 from gateway.config import ConfigError, load_config
-from gateway.models import Deployment, ModelRegistry, deployment_key
+from gateway.models import Deployment, ModelRegistry
 
 log = logging.getLogger("kvgate.reload")
 
@@ -26,7 +28,7 @@ async def reload_config(state) -> tuple[bool, str]:
         try:
             config = load_config(state.config_path)
             keys = KeyStore.from_config(config.auth)
-            reuse = {deployment_key(d.model, d.config): d for d in state.registry.deployments() if d.config}
+            reuse = state.registry.reusable()
             registry = ModelRegistry.build(config, state.backends, state.policies, reuse=reuse)
         except (ConfigError, ValueError) as exc:
             message = f"config reload refused, the old config keeps serving: {exc}"
@@ -39,6 +41,10 @@ async def reload_config(state) -> tuple[bool, str]:
         retired = [d for d in old.deployments() if d not in kept]
         for d in retired:
             asyncio.get_running_loop().create_task(_retire(d))
+        kept_groups = set(registry.groups())
+        for g in old.groups():
+            if g not in kept_groups:
+                await g.stop_discovery()
         message = (f"config reloaded from {state.config_path}: {len(registry.pools)} models, "
                    f"{len(kept)} deployments, {len(retired)} retiring")
         log.info("%s", message)

@@ -73,6 +73,7 @@ def _pool(pool) -> dict:
         "name": pool.name, "aliases": pool.aliases, "policy": pool.config.policy,
         "in_flight": pool.in_flight, "queued": pool.admission.queued,
         "deployments": [_deployment(d) for d in pool.deployments],
+        "discovery": [g.status() for g in pool.groups],
     }
 
 

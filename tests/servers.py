@@ -23,19 +23,19 @@ class GatewayServer:
     """
 
     def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30,
-                 span_exporter=None):
+                 span_exporter=None, host: str = "127.0.0.1", port: int = 0):
         from gateway.plugins import make_plugin_manager
 
         self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins),
                                  span_exporter=span_exporter)
-        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=0, log_level="warning")
+        config = uvicorn.Config(create_app(self.state), host=host, port=port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         self._wait_started(ready_timeout)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()

@@ -1,0 +1,326 @@
+"""Deployments discovered live: one member per address of a DNS name, kept current without a reload.
+
+A deployment with `discovery: {dns, port, ...}` is a *group*. Every `refresh_s` the group
+resolves every A and AAAA record of its name (a Kubernetes headless Service lists one per ready
+pod) and reconciles its members, each a full `Deployment` named `name@address` (its own backend,
+load, breaker and metrics labels):
+
+    DNS answer ──> new address ──> pending (backend started, health check) ──ok──> routable
+                   gone address ─> routable: draining (no new requests; in-flight ones finish,
+                                   then its backend stops) / pending: stopped
+    no answer (timeout, SERVFAIL, no server) ──> the last known members stay; logged once per
+                                   outage, `up` false (metric kvgate_discovery_up, status page)
+
+An authoritative "no such name" or "no records" is an answer, not a failure: the set is empty
+(a StatefulSet scaled to zero) and every member drains. Resolution runs on the event loop with
+dnspython's asyncio resolver, bounded by `timeout_s`; nothing blocks serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from typing import Callable
+
+import httpx
+
+from gateway.config import DeploymentConfig, resolver_address
+
+log = logging.getLogger("kvgate.discovery")
+
+DRAIN_POLL_S = 0.05
+
+
+class DiscoveryFailed(Exception):
+    """DNS gave no usable answer (as opposed to an answer with no address)."""
+
+
+class DnsResolver:
+    """Every A and AAAA address of a name, from /etc/resolv.conf's servers or one given server."""
+
+    def __init__(self, server: str | None, timeout_s: float):
+        self.server = server
+        self.timeout_s = timeout_s
+        self._resolver = None
+
+    def _get(self):
+        import dns.asyncresolver
+        import dns.resolver
+
+        if self._resolver is None:
+            if self.server is None:
+                try:  # reads /etc/resolv.conf once (search domains and ndots included, as in a pod)
+                    self._resolver = dns.asyncresolver.Resolver()
+                except dns.resolver.NoResolverConfiguration as exc:
+                    raise DiscoveryFailed(f"no DNS configuration: {exc}") from None
+            else:
+                host, port = resolver_address(self.server)
+                self._resolver = dns.asyncresolver.Resolver(configure=False)
+                self._resolver.nameservers = [host]
+                self._resolver.port = port
+        return self._resolver
+
+    async def addresses(self, name: str) -> list[str]:
+        v4, v6 = await asyncio.gather(self._query(name, "A"), self._query(name, "AAAA"))
+        return sorted(set(v4) | set(v6), key=address_order)
+
+    async def _query(self, name: str, rdtype: str) -> list[str]:
+        import dns.exception
+        import dns.resolver
+
+        resolver = self._get()
+        try:
+            answer = await resolver.resolve(name, rdtype, lifetime=self.timeout_s, search=True)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return []
+        except dns.exception.Timeout:
+            raise DiscoveryFailed(f"no answer within {self.timeout_s:g} s") from None
+        except dns.resolver.NoNameservers:
+            raise DiscoveryFailed("every DNS server failed (SERVFAIL, refused or unreachable)") from None
+        except (dns.exception.DNSException, OSError) as exc:
+            raise DiscoveryFailed(f"{type(exc).__name__}: {exc}") from None
+        return [record.address for record in answer]
+
+
+class DiscoveryGroup:
+    """One `discovery:` deployment of one model: its members and the loop that keeps them current.
+
+    `make_member(name, base_url)` builds a member's Deployment (not started). The group is attached
+    to the pool that routes to it (`attach`), which it tells when its routable members change.
+    """
+
+    def __init__(self, model: str, config: DeploymentConfig, make_member: Callable):
+        self.model = model
+        self.config = config
+        self.name = config.name
+        self.discovery = config.discovery
+        self.make_member = make_member
+        self.routable: dict[str, object] = {}  # address -> Deployment taking requests
+        self.pending: dict[str, object] = {}  # started or starting, not (yet) healthy
+        self.draining: dict[str, object] = {}  # gone from DNS, finishing its in-flight requests
+        self.problems: dict[str, str] = {}  # address -> why a pending member is not routable yet
+        self.up: bool | None = None  # None before the first resolution, then: did the last one answer
+        self.problem: str | None = None  # why the last resolution failed
+        self.down_since: float | None = None
+        self.resolved_at: float | None = None
+        self.refreshes = 0  # resolutions done, answered or not
+        self.failures = 0  # resolutions that got no answer
+        self.resolver = DnsResolver(self.discovery.resolver, self.discovery.timeout_s)
+        self._pool = None
+        self._task: asyncio.Task | None = None
+        self._drains: set[asyncio.Task] = set()
+        self._http: httpx.AsyncClient | None = None
+
+    # -- what the pool sees ------------------------------------------------------------------
+
+    def attach(self, pool) -> None:
+        self._pool = pool
+
+    def members(self) -> list:
+        """Routable members, in address order."""
+        return list(self.routable.values())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    def draining_in_flight(self) -> int:
+        return sum(d.in_flight for d in self.draining.values())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolve once and admit what answers (so a gateway starts with its members), then keep
+        refreshing in the background."""
+        if self._task is not None:
+            return
+        self._http = httpx.AsyncClient(timeout=self.discovery.timeout_s)
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def stop_discovery(self) -> None:
+        """Stop resolving and stop members not yet routable; routable and draining ones are left
+        to their owners (a reload retires them once idle; `close` stops them)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        pending, self.pending = list(self.pending.values()), {}
+        self.problems.clear()
+        await asyncio.gather(*(_stop(d) for d in pending))
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def close(self) -> None:
+        """At shutdown: stop resolving and stop draining members now (routable ones are stopped by
+        the registry with every other deployment)."""
+        await self.stop_discovery()
+        for task in self._drains:
+            task.cancel()
+        await asyncio.gather(*self._drains, return_exceptions=True)
+        draining, self.draining = list(self.draining.values()), {}
+        await asyncio.gather(*(_stop(d) for d in draining))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad refresh
+                log.exception("discovery of %s (model %s): refresh failed", self.name, self.model)
+
+    # -- one refresh -------------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Resolve, drain what is gone, then start and health-check what is new."""
+        try:
+            addresses = await self.resolver.addresses(self.discovery.dns)
+        except DiscoveryFailed as exc:
+            self._failed(str(exc))
+            addresses = None  # keep every known member
+        else:
+            self._answered(addresses)
+            self._remove_gone(set(addresses))
+        finally:
+            self.refreshes += 1
+        for address in addresses or ():
+            if address not in self.routable and address not in self.pending:
+                self._add(address)
+        await self._admit_pending()
+
+    def _answered(self, addresses: list[str]) -> None:
+        if self.up is False:
+            log.info("discovery of %s (model %s): DNS answers again after %.1f s: %d addresses",
+                        self.name, self.model, time.time() - (self.down_since or time.time()), len(addresses))
+        elif not addresses and (self.up is None or self.routable or self.pending):
+            log.warning("discovery of %s (model %s): %s has no address; no members", self.name, self.model,
+                        self.discovery.dns)
+        self.up, self.problem, self.down_since = True, None, None
+        self.resolved_at = time.time()
+
+    def _failed(self, reason: str) -> None:
+        self.failures += 1
+        self.problem = f"DNS lookup of {self.discovery.dns} failed: {reason}"
+        if self.up is not False:  # once per outage
+            self.down_since = time.time()
+            log.warning("discovery of %s (model %s): %s; keeping the last %d known members until DNS answers",
+                        self.name, self.model, self.problem, len(self.routable) + len(self.pending))
+        self.up = False
+
+    def _add(self, address: str) -> None:
+        draining = self.draining.pop(address, None)
+        if draining is not None:  # it came back before its drain finished: route to it again
+            self.routable[address] = draining
+            log.info("member %s of model %s is back in DNS: routable again", draining.name, self.model)
+            self._changed()
+            return
+        self.pending[address] = self.make_member(f"{self.name}@{address}", self.base_url(address))
+
+    def _remove_gone(self, addresses: set[str]) -> None:
+        gone = [a for a in self.routable if a not in addresses]
+        for address in gone:
+            member = self.draining[address] = self.routable.pop(address)
+            log.info("member %s of model %s left DNS: draining (%d in flight)", member.name, self.model,
+                     member.in_flight)
+            task = asyncio.get_running_loop().create_task(self._drain(address, member))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        if gone:
+            self._changed()
+        for address in [a for a in self.pending if a not in addresses]:
+            member = self.pending.pop(address)
+            self.problems.pop(address, None)
+            asyncio.get_running_loop().create_task(_stop(member))
+
+    async def _drain(self, address: str, member) -> None:
+        while member.in_flight and self.draining.get(address) is member:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.draining.get(address) is not member:
+            return  # back in DNS, or stopped by close()
+        del self.draining[address]
+        await _stop(member)
+        log.info("member %s of model %s drained and stopped", member.name, self.model)
+
+    async def _admit_pending(self) -> None:
+        pending = list(self.pending.items())
+        verdicts = await asyncio.gather(*(self._check(a, d) for a, d in pending))
+        admitted = False
+        for (address, member), problem in zip(pending, verdicts):
+            if self.pending.get(address) is not member:
+                continue  # removed while it was checked
+            if problem is None:
+                self.routable[address] = self.pending.pop(address)
+                self.problems.pop(address, None)
+                self.routable = dict(sorted(self.routable.items(), key=lambda kv: address_order(kv[0])))
+                log.info("member %s of model %s is healthy: routable", member.name, self.model)
+                admitted = True
+            elif self.problems.get(address) != problem:
+                self.problems[address] = problem
+                log.warning("member %s of model %s is not routable yet: %s", member.name, self.model, problem)
+        if admitted:
+            self._changed()
+
+    async def _check(self, address: str, member) -> str | None:
+        """None when the member may take requests, else why not."""
+        if not member.started:
+            try:
+                async with asyncio.timeout(max(self.discovery.timeout_s, 30.0)):
+                    await member.backend.start()
+            except Exception as exc:  # noqa: BLE001 - one bad member must not stop the others
+                member.start_error = str(exc) or type(exc).__name__
+                return f"its backend failed to start: {member.start_error}"
+            member.started, member.start_error = True, None
+        load = member.backend.load()
+        if not load.healthy:
+            return load.problem or "its backend reports it unhealthy"
+        if self.discovery.health_path is None:
+            return None
+        url = self.base_origin(address) + self.discovery.health_path
+        try:
+            response = await self._http.get(url)
+        except httpx.HTTPError as exc:
+            return f"GET {url}: {type(exc).__name__}"
+        if not 200 <= response.status_code < 300:
+            return f"GET {url}: HTTP {response.status_code}"
+        return None
+
+    def _changed(self) -> None:
+        if self._pool is not None:
+            self._pool.refresh_members()
+
+    # -- names -------------------------------------------------------------------------------
+
+    def base_origin(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address
+        return f"{self.discovery.scheme}://{host}:{self.discovery.port}"
+
+    def base_url(self, address: str) -> str:
+        return self.base_origin(address) + self.discovery.path
+
+    def status(self) -> dict:
+        """For the status page and /status.json."""
+        return {
+            "deployment": self.name, "dns": self.discovery.dns, "port": self.discovery.port,
+            "refresh_s": self.discovery.refresh_s, "up": self.up, "problem": self.problem,
+            "down_since": self.down_since, "resolved_at": self.resolved_at, "failures": self.failures,
+            "routable": [d.name for d in self.routable.values()],
+            "pending": [{"name": d.name, "problem": self.problems.get(a)} for a, d in self.pending.items()],
+            "draining": [{"name": d.name, "in_flight": d.in_flight} for d in self.draining.values()],
+        }
+
+
+def address_order(address: str) -> tuple[int, int]:
+    """IPv4 before IPv6, each in numeric order."""
+    ip = ipaddress.ip_address(address)
+    return ip.version, int(ip)
+
+
+async def _stop(member) -> None:
+    try:
+        await member.backend.stop()
+    except Exception:  # noqa: BLE001
+        log.exception("member %s failed to stop cleanly", member.name)
+    member.started = False
