@@ -86,13 +86,22 @@ async def health_live(request: Request) -> JSONResponse:
     return JSONResponse({"status": "alive"})
 
 
+def _readiness(d) -> str:
+    """One deployment's line in the readiness body. Readiness itself counts deployments that are
+    up: an open breaker (a backend that failed lately) steers requests elsewhere but does not take
+    the gateway out of its Service; it is named here. An engine restart closes it."""
+    if d.available:
+        return "ready"
+    load = d.backend.load()
+    if d.started and load.healthy:
+        return f"up, breaker {d.breaker.state}"
+    return d.start_error or load.problem or "not ready"
+
+
 async def health_ready(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
     registry = state.registry
-    deployments = {
-        d.name: ("ready" if d.available else (d.start_error or d.backend.load().problem or "not ready"))
-        for d in registry.deployments()
-    }
+    deployments = {d.name: _readiness(d) for d in registry.deployments()}
     ready = registry.ready(state.config.server.readiness)
     return JSONResponse(
         {"status": "ready" if ready else "not ready", "deployments": deployments},

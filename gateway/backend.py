@@ -114,6 +114,9 @@ class LoadSnapshot:
     fatal: bool = False
 
 
+    # Which serving process this is: a backend that replaces a dead one (an engine restart) counts
+    # up, and the gateway's breaker then forgets the failures charged to the process that is gone.
+    incarnation: int = 0
 @runtime_checkable
 class Backend(Protocol):
     """What every backend plugin provides.

@@ -5,6 +5,11 @@
       +-------- probe succeeded -----------+------- probe failed ---------+
 
 In half-open state exactly one request (the probe) is let through; its outcome decides.
+
+A backend that replaces its serving process (the native plugin restarts a dead or hung engine)
+says so by a new `LoadSnapshot.incarnation`. The failures counted so far belong to the process
+that is gone, and the new one has just proved it is up, so the breaker starts over closed: the
+first request after the restart is served, not refused for the rest of a cool-down.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic,
+                 incarnation: Callable[[], int] = lambda: 0):
         self.threshold = failures
         self.cooldown_s = cooldown_s
         self.clock = clock
@@ -24,9 +30,12 @@ class CircuitBreaker:
         self.opened_at: float | None = None
         self.probe_in_flight = False
         self.times_opened = 0
+        self._incarnation = incarnation  # which serving process the backend runs now
+        self._counted_for: int | None = None  # the process the counts above are about
 
     @property
     def state(self) -> str:
+        self._forget_replaced_process()
         if self.opened_at is None:
             return CLOSED
         if self.clock() - self.opened_at < self.cooldown_s:
@@ -43,12 +52,21 @@ class CircuitBreaker:
         if self.state == HALF_OPEN:
             self.probe_in_flight = True
 
+    def _forget_replaced_process(self) -> None:
+        current, counted_for = self._incarnation(), self._counted_for
+        self._counted_for = current
+        if counted_for is not None and current != counted_for:
+            self.consecutive_failures = 0
+            self.opened_at = None
+            self.probe_in_flight = False
+
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.opened_at = None
         self.probe_in_flight = False
 
     def record_failure(self) -> None:
+        self._forget_replaced_process()  # a failure of the new process starts a new count
         self.consecutive_failures += 1
         was_probe = self.probe_in_flight
         self.probe_in_flight = False

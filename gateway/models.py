@@ -209,7 +209,8 @@ def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backe
         backend = factory(dict(d.settings), d.name)
     except ValueError as exc:
         raise ValueError(f"{where}.{exc}") from None
-    breaker = CircuitBreaker(model.breaker.failures, model.breaker.cooldown_s)
+    breaker = CircuitBreaker(model.breaker.failures, model.breaker.cooldown_s,
+                             incarnation=lambda: backend.load().incarnation)
     return Deployment(d.name, model.name, d.upstream_model or model.name, d.weight, backend, breaker, d)
 
 

@@ -54,3 +54,31 @@ def test_a_probe_with_no_verdict_is_released():
     b.claim()
     b.release_probe()
     assert b.allows()
+
+
+def test_a_replaced_backend_process_starts_with_a_closed_breaker():
+    incarnation = [1]
+    now = [0.0]
+    b = CircuitBreaker(2, 60, clock=lambda: now[0], incarnation=lambda: incarnation[0])
+    b.record_failure()
+    b.record_failure()
+    assert b.state == OPEN and not b.allows()
+    incarnation[0] = 2  # the engine was restarted and is up again
+    assert b.state == CLOSED and b.allows()
+    b.record_failure()  # the new process's failures count from zero
+    assert b.state == CLOSED
+    b.record_failure()
+    assert b.state == OPEN
+    assert b.state == OPEN  # reading the state again changes nothing while the process stays
+
+
+def test_a_half_open_probe_of_the_old_process_does_not_block_the_new_one():
+    incarnation = [1]
+    now = [0.0]
+    b = CircuitBreaker(1, 5, clock=lambda: now[0], incarnation=lambda: incarnation[0])
+    b.record_failure()
+    now[0] = 6
+    b.claim()
+    assert b.state == HALF_OPEN and not b.allows()
+    incarnation[0] = 2
+    assert b.allows()

@@ -133,9 +133,9 @@ SUPERVISED = """
 models:
   - name: smollm2
     saturation: {max_waiting: 64, max_kv_cache_usage: 1.0}
-    # The killed streams open the breaker; on a quiet machine the engine is back within the
-    # default 10 s cooldown, so a short one lets the first request after recovery probe it.
-    breaker: {failures: 5, cooldown_s: 1}
+    # The killed streams open the breaker; the engine's return must close it again (the failures
+    # were the dead process's), or the first request after recovery would wait out this cooldown.
+    breaker: {failures: 5, cooldown_s: 600}
     deployments:
       - name: native-0
         backend: native
@@ -183,58 +183,68 @@ def ready(gw) -> bool:
     return httpx.get(gw.base_url + "/health/ready").status_code == 200
 
 
+def cut_32_streams(gw, backend, sig) -> float:
+    """Stop the engine with `sig` under 32 concurrent streams. Each stream must end with exactly
+    one error event and [DONE] (none hangs, none is cut without it); readiness must drop, then
+    return, with the deployment's breaker closed and a request served at once. Returns the
+    seconds from the signal to readiness."""
+    started, outcomes = threading.Barrier(33), []
+
+    def one_stream():
+        lines = stream_lines(gw, max_tokens=200)
+        next(lines)
+        started.wait(timeout=300)
+        try:
+            outcomes.append(ends_with_one_error_then_done(lines))
+        except AssertionError as exc:
+            outcomes.append(exc)
+
+    workers = [threading.Thread(target=one_stream) for _ in range(32)]
+    for w in workers:
+        w.start()
+    started.wait(timeout=300)
+    signalled_at = time.monotonic()
+    os.kill(backend.client.pid, sig)
+    for w in workers:
+        w.join(timeout=120)
+    assert len(outcomes) == 32 and all(isinstance(o, str) and "native-0" in o for o in outcomes), outcomes
+    wait_until(lambda: not ready(gw), 10, "readiness to drop")
+    assert httpx.get(gw.base_url + "/health/live").status_code == 200
+    wait_until(lambda: ready(gw), 300, "the restarted engine")
+    recovered_s = time.monotonic() - signalled_at
+    assert httpx.get(gw.base_url + "/health/ready").json()["deployments"]["native-0"] == "ready"
+    deployment = next(d for d in gw.state.registry.deployments() if d.name == "native-0")
+    assert deployment.breaker.state == "closed"
+    answer = gw.openai(timeout=60).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
+    assert answer.choices[0].message.content is not None
+    return recovered_s
+
+
 def test_supervision_restarts_a_dead_or_hung_engine_and_gives_up_on_a_crash_loop():
     with GatewayServer(SUPERVISED, ready_timeout=600) as gw:
         client = gw.openai(timeout=60)
         backend = gw.backend("native-0")
+        deployment = next(d for d in gw.state.registry.deployments() if d.name == "native-0")
 
-        def kill_mid_stream(sig) -> str:
-            lines = stream_lines(gw)
-            next(lines)  # the stream is running
-            os.kill(backend.client.pid, sig)
-            return ends_with_one_error_then_done(lines)
-
-        # 1. SIGKILL under 32 concurrent streams: each ends with exactly one error event and
-        # [DONE] (none hangs, none is cut without it); readiness drops, then returns.
-        started, outcomes = threading.Barrier(33), []
-
-        def one_stream():
-            lines = stream_lines(gw, max_tokens=200)
-            next(lines)
-            started.wait(timeout=300)
-            try:
-                outcomes.append(ends_with_one_error_then_done(lines))
-            except AssertionError as exc:
-                outcomes.append(exc)
-
-        workers = [threading.Thread(target=one_stream) for _ in range(32)]
-        for w in workers:
-            w.start()
-        started.wait(timeout=300)
-        killed_at = time.monotonic()
-        os.kill(backend.client.pid, signal.SIGKILL)
-        for w in workers:
-            w.join(timeout=120)
-        assert len(outcomes) == 32 and all(isinstance(o, str) and "native-0" in o for o in outcomes), outcomes
-        wait_until(lambda: not ready(gw), 10, "readiness to drop")
-        assert httpx.get(gw.base_url + "/health/live").status_code == 200
-        wait_until(lambda: ready(gw), 300, "the restarted engine")
-        print(f"SIGKILL under 32 streams: ready again after {time.monotonic() - killed_at:.1f} s")
-        assert ask(client, "Hi", max_tokens=2).choices[0].message.content is not None
+        # 1. SIGKILL under 32 concurrent streams. The 32 failures open the breaker (failures: 5,
+        # a 600 s cooldown); the restarted engine closes it.
+        recovered_s = cut_32_streams(gw, backend, signal.SIGKILL)
+        print(f"SIGKILL under 32 streams: ready again after {recovered_s:.1f} s")
+        assert deployment.breaker.times_opened == 1
         assert backend.load().extra["engine_restarts"] == 1
 
-        # 2. SIGSTOP: the engine says nothing; the watchdog kills it and it is restarted.
-        message = kill_mid_stream(signal.SIGSTOP)
-        assert "native-0" in message and "not running" in message
+        # 2. SIGSTOP under 32 streams: the engine says nothing; the watchdog (15 s) kills it, the
+        # streams end with their error event, and it is restarted.
+        recovered_s = cut_32_streams(gw, backend, signal.SIGSTOP)
+        print(f"SIGSTOP under 32 streams: ready again after {recovered_s:.1f} s (watchdog 15 s)")
         assert "watchdog" in backend.supervisor.last_cause
-        wait_until(lambda: ready(gw), 300, "the engine restarted after the hang")
-        assert ask(client, "Hi", max_tokens=2).choices[0].message.content is not None
 
         metrics = httpx.get(gw.base_url + "/metrics").text
         assert 'kvgate_engine_restarts_total{deployment="native-0",model="smollm2"} 2.0' in metrics
         status = httpx.get(gw.base_url + "/status.json").json()
-        [deployment] = [d for m in status["models"] for d in m["deployments"] if d["name"] == "native-0"]
-        assert deployment["engine"]["restarts"] == 2 and deployment["up"]
+        [shown] = [d for m in status["models"] for d in m["deployments"] if d["name"] == "native-0"]
+        assert shown["engine"]["restarts"] == 2 and shown["up"] and shown["breaker"] == "closed"
 
         # 3. A third death within the window: a crash loop. It stays down; liveness fails.
         os.kill(backend.client.pid, signal.SIGKILL)

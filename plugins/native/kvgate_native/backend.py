@@ -187,6 +187,7 @@ class NativeBackend:
         )
 
     async def generate(self, request: GenerationRequest):
+            incarnation=sup.incarnation,
         client = self.client
         if not self.supervisor.up:
             raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)

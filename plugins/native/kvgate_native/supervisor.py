@@ -55,6 +55,7 @@ class EngineSupervisor:
         self.client: AsyncEngineClient | None = None
         self.state = STOPPED
         self.restarts = 0  # restarts begun since start()
+        self.incarnation = 0  # engines that came up: 1 after start(), +1 after each restart
         self.last_cause: str | None = None  # why the engine last died
         self.crash_looped = False  # too many deaths in the window: it stays down
         self._deaths: deque[float] = deque()
@@ -74,6 +75,7 @@ class EngineSupervisor:
             self.state = FAILED
             raise
         self.state = UP
+        self.incarnation += 1
 
     async def stop(self) -> None:
         self.state = STOPPED
@@ -123,4 +125,5 @@ class EngineSupervisor:
             raise
         if self.state == RESTARTING and client is self.client:
             self.state = UP
+            self.incarnation += 1
             log.info("native deployment '%s': engine is back (restart %d)", self.name, self.restarts)
