@@ -76,6 +76,8 @@ def _sla_class(request: Request, state, key: ApiKey | None) -> SlaClass:
     if sla is None:
         known = ", ".join(c.name for c in state.config.sla_classes)
         raise InvalidRequestError(f"Unknown SLA class '{name}' (known: {known}).", param=SLA_HEADER)
+    if key is not None:
+        key.check_sla_class(sla.name, SLA_HEADER)
     return sla
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.config import ApiKeyConfig, AuthConfig, format_path
-from gateway.errors import AuthenticationError, InvalidRequestError, RateLimited
+from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig, check_key_classes, format_path
+from gateway.errors import AuthenticationError, InvalidRequestError, PermissionDenied, RateLimited
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
 
@@ -37,9 +37,18 @@ class ApiKey:
     requests_per_minute: int | None
     tokens_per_minute: int | None
     max_concurrency: int | None
+    sla_classes: frozenset[str] | None = None  # classes it may ask for; None: every class
 
     def may_use(self, model_names: list[str]) -> bool:
         return self.models is None or any(n in self.models for n in model_names)
+
+    def check_sla_class(self, name: str, header: str) -> None:
+        """A class above the key's allowance is refused (403 naming the header), not lowered:
+        a client that asked for a class learns that it does not get it."""
+        if self.sla_classes is not None and name not in self.sla_classes:
+            allowed = ", ".join(sorted(self.sla_classes))
+            raise PermissionDenied(f"Key '{self.name}' may not use SLA class '{name}' (allowed: {allowed}).",
+                                   param=header, code="sla_class_not_allowed")
 
 
 class KeyStore:
@@ -52,12 +61,22 @@ class KeyStore:
         return bool(self.keys)
 
     @classmethod
-    def from_config(cls, auth: AuthConfig, env: dict[str, str] | None = None) -> "KeyStore":
+    def of(cls, config: GatewayConfig) -> "KeyStore":
+        """The keys of a whole config: those of the keys file are checked against its SLA classes
+        too (the config's own keys were, when it was parsed)."""
+        return cls.from_config(config.auth, sla=({c.name for c in config.sla_classes}, config.default_sla_class))
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig, env: dict[str, str] | None = None,
+                    sla: tuple[set[str], str] | None = None) -> "KeyStore":
         """Resolve every secret now, so a missing variable fails the config, not a request."""
         env = os.environ if env is None else env
         entries = [(f"auth.keys[{i}]", k) for i, k in enumerate(auth.keys)]
         if auth.keys_file_env:
-            entries += _keys_file_entries(auth.keys_file_env, env)
+            file_entries = _keys_file_entries(auth.keys_file_env, env)
+            for where, k in file_entries if sla else ():
+                check_key_classes(where, k, *sla)
+            entries += file_entries
         keys = [_resolve(where, k, env) for where, k in entries]
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
@@ -98,8 +117,9 @@ def _resolve(where: str, k: ApiKeyConfig, env) -> ApiKey:
     if len(secret) < 8:
         raise ValueError(f"{where}: the key is shorter than 8 characters")
     models = None if "*" in k.models else frozenset(k.models)
+    sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes)
     return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
-                  k.tokens_per_minute, k.max_concurrency)
+                  k.tokens_per_minute, k.max_concurrency, sla_classes)
 
 
 def _env_secret(where: str, name: str, env) -> str:

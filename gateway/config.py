@@ -212,6 +212,10 @@ class ApiKeyConfig(StrictModel):
     key_env: str | None = Field(None, description="Environment variable holding the key.")
     models: list[str] = Field(default_factory=lambda: ["*"], description="Allowed models; '*' for all.")
     sla_class: str | None = Field(None, description="Default SLA class of this key's requests.")
+    sla_classes: list[str] = Field(
+        default_factory=lambda: ["*"], min_length=1,
+        description="SLA classes this key may ask for with x-sla-class ('*': any); another is refused "
+        "with 403, never lowered silently.")
     requests_per_minute: int | None = Field(None, gt=0)
     tokens_per_minute: int | None = Field(None, gt=0, description="Prompt + completion tokens.")
     max_concurrency: int | None = Field(None, gt=0, description="Requests in flight at once.")
@@ -295,12 +299,25 @@ class GatewayConfig(StrictModel):
             if m.fallback is not None and (m.fallback not in names or m.fallback in [m.name, *m.aliases]):
                 raise ValueError(f"models[{i}].fallback: '{m.fallback}' is not another model")
         for i, k in enumerate(self.auth.keys):
-            if k.sla_class is not None and k.sla_class not in classes:
-                raise ValueError(f"auth.keys[{i}].sla_class: unknown class '{k.sla_class}'")
+            check_key_classes(f"auth.keys[{i}]", k, classes, self.default_sla_class)
         return self
 
     def sla_class(self, name: str) -> SlaClass | None:
         return next((c for c in self.sla_classes if c.name == name), None)
+
+
+def check_key_classes(where: str, key: ApiKeyConfig, classes: set[str], default_class: str) -> None:
+    """A key's default class must exist and be one it may use (its requests without the header
+    get it); every class it may use must exist."""
+    for name in key.sla_classes:
+        if name != "*" and name not in classes:
+            raise ValueError(f"{where}.sla_classes: unknown class '{name}'")
+    if key.sla_class is not None and key.sla_class not in classes:
+        raise ValueError(f"{where}.sla_class: unknown class '{key.sla_class}'")
+    default = key.sla_class or default_class
+    if "*" not in key.sla_classes and default not in key.sla_classes:
+        raise ValueError(f"{where}.sla_classes: the key's default class '{default}' is not among them "
+                         "(set sla_class to one of them)")
 
 
 class ConfigError(Exception):

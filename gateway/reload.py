@@ -27,7 +27,7 @@ async def reload_config(state) -> tuple[bool, str]:
     async with state.reload_lock:
         try:
             config = load_config(state.config_path)
-            keys = KeyStore.from_config(config.auth)
+            keys = KeyStore.of(config)
             reuse = state.registry.reusable()
             registry = ModelRegistry.build(config, state.backends, state.policies, reuse=reuse)
         except (ConfigError, ValueError) as exc:

@@ -394,6 +394,7 @@ def test_existing_secrets_are_referenced_not_created(rendered):
     assert {"name": "keys-file", "secret": {"secretName": "kvgate-more-keys", "defaultMode": 0o440}} in pod["volumes"]
     auth = gateway_config(docs)["auth"]
     assert auth["keys_file_env"] == "KVGATE_KEYS_FILE" and auth["admin_key_env"] == "KVGATE_ADMIN_KEY"
+    assert auth["keys"][1]["sla_classes"] == ["batch"]  # pinned: x-sla-class cannot lift it
 
 
 # ------------------------------------------------------------------------------ the routing config

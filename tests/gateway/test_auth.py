@@ -1,6 +1,8 @@
 """API keys on every route, per-key model allow-lists and limits, keys never logged."""
 
 import logging
+import subprocess
+import sys
 import time
 
 import httpx
@@ -9,7 +11,7 @@ import pytest
 
 from gateway.app import ROUTES
 from gateway.auth import KeyLimiter, KeyStore
-from gateway.config import parse_config
+from gateway.config import ConfigError, parse_config
 from servers import GatewayServer
 
 ALICE, BOB, CAROL, ADMIN = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-admin-0123456789"
@@ -20,7 +22,7 @@ auth:
   keys_file_env: TEST_KEYS_FILE
   keys:
     - {name: alice, key_env: TEST_ALICE_KEY, models: ["*"], sla_class: interactive}
-    - {name: bob, key_env: TEST_BOB_KEY, models: [echo], requests_per_minute: 3}
+    - {name: bob, key_env: TEST_BOB_KEY, models: [echo], requests_per_minute: 3, sla_classes: [standard, batch]}
 models:
   - name: echo
     deployments: [{name: echo-0, backend: echo}]
@@ -32,7 +34,8 @@ models:
 @pytest.fixture()
 def gw(monkeypatch, tmp_path):
     keys_file = tmp_path / "keys.yaml"
-    keys_file.write_text(f"- {{name: carol, key: {CAROL}, models: [echo], tokens_per_minute: 30, max_concurrency: 1}}\n")
+    keys_file.write_text(f"- {{name: carol, key: {CAROL}, models: [echo], tokens_per_minute: 30, max_concurrency: 1,"
+                         " sla_class: batch, sla_classes: [batch]}\n")
     monkeypatch.setenv("TEST_ALICE_KEY", ALICE)
     monkeypatch.setenv("TEST_BOB_KEY", BOB)
     monkeypatch.setenv("TEST_ADMIN_KEY", ADMIN)
@@ -41,8 +44,8 @@ def gw(monkeypatch, tmp_path):
         yield server
 
 
-def call(gw, method, path, key=None, **kw):
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+def call(gw, method, path, key=None, headers=None, **kw):
+    headers = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.request(method, gw.base_url + path, headers=headers, timeout=10, **kw)
 
 
@@ -105,6 +108,57 @@ def test_key_default_sla_class_applies(gw):
     call(gw, "POST", "/v1/completions", key=ALICE, json={"model": "echo", "prompt": "a"})
     call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"})
     assert seen == [0, 5]  # alice: interactive; bob: the config default, standard
+
+
+def test_key_cannot_ask_for_a_class_above_its_allowance(gw):
+    seen = []
+    backend = gw.backend("echo-0")
+    original = backend.generate
+    backend.generate = lambda request: (seen.append(request.priority), original(request))[1]
+    body = {"model": "echo", "prompt": "a"}
+    refused = call(gw, "POST", "/v1/completions", key=BOB, json=body, headers={"x-sla-class": "interactive"})
+    assert refused.status_code == 403
+    assert refused.json()["error"] == {
+        "message": "Key 'bob' may not use SLA class 'interactive' (allowed: batch, standard).",
+        "type": "permission_error", "param": "x-sla-class", "code": "sla_class_not_allowed"}
+    assert call(gw, "POST", "/v1/completions", key=BOB, json=body, headers={"x-sla-class": "batch"}).status_code == 200
+    assert call(gw, "POST", "/v1/completions", key=CAROL, json=body).status_code == 200  # its default: batch
+    assert call(gw, "POST", "/v1/completions", key=CAROL, json=body,
+                headers={"x-sla-class": "standard"}).status_code == 403
+    assert call(gw, "POST", "/v1/completions", key=ALICE, json=body, headers={"x-sla-class": "batch"}).status_code == 200
+    assert seen == [10, 10, 10]  # bob's batch, carol's default, alice's (any class) batch
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=gw.base_url + "/v1", api_key=BOB, max_retries=0).completions.create(
+            model="echo", prompt="a", extra_headers={"x-sla-class": "interactive"})
+
+
+@pytest.mark.parametrize("key, message", [
+    ("{name: k, key: sk-k-0123456789, sla_classes: [gold]}", "auth.keys[0].sla_classes: unknown class 'gold'"),
+    ("{name: k, key: sk-k-0123456789, sla_classes: [batch]}",
+     "auth.keys[0].sla_classes: the key's default class 'standard' is not among them (set sla_class to one of them)"),
+    ("{name: k, key: sk-k-0123456789, sla_class: interactive, sla_classes: [batch]}",
+     "auth.keys[0].sla_classes: the key's default class 'interactive' is not among them"),
+    ("{name: k, key: sk-k-0123456789, sla_classes: []}", "auth.keys[0].sla_classes: List should have at least 1 item"),
+])
+def test_sla_allowance_is_checked_with_the_config(key, message):
+    text = f"auth:\n  keys: [{key}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert any(message in p for p in info.value.problems), info.value.problems
+
+
+def test_keys_file_allowance_is_checked_by_check_config(tmp_path, monkeypatch):
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text("- {name: dave, key: sk-dave-0123456789, sla_classes: [interactive]}\n")
+    config = tmp_path / "gw.yaml"
+    config.write_text("auth: {keys_file_env: TEST_KEYS_FILE}\nmodels:\n  - name: m\n"
+                      "    deployments: [{name: d, backend: echo}]\n")
+    monkeypatch.setenv("TEST_KEYS_FILE", str(keys_file))
+    result = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert ("keys file [TEST_KEYS_FILE][0].sla_classes: the key's default class 'standard' is not among them"
+            in result.stderr)
 
 
 def test_admin_reload_needs_the_admin_key(gw):
