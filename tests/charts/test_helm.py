@@ -173,6 +173,12 @@ BAD_VALUES = [
     (["engines[0].name=x", "engines[0].model=gold"], "engines[0].model: 'gold' is not one of models[].name"),
     (["auth.keys[0].name=team-a"], "auth.keys[0] (team-a): no secret for it"),
     (["engineAuth.enabled=true"], "engineAuth.enabled: set engineAuth.existingSecret, or engineAuth.value"),
+    (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct"], "missing property 'discovery'"),
+    (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct", "remoteModels[0].baseUrl=http://v:80/v1",
+      "remoteModels[0].discovery.dns=v", "remoteModels[0].discovery.port=80"], "'oneOf' failed, subschemas 0, 1 matched"),
+    (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct", "remoteModels[0].discovery.dns=v",
+      "remoteModels[0].discovery.port=80", "remoteModels[0].discovery.ttl=5"], "additional properties 'ttl' not allowed"),
+    (["engineDefaults.discoveryRefreshSeconds=0"], "/engineDefaults/discoveryRefreshSeconds"),
 ]
 
 
@@ -196,7 +202,7 @@ def test_default_install_is_a_gateway_and_one_cpu_engine(rendered):
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-cpu")
 
 
-def test_gpu_engines_render_one_deployment_per_engine_pod(rendered):
+def test_gpu_engines_are_one_deployment_found_in_the_headless_services_dns(rendered):
     docs = rendered("gpu-engines")
     sts = find(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2-gpu")[0]
     headless = find(docs, "Service", f"{RELEASE}-kvgate-smollm2-gpu-pods")[0]
@@ -211,15 +217,20 @@ def test_gpu_engines_render_one_deployment_per_engine_pod(rendered):
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
 
+    # One deployment, whatever the replica count: its members are the headless Service's ready
+    # pods, resolved by the gateway at run time, so `kubectl scale statefulset` needs no upgrade.
     model = gateway_config(docs)["models"][0]
-    assert [d["name"] for d in model["deployments"]] == ["smollm2-gpu-0", "smollm2-gpu-1"]
-    for i, d in enumerate(model["deployments"]):
-        assert d["backend"] == "openai"
-        assert d["settings"]["base_url"] == (
-            f"http://{RELEASE}-kvgate-smollm2-gpu-{i}.{RELEASE}-kvgate-smollm2-gpu-pods"
-            f".{NAMESPACE}.svc.cluster.local:8000/v1")
-        assert d["settings"]["metrics"] == "kvgate"
-        assert d["settings"]["api_key_env"] == "KVGATE_ENGINE_KEY"
+    [d] = model["deployments"]
+    assert d["name"] == "smollm2-gpu" and d["backend"] == "openai"
+    assert d["discovery"] == {
+        "dns": f"{RELEASE}-kvgate-smollm2-gpu-pods.{NAMESPACE}.svc.cluster.local.", "port": 8000,
+        "path": "/v1", "health_path": "/health/ready", "refresh_s": 5}
+    assert headless["spec"]["publishNotReadyAddresses"] is False  # a starting pod is not a member yet
+    assert headless["spec"]["ports"][0]["port"] == d["discovery"]["port"]
+    assert {"containerPort": 8000, "name": "http", "protocol": "TCP"} in engine["ports"]
+    assert "base_url" not in d["settings"]
+    assert d["settings"]["metrics"] == "kvgate"
+    assert d["settings"]["api_key_env"] == "KVGATE_ENGINE_KEY"
 
     engine_cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-gpu-config"])
     settings = engine_cfg["models"][0]["deployments"][0]["settings"]
@@ -540,9 +551,13 @@ def stop(proc: subprocess.Popen) -> None:
 def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, monkeypatch):
     """The created-secrets set: client keys, an engine key, two engine pods and a remote model.
     Each engine pod becomes an in-process kvgate serving the rendered engine config with the
-    echo backend in place of the native engine; the gateway runs the rendered gateway config
-    as a subprocess with the env its pod would get."""
+    echo backend in place of the native engine, on its own loopback address (127.0.0.2, .3) and
+    one port, as pods are; a DNS server on loopback plays the headless Service's DNS. The gateway
+    runs the rendered gateway config as a subprocess with the env its pod would get, pointed at
+    that DNS server. It starts with one ready pod; then `kubectl scale statefulset` is what DNS
+    says, and the second pod takes traffic with no change to the gateway's config."""
     import openai
+    from dns_server import DnsServer
     from servers import GatewayServer, free_port, wait_ready
 
     docs = rendered("created-secrets")
@@ -552,15 +567,26 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
     engine_cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
     engine_cfg["models"][0]["deployments"] = [{"name": "echo", "backend": "echo", "settings": {"tokens_per_second": 10}}]
     gateway_cfg = gateway_config(docs)
+    pod_addresses = ["127.0.0.2", "127.0.0.3"]
 
     with contextlib.ExitStack() as stack:
-        counters = [RequestCounter() for _ in range(2)]
-        pods = [stack.enter_context(GatewayServer(yaml.safe_dump(engine_cfg), extra_plugins={"counter": c}))
-                for c in counters]
+        dns = stack.enter_context(DnsServer())
+        pod_port = free_port_on(pod_addresses)
+        counters = [RequestCounter() for _ in pod_addresses]
+        pods = [stack.enter_context(GatewayServer(yaml.safe_dump(engine_cfg), extra_plugins={"counter": c},
+                                                  host=address, port=pod_port))
+                for c, address in zip(counters, pod_addresses)]
+        engines_dns = None
         for model in gateway_cfg["models"]:
-            for i, d in enumerate(model["deployments"]):
-                d["settings"]["base_url"] = pods[i % 2].base_url + "/v1"
+            for d in model["deployments"]:
+                if "discovery" in d:  # the engines: the rendered name, served by the test's DNS
+                    engines_dns = d["discovery"]["dns"]
+                    d["discovery"].update(port=pod_port, resolver=dns.address, refresh_s=0.2)
+                else:  # the remote model
+                    d["settings"]["base_url"] = pods[0].base_url + "/v1"
                 d["settings"]["metrics_poll_s"] = 0.2
+        assert engines_dns == f"{RELEASE}-kvgate-smollm2-pods.{NAMESPACE}.svc.cluster.local."
+        dns.set(engines_dns, pod_addresses[:1])  # one engine pod ready so far
         path = tmp_path / "gateway.yaml"
         path.write_text(yaml.safe_dump(gateway_cfg))
         port = free_port()
@@ -577,6 +603,15 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
         reply = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "hello from the chart"}], max_tokens=4)
         assert reply.choices[0].message.content.split() == ["hello", "from", "the", "chart"]
+        assert counters[1].statuses == []
+
+        # kubectl scale statefulset --replicas=2: the new pod is ready, the Service's DNS lists it.
+        dns.set(engines_dns, pod_addresses)
+        members = [f"smollm2@{a}" for a in pod_addresses]
+        deadline = time.monotonic() + 30
+        while not set(members) <= httpx.get(base + "/health/ready").json()["deployments"].keys():
+            assert time.monotonic() < deadline, "the second engine pod never joined"
+            time.sleep(0.05)
 
         def slow_stream(_):  # several at once, so the load-aware policy spreads them
             stream = client.completions.create(model="smollm2-135m-instruct", prompt="one two three",
@@ -587,6 +622,24 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
             assert list(pool.map(slow_stream, range(6))) == [["one", "two", "three"]] * 6
         per_pod = [c.statuses for c in counters]
         assert all(per_pod) and all(s == 200 for statuses in per_pod for s in statuses), per_pod
+
+
+def free_port_on(addresses: list[str]) -> int:
+    """A port free on every one of these loopback addresses (each pod binds its own)."""
+    import socket
+
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind((addresses[0], 0))
+            port = s.getsockname()[1]
+        try:
+            for address in addresses[1:]:
+                with socket.socket() as s:
+                    s.bind((address, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port free on all of {addresses}")
 
 
 class RequestCounter:

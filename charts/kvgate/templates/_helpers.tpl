@@ -157,25 +157,28 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- range $mi, $m := .Values.models -}}
 {{- $deps := list -}}
 {{- range $m.deployments }}{{ $deps = append $deps . }}{{ end -}}
+{{- /* One deployment per engine: its members are the ready pods of the engine's headless
+       Service, found in DNS by the gateway at run time (`kubectl scale` needs no helm upgrade),
+       each routable once its /health/ready answers. */ -}}
 {{- range $e := $engines -}}
 {{- if eq $e.model $m.name -}}
-{{- $sts := include "kvgate.engineFullname" (dict "root" $root "engine" $e) -}}
 {{- $svc := include "kvgate.engineHeadless" (dict "root" $root "engine" $e) -}}
-{{- range $pod := until (int $e.replicas) -}}
-{{- $host := printf "%s-%d.%s.%s.svc.%s" $sts $pod $svc $root.Release.Namespace $root.Values.clusterDomain -}}
-{{- $settings := dict "base_url" (printf "http://%s:%d/v1" $host (int $e.port)) "metrics" "kvgate" "capacity" (int $e.maxNumSeqs) -}}
+{{- $dns := printf "%s.%s.svc.%s." $svc $root.Release.Namespace (trimSuffix "." $root.Values.clusterDomain) -}}
+{{- $settings := dict "metrics" "kvgate" "capacity" (int $e.maxNumSeqs) -}}
 {{- if $root.Values.engineAuth.enabled }}{{ $_ := set $settings "api_key_env" "KVGATE_ENGINE_KEY" }}{{ end -}}
-{{- $settings = mergeOverwrite (deepCopy (default (dict) $e.gatewaySettings)) $settings -}}
-{{- $deps = append $deps (dict "name" (printf "%s-%d" $e.name $pod) "backend" "openai" "weight" $e.weight "settings" $settings) -}}
-{{- end -}}
+{{- $settings = mergeOverwrite (omit (deepCopy (default (dict) $e.gatewaySettings)) "base_url") $settings -}}
+{{- $discovery := dict "dns" $dns "port" (int $e.port) "path" "/v1" "health_path" "/health/ready" "refresh_s" $e.discoveryRefreshSeconds -}}
+{{- $deps = append $deps (dict "name" $e.name "backend" "openai" "weight" $e.weight "settings" $settings "discovery" $discovery) -}}
 {{- end -}}
 {{- end -}}
 {{- range $ri, $r := $root.Values.remoteModels -}}
 {{- if eq $r.model $m.name -}}
-{{- $settings := dict "base_url" $r.baseUrl "metrics" (default "auto" $r.metrics) -}}
+{{- $settings := dict "metrics" (default "auto" $r.metrics) -}}
+{{- with $r.baseUrl }}{{ $_ := set $settings "base_url" . }}{{ end -}}
 {{- if $r.apiKeySecret }}{{ $_ := set $settings "api_key_env" (printf "KVGATE_UPSTREAM_KEY_%d" $ri) }}{{ end -}}
 {{- $settings = mergeOverwrite (deepCopy (default (dict) $r.settings)) $settings -}}
 {{- $d := dict "name" $r.name "backend" "openai" "settings" $settings -}}
+{{- with $r.discovery }}{{ $_ := set $d "discovery" (include "kvgate.discoveryConfig" . | fromYaml) }}{{ end -}}
 {{- with $r.upstreamModel }}{{ $_ := set $d "upstream_model" . }}{{ end -}}
 {{- with $r.weight }}{{ $_ := set $d "weight" . }}{{ end -}}
 {{- $deps = append $deps $d -}}
@@ -249,6 +252,14 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY"))) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* remoteModels[].discovery (camelCase values) as kvgate's deployment discovery (snake_case). */}}
+{{- define "kvgate.discoveryConfig" -}}
+{{- $names := dict "dns" "dns" "port" "port" "scheme" "scheme" "path" "path" "healthPath" "health_path" "refreshSeconds" "refresh_s" "timeoutSeconds" "timeout_s" -}}
+{{- $out := dict -}}
+{{- range $key, $value := . }}{{ $_ := set $out (get $names $key) $value }}{{ end -}}
+{{- toYaml $out -}}
 {{- end -}}
 
 {{/* engines[].speculative (camelCase values) as the native settings' speculative (snake_case). */}}
