@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from gateway import api
+from gateway import api, login
 from gateway.asgi import BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
@@ -155,6 +155,8 @@ ROUTES = [
     Route("/", lambda request: RedirectResponse("/status"), methods=["GET"]),
     Route("/status", status_page, methods=["GET"]),
     Route("/status.json", status_json, methods=["GET"]),
+    Route("/status/login", login.status_login, methods=["POST"]),
+    Route("/status/logout", login.status_logout, methods=["POST"]),
 ]
 
 

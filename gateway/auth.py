@@ -22,6 +22,11 @@ from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig, check_key_cl
 from gateway.errors import AuthenticationError, InvalidRequestError, PermissionDenied, RateLimited
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+# The operator's read-only pages: every model's numbers. With keys configured they take the admin
+# key, a key with the metrics scope, or a status-page session (sessions.py); another key sees
+# only its own models on /status.json and gets no /metrics.
+OPERATOR_PATHS = frozenset({"/metrics", "/status", "/status.json"})
+LOGIN_PATH, LOGOUT_PATH = "/status/login", "/status/logout"
 
 
 def _digest(secret: str) -> bytes:
@@ -38,6 +43,7 @@ class ApiKey:
     tokens_per_minute: int | None
     max_concurrency: int | None
     sla_classes: frozenset[str] | None = None  # classes it may ask for; None: every class
+    scopes: frozenset[str] = frozenset()  # "metrics": reads the operator pages for every model
 
     def may_use(self, model_names: list[str]) -> bool:
         return self.models is None or any(n in self.models for n in model_names)
@@ -119,7 +125,7 @@ def _resolve(where: str, k: ApiKeyConfig, env) -> ApiKey:
     models = None if "*" in k.models else frozenset(k.models)
     sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes)
     return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
-                  k.tokens_per_minute, k.max_concurrency, sla_classes)
+                  k.tokens_per_minute, k.max_concurrency, sla_classes, frozenset(k.scopes))
 
 
 def _env_secret(where: str, name: str, env) -> str:
@@ -236,7 +242,8 @@ class KeyLimiter:
 
 class AuthMiddleware:
     """Every route but liveness/readiness needs a key when keys are configured; /admin/* needs
-    the admin key. The matched key is put in `scope["state"]["api_key"]`."""
+    the admin key. The matched key is put in `scope["state"]["api_key"]`; `scope["state"]
+    ["operator"]` is True for whoever may see every model on the operator pages."""
 
     def __init__(self, app, keys_of):
         self.app = app
@@ -248,15 +255,44 @@ class AuthMiddleware:
         from gateway.asgi import send_error
 
         store: KeyStore = self.keys_of()
-        token = bearer_token(dict(scope["headers"]))
-        if scope["path"].startswith("/admin/"):
+        headers = dict(scope["headers"])
+        token = bearer_token(headers)
+        path = scope["path"]
+        if path.startswith("/admin/"):
             if token is None or not store.is_admin(token):
                 return await send_error(send, AuthenticationError("The admin key is missing or wrong."))
             return await self.app(scope, receive, send)
-        if store.enabled:
-            key = store.lookup(token) if token else None
-            if key is None:
-                return await send_error(send, AuthenticationError(
-                    "Missing API key." if token is None else "Incorrect API key provided."))
-            scope.setdefault("state", {})["api_key"] = key
+        if not store.enabled:
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        if token is not None and path in OPERATOR_PATHS and store.is_admin(token):
+            state["operator"] = True
+            return await self.app(scope, receive, send)
+        if token is None:
+            return await self._without_key(store, headers, scope, receive, send)
+        key = store.lookup(token)
+        if key is None:
+            return await send_error(send, AuthenticationError("Incorrect API key provided."))
+        state["api_key"] = key
+        state["operator"] = "metrics" in key.scopes and path in OPERATOR_PATHS
+        if path == "/metrics" and not state["operator"]:
+            return await send_error(send, PermissionDenied(
+                f"Key '{key.name}' may not read /metrics: it takes the admin key or a key with the metrics scope."))
         return await self.app(scope, receive, send)
+
+    async def _without_key(self, store: KeyStore, headers, scope, receive, send):
+        """No key: a status-page session may read the operator pages; a browser asking for the
+        status page gets the sign-in form; anything else is a 401."""
+        from gateway import login, sessions
+        from gateway.asgi import send_error
+
+        path = scope["path"]
+        signed_in = sessions.valid(sessions.cookie_of(headers), store.admin_digest)
+        if signed_in and (path in OPERATOR_PATHS or path == LOGOUT_PATH):
+            scope["state"]["operator"] = True
+            return await self.app(scope, receive, send)
+        if path == LOGIN_PATH:
+            return await self.app(scope, receive, send)
+        if path == "/status" and scope["method"] == "GET" and b"text/html" in headers.get(b"accept", b""):
+            return await login.page(store)(scope, receive, send)
+        return await send_error(send, AuthenticationError("Missing API key."))

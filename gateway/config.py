@@ -217,6 +217,9 @@ class ApiKeyConfig(StrictModel):
         description="SLA classes this key may ask for with x-sla-class ('*': any); another is refused "
         "with 403, never lowered silently.")
     requests_per_minute: int | None = Field(None, gt=0)
+    scopes: list[Literal["metrics"]] = Field(
+        default_factory=list, description="metrics: may also read /metrics, /status and /status.json for "
+        "every model (a monitoring key); other keys see only their models there, and no /metrics.")
     tokens_per_minute: int | None = Field(None, gt=0, description="Prompt + completion tokens.")
     max_concurrency: int | None = Field(None, gt=0, description="Requests in flight at once.")
 

@@ -52,6 +52,10 @@ async def status_page(request: Request) -> HTMLResponse:
 
 async def status_json(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
+    seen = request.scope.get("state", {})
+    key = seen.get("api_key")
+    if key is not None and not seen.get("operator"):
+        return JSONResponse(_tenant_view(state, key))
     recent = state.recent
     return JSONResponse({
         "time": time.time(),
@@ -66,6 +70,18 @@ async def status_json(request: Request) -> JSONResponse:
         "recent_errors": list(recent.errors),
         "limits_store": state.limiter.status(),
     })
+
+
+def _tenant_view(state, key) -> dict:
+    """What a client key sees: its own models and their recent errors; not the gateway-wide
+    totals, latencies or limits, which are every tenant's traffic."""
+    return {
+        "time": time.time(),
+        "view": "key",
+        "models": [_pool(p) for p in state.registry.pools if key.may_use([p.name, *p.aliases])],
+        "sla_classes": [c.model_dump() for c in state.config.sla_classes],
+        "recent_errors": [e for e in state.recent.errors if key.may_use([e["model"]])],
+    }
 
 
 def _pool(pool) -> dict:

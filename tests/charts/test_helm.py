@@ -724,3 +724,16 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
     # uvicorn re-raises the signal once drained: status -15 here, 143 in a container, as Kubernetes expects.
     assert proc.returncode in (0, -signal.SIGTERM), proc.stderr.read().decode()[-2000:]
     assert exited_after < 30, f"exited {exited_after:.1f}s after SIGTERM"
+
+
+def test_service_monitor_scrapes_with_a_metrics_key_from_the_auth_secret(helm):
+    sets = ["serviceMonitor.enabled=true", "serviceMonitor.secretKey=monitoring"]
+    docs = render(helm, [CHART / "examples" / "existing-secret.yaml"], sets)
+    [monitor] = find(docs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "kvgate-keys", "key": "monitoring"}}
+    refused = run_helm(helm, "template", RELEASE, str(CHART), *values_args([], sets), check=False)
+    assert refused.returncode != 0
+    assert "serviceMonitor.secretKey: no secret for it" in refused.stderr
+    docs = render(helm, [], ["serviceMonitor.enabled=true"])  # no keys: no credential needed
+    assert "authorization" not in find(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]

@@ -1,8 +1,6 @@
 """The status page, loaded in headless Chromium against a running gateway with live traffic."""
 
 import os
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -10,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from browser import chromium, headless
 from servers import GatewayServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,24 +51,6 @@ def test_root_redirects_to_the_page(gw):
     r = httpx.get(gw.base_url + "/", follow_redirects=False)
     assert r.status_code in (302, 307) and r.headers["location"] == "/status"
     assert "<title>kvgate status</title>" in httpx.get(gw.base_url + "/status").text
-
-
-def chromium() -> str:
-    """Chromium is not among what `make test` needs (Python, pip, gcc): without it the browser
-    tests skip, unless KVGATE_REQUIRE_CHROMIUM is set (.ci/run installs it and sets it)."""
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        if os.environ.get("KVGATE_REQUIRE_CHROMIUM"):
-            pytest.fail("Chromium is missing but KVGATE_REQUIRE_CHROMIUM is set")
-        pytest.skip("Chromium is not installed (.ci/run installs the Debian package 'chromium')")
-    return path
-
-
-def headless(url: str, *extra: str) -> subprocess.CompletedProcess:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--virtual-time-budget=4000", "--window-size=1280,900"]
-    return subprocess.run([chromium(), *flags, *extra, url], capture_output=True, text=True, timeout=120)
 
 
 def test_page_in_headless_chromium_shows_live_numbers(gw, tmp_path):

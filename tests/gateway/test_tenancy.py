@@ -1,0 +1,145 @@
+"""Tenancy of the operator pages with keys on: /metrics, /status and /status.json are for the
+admin key (or a key with the metrics scope); other keys see only their models; a browser signs
+in with the admin key through a form that sets an HttpOnly, SameSite=Strict session cookie."""
+
+import httpx
+import pytest
+
+from browser import DevToolsPage, chromium
+from gateway import sessions
+from servers import GatewayServer
+
+ALICE, BOB, MONITOR = "sk-alice-0123456789", "sk-bob-0123456789", "sk-monitor-0123456789"
+ADMIN = "sk-admin-0123456789"
+BROWSER = {"accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+
+CONFIG = f"""
+auth:
+  admin_key_env: TEST_ADMIN_KEY
+  keys:
+    - {{name: alice, key: {ALICE}, models: [echo]}}
+    - {{name: bob, key: {BOB}, models: [secret-model]}}
+    - {{name: monitor, key: {MONITOR}, models: [echo], scopes: [metrics]}}
+models:
+  - name: echo
+    deployments: [{{name: echo-0, backend: echo}}]
+  - name: secret-model
+    deployments: [{{name: secret-0, backend: echo}}]
+"""
+
+
+@pytest.fixture(scope="module")
+def gw():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TEST_ADMIN_KEY", ADMIN)
+    with GatewayServer(CONFIG) as server:
+        # one failure on each model, for the "recent errors" each view may see
+        for key, model in ((ALICE, "echo"), (BOB, "secret-model")):
+            httpx.post(server.base_url + "/v1/completions", headers=_bearer(key),
+                       json={"model": model, "prompt": "", "max_tokens": 2}, timeout=10)
+        yield server
+    mp.undo()
+
+
+def _bearer(key):
+    return {"authorization": f"Bearer {key}"}
+
+
+def get(gw, path, key=None, **kw):
+    headers = {**(_bearer(key) if key else {}), **kw.pop("headers", {})}
+    return httpx.get(gw.base_url + path, headers=headers, timeout=10, follow_redirects=False, **kw)
+
+
+def test_metrics_are_for_the_admin_and_metrics_scoped_keys(gw):
+    assert get(gw, "/metrics").status_code == 401
+    refused = get(gw, "/metrics", ALICE)
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+    assert "metrics scope" in refused.json()["error"]["message"]
+    for key in (MONITOR, ADMIN):
+        r = get(gw, "/metrics", key)
+        assert r.status_code == 200 and 'model="secret-model"' in r.text
+
+
+def test_a_client_key_sees_only_its_models_on_the_status(gw):
+    mine = get(gw, "/status.json", ALICE).json()
+    assert [m["name"] for m in mine["models"]] == ["echo"] and mine["view"] == "key"
+    assert {e["model"] for e in mine["recent_errors"]} == {"echo"}
+    assert "requests" not in mine and "latency" not in mine  # every tenant's traffic
+    for key in (MONITOR, ADMIN):
+        everything = get(gw, "/status.json", key).json()
+        assert [m["name"] for m in everything["models"]] == ["echo", "secret-model"]
+        assert {e["model"] for e in everything["recent_errors"]} == {"echo", "secret-model"}
+        assert everything["requests"]["failed"] >= 2
+
+
+def test_admin_key_is_not_a_client_key(gw):
+    r = httpx.post(gw.base_url + "/v1/completions", headers=_bearer(ADMIN), json={"model": "echo", "prompt": "a"})
+    assert r.status_code == 401
+
+
+def test_browser_without_a_session_gets_the_sign_in_form(gw):
+    r = get(gw, "/status", headers=BROWSER)
+    assert r.status_code == 401 and 'action="/status/login"' in r.text and 'name="key"' in r.text
+    assert get(gw, "/status").json()["error"]["type"] == "authentication_error"  # an API client: JSON
+
+
+def sign_in(gw, key):
+    return httpx.post(gw.base_url + "/status/login", data={"key": key}, timeout=10, follow_redirects=False)
+
+
+def test_sign_in_sets_a_strict_http_only_cookie_that_opens_only_the_operator_pages(gw):
+    wrong = sign_in(gw, ALICE)  # a client key is not the admin key
+    assert wrong.status_code == 401 and "That is not the admin key." in wrong.text
+    assert "set-cookie" not in wrong.headers
+    r = sign_in(gw, ADMIN)
+    assert r.status_code == 303 and r.headers["location"] == "/status"
+    cookie = r.headers["set-cookie"]
+    attributes = {a.strip().split("=")[0].lower() for a in cookie.split(";")[1:]}
+    assert {"httponly", "path", "max-age", "samesite"} <= attributes and "SameSite=Strict" in cookie
+    value = cookie.split(";")[0].split("=", 1)[1]
+    assert ADMIN not in cookie and "admin" not in value
+    session = {"cookie": f"{sessions.COOKIE}={value}"}
+    assert get(gw, "/status.json", headers=session).json()["requests"]["total"] >= 2
+    assert get(gw, "/metrics", headers=session).status_code == 200
+    assert "<title>kvgate status</title>" in get(gw, "/status", headers={**session, **BROWSER}).text
+    # the cookie is for reading the operator pages, nothing else
+    api = httpx.post(gw.base_url + "/v1/completions", headers=session, json={"model": "echo", "prompt": "a"})
+    assert api.status_code == 401
+    assert httpx.post(gw.base_url + "/admin/reload", headers=session).status_code == 401
+    forged = {"cookie": f"{sessions.COOKIE}={value[:-1]}{'0' if value[-1] != '0' else '1'}"}
+    assert get(gw, "/status.json", headers=forged).status_code == 401
+    out = httpx.post(gw.base_url + "/status/logout", headers=session, follow_redirects=False)
+    assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
+
+
+def test_sessions_expire_and_die_with_the_admin_key():
+    secret = b"s" * 32
+    cookie = sessions.issue(secret, now=1000.0)
+    assert sessions.valid(cookie, secret, now=1000.0 + sessions.TTL_S - 1)
+    assert not sessions.valid(cookie, secret, now=1000.0 + sessions.TTL_S + 1)
+    assert not sessions.valid(cookie, b"t" * 32, now=1000.0)  # another admin key
+    assert not sessions.valid("garbage", secret) and not sessions.valid(None, secret)
+
+
+def test_status_page_sign_in_in_headless_chromium(gw, tmp_path):
+    chromium()  # skips without the browser (fails instead where KVGATE_REQUIRE_CHROMIUM is set)
+    page = DevToolsPage(str(tmp_path / "profile"))
+    try:
+        page.call("Page.navigate", url=gw.base_url + "/status")
+        page.wait_for("document.querySelector('form#login') !== null")
+        assert page.evaluate("document.getElementById('total-requests')") is None  # no numbers yet
+        # a wrong key: the form again, with the reason
+        page.evaluate(f"document.getElementById('key').value = {ALICE!r}; document.getElementById('login').submit()")
+        assert "That is not the admin key." in page.wait_for("document.getElementById('message')?.textContent")
+        # the admin key: the live page, its numbers read from /status.json with the session cookie
+        page.evaluate(f"document.getElementById('key').value = {ADMIN!r}; document.getElementById('login').submit()")
+        total = page.wait_for("(t => t && /^[0-9]+$/.test(t.textContent) && t.textContent)"
+                              "(document.getElementById('total-requests'))")
+        assert int(total) >= 2
+        assert page.evaluate("location.pathname") == "/status"
+        assert page.wait_for("document.querySelector('[data-deployment=\"secret-0\"]') !== null")
+        [cookie] = page.call("Network.getCookies", urls=[gw.base_url])["cookies"]
+        assert cookie["name"] == sessions.COOKIE and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        assert page.evaluate("document.cookie") == ""  # no script on the page can read it
+    finally:
+        page.close()
