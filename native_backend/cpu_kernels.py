@@ -4,7 +4,9 @@ The library is compiled on first use with the machine's C compiler (gcc or cc; `
 into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_CACHE_DIR`,
 default ~/.cache/kvgate), named by a hash of the sources and the flags: an edit builds anew, a
 library built elsewhere can be copied in, and concurrent builds never see each other's
-half-written file. `python -m native_backend.cpu_kernels` builds it ahead of time and prints its
+half-written file (each compiles to a temporary name, then renames it in place). A library that
+another user could have written (the file or its folder writable by group or others, or owned by
+someone else) is refused, not loaded: loading it would run their code. `python -m native_backend.cpu_kernels` builds it ahead of time and prints its
 path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
 returns None, `unavailable_reason()` says why, and callers keep their torch paths.
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from native_backend.cache_dir import kvgate_cache_dir
+from native_backend.cache_dir import kvgate_cache_dir, untrusted_reason
 
 log = logging.getLogger("kvgate.engine")
 
@@ -126,6 +128,9 @@ def _load() -> ctypes.CDLL:
     if not PLATFORM_SUPPORTED:
         raise _Unavailable(_platform_problem())
     path = _built_library()
+    problem = untrusted_reason(path)
+    if problem:
+        raise _Unavailable(f"refusing to load {path}: {problem}")
     try:
         lib = ctypes.CDLL(str(path))
         for name, (argtypes, restype) in _SIGNATURES.items():
@@ -163,7 +168,7 @@ def _built_library() -> Path:
         return target
     cc = _compiler()
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     except OSError as exc:
         raise _Unavailable(f"cannot write to {target.parent}: {exc}") from None
@@ -176,6 +181,7 @@ def _built_library() -> Path:
             raise _Unavailable(f"{cc} does not run: {exc}") from None
         if done.returncode != 0:
             raise _Unavailable(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # whatever the umask: readable by all, writable by its owner only
         os.replace(tmp, target)  # atomic: another process sees the whole file or none
     finally:
         if os.path.exists(tmp):

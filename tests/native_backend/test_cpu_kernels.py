@@ -4,6 +4,7 @@ refused and loaded (in subprocesses where the process-wide load state or the env
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,29 @@ def test_prebuilt_ahead_of_time_into_a_kernels_dir(tmp_path):
     """, CC="false", **env)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == path and not (tmp_path / "cache").exists()
+
+
+def test_a_library_others_could_write_is_refused(tmp_path):
+    """Loading a library runs it: one that another user could have replaced is not loaded."""
+    kernels = tmp_path / "kernels"
+    env = {"KVGATE_KERNELS_DIR": str(kernels), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
+    code = """
+        import torch
+        from native_backend import cpu_kernels
+        print(cpu_kernels.load() is not None, cpu_kernels.unavailable_reason())
+    """
+    built = _run(code, **env)
+    assert built.returncode == 0 and built.stdout.startswith("True"), built.stderr
+    [library] = kernels.iterdir()
+    assert stat.S_IMODE(library.stat().st_mode) == 0o755 and stat.S_IMODE(kernels.stat().st_mode) & 0o022 == 0
+
+    library.chmod(0o777)  # the file writable by anyone
+    refused = _run(code, **env)
+    assert refused.stdout.startswith("False") and "is writable by others (mode 777)" in refused.stdout
+    assert "refusing to load" in refused.stdout
+    library.chmod(0o755)
+    kernels.chmod(0o777)  # the folder: anyone could replace the file
+    refused = _run(code, **env)
+    assert refused.stdout.startswith("False") and f"{kernels} is writable by others" in refused.stdout
+    kernels.chmod(0o1777)  # sticky, like /tmp: only the owner may replace its own file
+    assert _run(code, **env).stdout.startswith("True")
