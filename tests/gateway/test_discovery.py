@@ -264,6 +264,22 @@ def test_dns_outage_keeps_the_last_members_and_says_so(dns, port, stack, caplog)
     assert 'kvgate_discovery_up{deployment="engines",model="echo"} 1.0' in httpx.get(front.base_url + "/metrics").text
 
 
+def test_status_page_shows_the_outage(dns, port, stack, tmp_path):
+    from browser import chromium, headless
+
+    chromium()  # skips here when there is no browser (CI has one)
+    dns.set(NAME, [A])
+    start_upstream(stack, A, port)
+    front = start_front(stack, dns, port)
+    group = group_of(front)
+    dns.stop()
+    wait_for(lambda: group.up is False, "the lookup to fail")
+    dom = headless(front.base_url + "/status", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom").stdout
+    line = dom.split('data-discovery="engines"')[1].split("</div>")[0]
+    assert f"DNS lookup of {NAME} failed" in line and "keeping the last members" in line
+    assert "1 routable, 0 pending, 0 draining" in line
+
+
 def test_a_servfail_is_an_outage_too(dns, port, stack):
     dns.set(NAME, [A])
     start_upstream(stack, A, port)
