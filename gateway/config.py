@@ -62,7 +62,9 @@ class DiscoveryConfig(StrictModel):
     dns: str = Field(description="DNS name to resolve, e.g. engines.llm.svc.cluster.local. (a trailing dot "
                      "skips the search domains).")
     port: int = Field(ge=1, le=65535, description="TCP port of every member.")
-    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the members.")
+    scheme: Literal["http", "https"] = Field(
+        "http", description="URL scheme of the members (https: their certificates must name their IP addresses, "
+        "which is what the gateway connects to).")
     path: str = Field("/v1", description="Appended to scheme://address:port to make each member's base_url.")
     refresh_s: float = Field(5.0, ge=0.05, description="Seconds between two resolutions.")
     timeout_s: float = Field(2.0, gt=0, description="Seconds a resolution, and a member's health check, may take.")

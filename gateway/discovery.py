@@ -24,6 +24,9 @@ import logging
 import time
 from typing import Callable
 
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
 import httpx
 
 from gateway.config import DeploymentConfig, resolver_address
@@ -45,10 +48,7 @@ class DnsResolver:
         self.timeout_s = timeout_s
         self._resolver = None
 
-    def _get(self):
-        import dns.asyncresolver
-        import dns.resolver
-
+    def _get(self) -> dns.asyncresolver.Resolver:
         if self._resolver is None:
             if self.server is None:
                 try:  # reads /etc/resolv.conf once (search domains and ndots included, as in a pod)
@@ -67,9 +67,6 @@ class DnsResolver:
         return sorted(set(v4) | set(v6), key=address_order)
 
     async def _query(self, name: str, rdtype: str) -> list[str]:
-        import dns.exception
-        import dns.resolver
-
         resolver = self._get()
         try:
             answer = await resolver.resolve(name, rdtype, lifetime=self.timeout_s, search=True)
@@ -110,7 +107,7 @@ class DiscoveryGroup:
         self.resolver = DnsResolver(self.discovery.resolver, self.discovery.timeout_s)
         self._pool = None
         self._task: asyncio.Task | None = None
-        self._drains: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # drains and stops under way (held: asyncio keeps weak refs)
         self._http: httpx.AsyncClient | None = None
 
     # -- what the pool sees ------------------------------------------------------------------
@@ -158,9 +155,9 @@ class DiscoveryGroup:
         """At shutdown: stop resolving and stop draining members now (routable ones are stopped by
         the registry with every other deployment)."""
         await self.stop_discovery()
-        for task in self._drains:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._drains, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         draining, self.draining = list(self.draining.values()), {}
         await asyncio.gather(*(_stop(d) for d in draining))
 
@@ -225,15 +222,18 @@ class DiscoveryGroup:
             member = self.draining[address] = self.routable.pop(address)
             log.info("member %s of model %s left DNS: draining (%d in flight)", member.name, self.model,
                      member.in_flight)
-            task = asyncio.get_running_loop().create_task(self._drain(address, member))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
+            self._background(self._drain(address, member))
         if gone:
             self._changed()
         for address in [a for a in self.pending if a not in addresses]:
             member = self.pending.pop(address)
             self.problems.pop(address, None)
-            asyncio.get_running_loop().create_task(_stop(member))
+            self._background(_stop(member))
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drain(self, address: str, member) -> None:
         while member.in_flight and self.draining.get(address) is member:
