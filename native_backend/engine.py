@@ -179,6 +179,9 @@ class LLMEngine:
         return [TokenLogprobs(lp, text(lp.token_id), tuple(text(t) for t, _ in lp.top)) for lp in result.logprobs]
 
     def stats(self) -> EngineStats:
+        # Called every stats interval, idle or not: a tensor-parallel worker that died raises here,
+        # and the engine process reports it as fatal and exits (its supervisor restarts it).
+        self.executor.check_health()
         s = self.scheduler.stats()
         return EngineStats(
             num_waiting=s.num_waiting,

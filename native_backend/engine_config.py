@@ -4,7 +4,7 @@
       model:       ModelOptions        which checkpoint, dtype, device, threads, kernels
       cache:       CacheOptions        KV block size, dtype, budget, prefix caching
       scheduler:   SchedulerOptions    batch limits, context length
-      parallel:    ParallelOptions     tensor-parallel size (1 so far)
+      parallel:    ParallelOptions     tensor-parallel size, collective timeout
       speculative: SpeculativeOptions | None
 
 Each part checks itself once, in `__post_init__`, and raises ValueError naming the field; the
@@ -82,12 +82,17 @@ class SchedulerOptions:
 
 @dataclass(frozen=True)
 class ParallelOptions:
+    """Tensor parallelism: the model's layers split across N ranks (N-1 worker processes beside
+    the engine core's rank 0), one device each (CUDA: cuda:0..N-1 from the configured index)."""
+
     tensor_parallel_size: int = 1
+    # A collective (all-reduce, gather) that has not completed in this many seconds fails the step:
+    # a stopped or hung rank then fails in-flight requests instead of stalling them forever.
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self):
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"parallel.tensor_parallel_size: {self.tensor_parallel_size} ranks; this engine "
-                             "runs on one device so far (use 1)")
+        _positive("parallel", tensor_parallel_size=self.tensor_parallel_size,
+                  collective_timeout_s=self.collective_timeout_s)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")

@@ -41,8 +41,10 @@ def calibration_text() -> str:
 def calibrate(model, token_ids: list[int], kv_dtype: KVCacheDType, device: torch.device) -> list[tuple[float, float]]:
     """(k_scale, v_scale) per layer from one pass of the model over `token_ids`."""
     num_blocks = math.ceil(len(token_ids) / CALIBRATION_BLOCK) + 1
-    scratch = KVCache.for_model(model.config, num_blocks=num_blocks, block_size=CALIBRATION_BLOCK,
-                                dtype="float32", device=device)
+    config = model.config  # this rank's KV heads (a tensor-parallel rank holds a share of them)
+    scratch = KVCache(num_layers=config.num_layers, num_blocks=num_blocks, block_size=CALIBRATION_BLOCK,
+                      num_kv_heads=model.attention_layers()[0].num_kv_heads, head_dim=config.head_dim,
+                      dtype="float32", device=device)
     runner = ModelRunner(model, scratch, device)
     chunk = ScheduledChunk("kv-scale-calibration", list(token_ids), 0, list(range(1, num_blocks)), True,
                            SamplingParams(temperature=0.0))

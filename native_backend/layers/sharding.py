@@ -6,20 +6,44 @@
 
 One rank of one (size 1) is the whole tensor: the single-device engine is the degenerate case of
 tensor parallelism, not a separate code path.
+
+KV heads (grouped-query attention) split like any dimension while there are at least as many as
+ranks; with fewer, each KV head is replicated on the ranks whose query heads read it:
+
+    8 query heads, 2 KV heads, 4 ranks:   rank   0    1    2    3
+                                          q      0-1  2-3  4-5  6-7
+                                          kv     0    0    1    1     (kv_head_shard: rank r // 2 of 2)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+class CommStats:
+    """Time spent in this rank's collectives (host wall clock; on CUDA the launch, not the transfer)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.bytes = 0
+
+    def add(self, started: float, tensor: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        self.bytes += tensor.numel() * tensor.element_size()
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     rank: int = 0
     size: int = 1
+    # this rank's collective counters (tensor-parallel ranks only); not part of the spec's identity
+    comm: CommStats | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -38,14 +62,44 @@ class ShardSpec:
         n = self.part(full.shape[dim], f"dimension {dim} of a {tuple(full.shape)} tensor")
         return full.narrow(dim, self.rank * n, n)
 
+    def kv_head_shard(self, num_kv_heads: int) -> ShardSpec:
+        """The split of the KV heads (k/v projections, this rank's KV cache): this spec while the
+        heads split evenly; with fewer heads than ranks, rank r holds head r // (size / heads)
+        whole (replicated), so the spec is `rank // replicas` of `num_kv_heads`. Its `narrow` and
+        `part` are what a column-parallel k/v projection needs; it never runs a collective."""
+        if num_kv_heads >= self.size:
+            return self
+        if self.size % num_kv_heads:
+            raise ValueError(f"KV heads: {num_kv_heads} cannot be split or replicated across {self.size} ranks")
+        replicas = self.size // num_kv_heads
+        return ShardSpec(self.rank // replicas, num_kv_heads)
+
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's partial result (the tensor-parallel group's collective)."""
         if self.size == 1:
             return partial
         import torch.distributed as dist
 
+        started = time.perf_counter()
         dist.all_reduce(partial)
+        if self.comm is not None:
+            self.comm.add(started, partial)
         return partial
+
+    def gather_last_dim(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `part` concatenated along the last dimension, on rank 0 (the LM head's
+        vocabulary slices, for sampling there); None on the other ranks."""
+        if self.size == 1:
+            return part
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        part = part.contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(part, parts, dst=0)
+        if self.comm is not None:
+            self.comm.add(started, part)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
 SINGLE = ShardSpec()

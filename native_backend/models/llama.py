@@ -47,14 +47,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, ctx: LayerContext):
         super().__init__()
         shard, hd = ctx.shard, config.head_dim
+        kv_shard = shard.kv_head_shard(config.num_kv_heads)  # split, or replicated with fewer heads than ranks
         self.num_heads = shard.part(config.num_heads, "attention heads")
-        self.num_kv_heads = shard.part(config.num_kv_heads, "KV heads")
+        self.num_kv_heads = kv_shard.part(config.num_kv_heads, "KV heads")
         self.head_dim = hd
         hidden, bias = config.hidden_size, config.attention_bias
-        common = dict(method=ctx.linear_method, shard=shard, dtype=ctx.dtype, device=ctx.device)
-        self.q_proj = ColumnParallelLinear(hidden, config.num_heads * hd, bias=bias, **common)
-        self.k_proj = ColumnParallelLinear(hidden, config.num_kv_heads * hd, bias=bias, **common)
-        self.v_proj = ColumnParallelLinear(hidden, config.num_kv_heads * hd, bias=bias, **common)
+        common = dict(method=ctx.linear_method, dtype=ctx.dtype, device=ctx.device)
+        self.q_proj = ColumnParallelLinear(hidden, config.num_heads * hd, bias=bias, shard=shard, **common)
+        self.k_proj = ColumnParallelLinear(hidden, config.num_kv_heads * hd, bias=bias, shard=kv_shard, **common)
+        self.v_proj = ColumnParallelLinear(hidden, config.num_kv_heads * hd, bias=bias, shard=kv_shard, **common)
+        common["shard"] = shard
         self.o_proj = RowParallelLinear(config.num_heads * hd, hidden, bias=bias, **common)
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, ctx.attention)
 
@@ -206,9 +208,16 @@ class LlamaForCausalLM(nn.Module):
             residual, delta = layer(residual, delta, step)
         return ops.add_rms_norm(residual, delta, self.model.norm)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, hidden) -> (rows, vocab) fp32. Pass only the rows that will be sampled."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(rows, hidden) -> (rows, vocab) fp32. Pass only the rows that will be sampled.
+        Tensor-parallel: each rank scores its slice of the vocabulary and rank 0 gathers them;
+        the other ranks get None (they do not sample)."""
+        logits = self.lm_head(hidden)
+        if self.ctx.shard.size > 1:
+            logits = self.ctx.shard.gather_last_dim(logits)
+            if logits is None:
+                return None
+        return logits.float()
 
 
 # fp8 KV scales as checkpoints carry them (vLLM's and llm-compressor's names), one number each.

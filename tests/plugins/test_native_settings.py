@@ -58,7 +58,8 @@ def _non_default_settings() -> dict:
     """A value for every engine setting that differs from its default (and is valid)."""
     return dict(dtype="bfloat16", device="cuda:1", num_threads=3, cpu_kernels=False, block_size=32,
                 kv_cache_dtype="int8", kv_cache_bytes=123 << 20, memory_fraction=0.5, enable_prefix_caching=False,
-                kv_scales="unit", max_num_seqs=7, max_num_batched_tokens=99, max_model_len=777, tensor_parallel_size=1)
+                kv_scales="unit", max_num_seqs=7, max_num_batched_tokens=99, max_model_len=777, tensor_parallel_size=1,
+                collective_timeout_s=7.5)
 
 
 def test_each_setting_arrives_in_its_part():

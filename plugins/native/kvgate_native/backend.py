@@ -102,6 +102,8 @@ class NativeSettings(BaseModel):
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
+    collective_timeout_s: float = Field(60.0, gt=0, description="Tensor parallelism: seconds after which an "
+                                        "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
                               "stored; an AWQ checkpoint is detected from its config.json) or awq (an AWQ int4 "
                               "directory is required, e.g. from `kvgate quantize`).")
@@ -126,7 +128,8 @@ class NativeSettings(BaseModel):
                                enable_prefix_caching=self.enable_prefix_caching, kv_scales=self.kv_scales),
             scheduler=SchedulerOptions(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                        max_model_len=self.max_model_len),
-            parallel=ParallelOptions(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelOptions(tensor_parallel_size=self.tensor_parallel_size,
+                                     collective_timeout_s=self.collective_timeout_s),
             speculative=self.speculative.options() if self.speculative is not None else None,
         )
 

@@ -1,0 +1,248 @@
+"""Rank 0's side of tensor parallelism: start the workers, step them with deltas, watch them, stop them.
+
+    TensorParallelExecutor(config)
+      check      the model splits across N (else the valid sizes), no speculative decoding or
+                 AWQ int4 with N > 1 (not yet: refused with the reason)
+      spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
+      load       rank 0's shard here while the workers load theirs
+      agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
+      join       the process group (gloo / NCCL, loopback port, collective timeout)
+      execute    send the step's delta to every worker, run rank 0's ModelRunner (it samples)
+      faults     a worker that died or stopped fails the step (TensorParallelError naming the
+                 rank and why), so the engine process reports a fatal error and exits; its
+                 supervisor restarts it. An idle engine notices through check_health().
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from native_backend.batch import RunnerOutput, SchedulerOutput
+from native_backend.engine_config import EngineConfig
+from native_backend.layers.sharding import CommStats, ShardSpec
+from native_backend.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
+from native_backend.parallel.group import backend_for, free_loopback_port, join_group, leave_group, rank_device
+from native_backend.parallel.report import describe_rank
+from native_backend.parallel.validate import check_tp_size
+from native_backend.parallel.worker import run_worker
+
+log = logging.getLogger("kvgate.engine")
+
+START_TIMEOUT_S = 600.0  # a worker loading its shard: the engine client's own start-up timeout is the real bound
+STOP_TIMEOUT_S = 5.0  # a worker that has not exited this long after "stop" is killed
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group cannot run a step: a worker died, stopped, or failed."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    error: str | None = None  # what it reported before exiting
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.size = config.parallel.tensor_parallel_size
+        check_supported(config)
+        self.comm = CommStats()
+        self.device = rank_device(config.model.device, 0)
+        self.workers: list[_Worker] = []
+        self._closed = False
+        atexit.register(self.close)  # before multiprocessing's exit handler, which would join a stopped worker forever
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        self.encoder = DeltaEncoder()
+        self.model_config = self.rank.model_config
+        self.max_model_len = self.rank.max_model_len
+        self.plan = self.rank.plan
+
+    def _start(self) -> None:
+        from native_backend.executor import InProcessExecutor
+
+        port, ctx = free_loopback_port(), multiprocessing.get_context("spawn")
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs),
+                                  name=f"kvgate-tp-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.workers.append(_Worker(rank, process, ours))
+        self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False)
+        blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
+        ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
+        self._send_all(("plan", min(blocks), ids))
+        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s)
+        self.rank.allocate_cache(min(blocks), ids)
+        self.reports = [self.rank.memory_report(), *(m[1] for m in self._hear_from_all("ready"))]
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        self._step_workers(scheduled, EXECUTE)
+        try:
+            return self.rank.execute(scheduled)
+        except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
+            raise self._fault(exc) from None
+
+    def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
+        """ModelRunner.compute_logits on every rank (tests): the whole vocabulary's logits."""
+        self._step_workers(scheduled, ALL_LOGITS if all_tokens else LOGITS)
+        try:
+            return self.rank.compute_logits(scheduled, all_tokens)
+        except RuntimeError as exc:
+            raise self._fault(exc) from None
+
+    def _step_workers(self, scheduled: SchedulerOutput, mode: str) -> None:
+        delta = self.encoder.encode(scheduled, mode)
+        if not delta.chunks and not delta.dropped:
+            return  # nothing runs and nothing to forget
+        try:
+            self._send_all(("step", delta))
+        except OSError as exc:
+            raise self._fault(exc) from None
+
+    # ------------------------------------------------------------------ health
+
+    def check_health(self) -> None:
+        """Raises TensorParallelError when a worker is gone (the engine calls this while idle too)."""
+        for worker in self.workers:
+            if not worker.process.is_alive():
+                raise self._fault(None)
+
+    def _fault(self, cause: BaseException | None) -> TensorParallelError:
+        """Why the group failed, naming the rank: its own report, how it died, or the timeout."""
+        dead = []
+        for worker in self.workers:
+            self._read_error(worker)
+            worker.process.join(0.5 if cause is not None else 0)  # a rank that just died: let it be reaped
+            if not worker.process.is_alive():
+                why = worker.error or _describe_exit(worker.process.exitcode)
+                dead.append(f"rank {worker.rank} {why}")
+        if dead:
+            message = f"tensor-parallel worker died: {'; '.join(dead)}"
+        elif cause is not None and "timed out" in str(cause).lower():
+            message = (f"tensor-parallel step timed out: a rank did not answer within "
+                       f"{self.config.parallel.collective_timeout_s:g} s (collective timeout; a worker "
+                       f"stopped or hung): {cause}")
+        else:
+            message = f"tensor-parallel collective failed: {cause}"
+        log.error("%s", message)
+        return TensorParallelError(message)
+
+    @staticmethod
+    def _read_error(worker: _Worker) -> None:
+        try:
+            while worker.conn.poll(0):
+                message = worker.conn.recv()
+                if message[0] == "error":
+                    worker.error = f"failed: {message[1]}"
+                    log.error("tensor-parallel rank %d: %s", worker.rank, message[2])
+        except (OSError, EOFError):
+            pass
+
+    # ------------------------------------------------------------------ start-up and shutdown
+
+    def _send_all(self, message: tuple) -> None:
+        for worker in self.workers:
+            worker.conn.send(message)
+
+    def _hear_from_all(self, tag: str) -> list[tuple]:
+        """Each worker's next message, which must be `tag`; a worker's failure or death raises."""
+        timeout = START_TIMEOUT_S
+        messages = []
+        for worker in self.workers:
+            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], timeout)
+            if worker.conn in ready:
+                try:
+                    message = worker.conn.recv()
+                except EOFError:
+                    message = ("error", _describe_exit(worker.process.exitcode), "")
+            elif ready:
+                worker.process.join(1.0)
+                message = ("error", _describe_exit(worker.process.exitcode), "")
+            else:
+                message = ("error", f"sent nothing within {timeout:g} s", "")
+            if message[0] != tag:
+                if message[2]:
+                    log.error("tensor-parallel rank %d:\n%s", worker.rank, message[2])
+                raise TensorParallelError(f"tensor-parallel rank {worker.rank} failed to start: {message[1]}")
+            messages.append(message)
+        return messages
+
+    def close(self) -> None:
+        """Stop every worker (kill what does not exit) and leave the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.workers:
+            try:
+                worker.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        for worker in self.workers:
+            worker.process.join(STOP_TIMEOUT_S)
+            if worker.process.is_alive():  # hung, or stopped (SIGSTOP ignores everything but SIGKILL)
+                worker.process.kill()
+                worker.process.join(STOP_TIMEOUT_S)
+            worker.conn.close()
+        leave_group()
+        atexit.unregister(self.close)
+
+    # ------------------------------------------------------------------ reports
+
+    def describe(self) -> str:
+        mc, p = self.config.model, self.plan
+        ranks = "; ".join(describe_rank(r) for r in self.reports)
+        return (f"{mc.path} on {self.size} tensor-parallel ranks ({backend_for(self.device)} over loopback, "
+                f"{mc.device}, {mc.dtype}, {self.rank.ctx.kernels}; decode steps per layer: the one-call "
+                f"decode step is single-rank only); KV cache {self.rank.kv_dtype.name} "
+                f"{p.num_blocks} blocks x {p.block_size} tokens on every rank, {p.full_context_sequences} "
+                f"sequences at full context {p.max_model_len}; per rank: {ranks}")
+
+    @property
+    def collective_seconds(self) -> float:
+        """Rank 0's time inside all-reduces and gathers since start (bench/tp.py)."""
+        return self.comm.seconds
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
+    from native_backend.loader import read_model_config
+    from native_backend.quantization.format import read_quant_config_file
+    import os
+
+    size = config.parallel.tensor_parallel_size
+    if config.speculative is not None:
+        raise ValueError(f"parallel.tensor_parallel_size {size} with speculative decoding: not supported yet "
+                         "(run speculative decoding with tensor_parallel_size 1, or drop speculative)")
+    path = config.model.path
+    if os.path.isdir(path) and read_quant_config_file(path) is not None:
+        raise ValueError(f"parallel.tensor_parallel_size {size} with an AWQ int4 checkpoint: not supported yet "
+                         "(serve AWQ with tensor_parallel_size 1, or the float checkpoint with tensor parallelism)")
+    check_tp_size(read_model_config(path), size, os.path.basename(path.rstrip("/")) or path)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is not answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,146 @@
+"""Tensor parallelism on a tiny random GQA Llama (8 heads, 2 KV heads): TP 2 (KV heads split) and
+TP 4 (each KV head replicated on two ranks) give TP 1's logits within 1e-5 over prefill (chunked)
+and decode steps, through real worker processes and a gloo group; sizes that cannot split are
+refused naming the valid ones; each rank holds 1/N of the split weights and of the KV bytes per
+token; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from native_backend.batch import ScheduledChunk, SchedulerOutput
+from native_backend.engine_config import EngineConfig
+from native_backend.executor import make_executor
+from native_backend.parallel import report
+from native_backend.parallel.deltas import DeltaDecoder, DeltaEncoder
+from native_backend.parallel.executor import check_supported
+from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [[(7 * i + 3) % 95 + 1 for i in range(21)], [(5 * i + 11) % 95 + 1 for i in range(10)],
+           [(3 * i + 2) % 95 + 1 for i in range(33)]]
+DECODE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    return tiny_gqa_llama(tmp_path_factory.mktemp("tiny-gqa"))
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    executor = executor_for(checkpoint, 1)
+    logits, fed = run_script(executor, PROMPTS, DECODE_STEPS)
+    return executor, logits, fed
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_logits_equal_single_rank_over_prefill_and_decode(checkpoint, single, tp):
+    one, logits_1, fed = single
+    executor = executor_for(checkpoint, tp)
+    try:
+        logits_n, _ = run_script(executor, PROMPTS, DECODE_STEPS, feed=fed)
+        assert max_difference(logits_n, logits_1) < 1e-5
+        reports = executor.reports
+    finally:
+        executor.close()
+    assert [p.exitcode for w in executor.workers for p in [w.process]] == [0] * (tp - 1)  # stopped cleanly
+    _check_memory(one.memory_report(), reports, tp)
+
+
+def _check_memory(single: dict, reports: list[dict], tp: int) -> None:
+    """Each rank: 1/N of the split weights and of the KV bytes per token; what is replicated is named."""
+    assert [r["rank"] for r in reports] == list(range(tp))
+    whole = single["weights_by_kind"]
+    kv_rows = 2 * 2 * 64 * 2 * 8 * 4  # k and v projections: 2 layers x 2 KV heads x head_dim 8 x hidden 64, fp32
+    for r in reports:
+        kinds = r["weights_by_kind"]
+        if tp <= 2:  # KV heads split like everything else
+            assert kinds[report.SPLIT] * tp == whole[report.SPLIT]
+            assert report.KV_REPLICATED not in kinds
+            assert r["kv_bytes_per_token"] * tp == single["kv_bytes_per_token"]
+        else:  # 2 KV heads on 4 ranks: each rank a whole KV head, its k/v rows named as replicated
+            assert kinds[report.SPLIT] * tp == whole[report.SPLIT] - kv_rows
+            assert kinds[report.KV_REPLICATED] == kv_rows // 2
+            assert r["kv_bytes_per_token"] * 2 == single["kv_bytes_per_token"]
+        assert kinds[report.NORMS] == whole[report.NORMS]  # the RMSNorm vectors, on every rank
+        assert r["num_blocks"] == reports[0]["num_blocks"]
+
+
+def test_sampled_tokens_and_start_up_line_match_single_rank(checkpoint, single):
+    one, _, _ = single
+    executor = executor_for(checkpoint, 2)
+    try:
+        line = executor.describe()
+        steps = [SchedulerOutput([ScheduledChunk("s", PROMPTS[2], 0, [40, 41, 42], True, GREEDY)])]
+        got, want = executor.execute(steps[0]), one.execute(steps[0])
+        assert got.sampled_token_ids == want.sampled_token_ids
+        token = got.sampled_token_ids["s"][0]
+        follow = SchedulerOutput([ScheduledChunk("s", [token], len(PROMPTS[2]), [40, 41, 42], True, GREEDY)],
+                                 finished_request_ids=["r0"])
+        assert executor.execute(follow).sampled_token_ids == one.execute(follow).sampled_token_ids
+        assert executor.collective_seconds > 0
+    finally:
+        executor.close()
+    assert "2 tensor-parallel ranks (gloo" in line
+    for rank in (0, 1):
+        assert f"rank {rank}: weights" in line
+    assert "replicated norms" in line and "1 KV heads/layer" in line
+
+
+def test_int8_kv_cache_under_tp_matches_single_rank_int8(checkpoint):
+    one = executor_for(checkpoint, 1, kv_cache_dtype="int8")
+    logits_1, fed = run_script(one, PROMPTS, DECODE_STEPS)
+    executor = executor_for(checkpoint, 2, kv_cache_dtype="int8")
+    try:
+        logits_2, _ = run_script(executor, PROMPTS, DECODE_STEPS, feed=fed)
+        assert executor.rank.kv_cache.dtype.name == "int8"
+    finally:
+        executor.close()
+    # int8 scales are per token and KV head: the same numbers whichever rank holds the head
+    assert max_difference(logits_2, logits_1) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [3, 5, 16])
+def test_sizes_that_cannot_split_are_refused_naming_the_valid_sizes(checkpoint, tp):
+    config = EngineConfig.build(path=checkpoint, tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match=r"valid sizes for this model: 1, 2, 4, 8$") as info:
+        check_supported(config)
+    assert f"{tp} ranks cannot split" in str(info.value) and "attention heads" in str(info.value)
+
+
+def test_speculative_decoding_with_tp_is_refused_at_start(checkpoint):
+    config = EngineConfig.build(path=checkpoint, tensor_parallel_size=2, speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="speculative decoding: not supported yet"):
+        make_executor(config)
+
+
+def test_deltas_rebuild_every_block_table_the_scheduler_sent():
+    """Random steps: tables that grow, shrink (a rolled-back block), requests that end or are
+    preempted and come back with new blocks; the worker's tables always equal rank 0's."""
+    rng = random.Random(0)
+    encoder, decoder, live = DeltaEncoder(), DeltaDecoder(), {}
+    for _ in range(300):
+        ended = [r for r in live if rng.random() < 0.1]
+        for r in ended:
+            del live[r]
+        for _ in range(rng.randint(0, 2)):
+            live[f"q{rng.randint(0, 10**6)}"] = [rng.randint(0, 99)]
+        for r, blocks in live.items():
+            action = rng.random()
+            if action < 0.3:
+                blocks.append(rng.randint(0, 99))
+            elif action < 0.35 and len(blocks) > 1:
+                blocks.pop()
+            elif action < 0.4:
+                blocks[:] = [rng.randint(0, 99) for _ in range(rng.randint(1, 4))]  # preempted, then back
+        chunks = [ScheduledChunk(r, [1], 0, b, True, GREEDY) for r, b in live.items() if rng.random() < 0.8]
+        delta = encoder.encode(SchedulerOutput(chunks, finished_request_ids=ended))
+        rebuilt = decoder.decode(delta)
+        assert [(c.request_id, c.block_table) for c in rebuilt.chunks] == [(c.request_id, c.block_table) for c in chunks]
+        assert sum(len(c[4]) for c in delta.chunks) <= sum(len(c.block_table) for c in chunks)  # tails only
