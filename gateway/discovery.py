@@ -60,6 +60,9 @@ class DnsResolver:
                 self._resolver = dns.asyncresolver.Resolver(configure=False)
                 self._resolver.nameservers = [host]
                 self._resolver.port = port
+            # Answers up to 1232 bytes over UDP (about 70 addresses); a larger pool's answer comes
+            # truncated and is asked again over TCP.
+            self._resolver.use_edns(0, 0, 1232)
         return self._resolver
 
     async def addresses(self, name: str) -> list[str]:

@@ -10,8 +10,24 @@ import ipaddress
 import socket
 import threading
 
-from dnslib import AAAA, QTYPE, RCODE, RR, A
-from dnslib.server import DNSLogger, DNSServer as _Server
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
+from dnslib.server import DNSHandler, DNSLogger, DNSServer as _Server
+
+
+class _Handler(DNSHandler):
+    """Truncates UDP answers as a real server does: to the size the query's EDNS record offers,
+    else 512 bytes (the client then asks again over TCP)."""
+
+    def get_reply(self, data):
+        request = DNSRecord.parse(data)
+        packed = self.server.resolver.resolve(request, self).pack()
+        opt = [r for r in request.ar if r.rtype == QTYPE.OPT]
+        limit = opt[0].rclass if opt else 512  # an OPT record's class is its UDP payload size
+        if self.protocol == "udp" and len(packed) > limit:
+            truncated = request.reply()  # the question, no records, TC set
+            truncated.header.tc = 1
+            packed = truncated.pack()
+        return packed
 
 
 class DnsServer:
@@ -19,12 +35,11 @@ class DnsServer:
         self.records: dict[str, list[str]] = {}
         self.servfail = False
         self.queries = 0
+        self.tcp_queries = 0
         self._lock = threading.Lock()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _free_udp_and_tcp_port()
         self.address = f"127.0.0.1:{self.port}"
-        self._server: _Server | None = None
+        self._servers: list[_Server] = []
         self.start()
 
     def set(self, name: str, addresses: list[str]) -> None:
@@ -37,6 +52,7 @@ class DnsServer:
         name = str(request.q.qname).rstrip(".").lower()
         with self._lock:
             self.queries += 1
+            self.tcp_queries += handler.protocol == "tcp"
             addresses = self.records.get(name)
             servfail = self.servfail
         if servfail:
@@ -51,19 +67,37 @@ class DnsServer:
         return reply
 
     def start(self) -> None:
+        """UDP and TCP on the same port, as a DNS server does (a truncated answer is asked again
+        over TCP)."""
         quiet = DNSLogger(logf=lambda line: None)
-        self._server = _Server(self, address="127.0.0.1", port=self.port, logger=quiet)
-        self._server.start_thread()
+        self._servers = [_Server(self, address="127.0.0.1", port=self.port, logger=quiet, tcp=tcp, handler=_Handler)
+                         for tcp in (False, True)]
+        for server in self._servers:
+            server.start_thread()
 
     def stop(self) -> None:
         """The server goes away: its port is closed (queries are refused) until `start()`."""
-        if self._server is not None:
-            self._server.stop()
-            self._server.server.server_close()
-            self._server = None
+        for server in self._servers:
+            server.stop()
+            server.server.server_close()
+        self._servers = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _free_udp_and_tcp_port() -> int:
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = udp.getsockname()[1]
+            with socket.socket() as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no port free for both UDP and TCP")

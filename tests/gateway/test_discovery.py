@@ -305,6 +305,16 @@ def test_resolver_returns_every_a_and_aaaa_record(dns):
         asyncio.run(resolver.addresses(NAME))
 
 
+def test_a_large_pool_is_resolved_whole(dns):
+    """300 pods: the answer (about 5 KB) does not fit in UDP; it comes truncated and is asked again
+    over TCP, as CoreDNS answers a large headless Service."""
+    pods = [f"10.0.{i // 200}.{i % 200 + 1}" for i in range(300)]
+    dns.set(NAME, pods)
+    resolver = DnsResolver(dns.address, timeout_s=5)
+    assert asyncio.run(resolver.addresses(NAME)) == pods
+    assert dns.tcp_queries >= 1
+
+
 def test_an_ipv6_member_is_named_and_reached_in_brackets(dns, stack):
     dns.set(NAME, ["::1"])
     with socket.socket(socket.AF_INET6) as s:
