@@ -45,7 +45,7 @@ models:
         backend: openai
         upstream_model: echo
         settings: {{metrics: none}}
-        discovery: {{dns: {name}, port: {port}, refresh_s: 0.3, timeout_s: 1, health_path: /health/ready,
+        discovery: {{dns: {name}, port: {port}, refresh_s: 0.5, timeout_s: 1, health_path: /health/ready,
                      resolver: "{resolver}"}}
 """
 
@@ -95,7 +95,7 @@ def wait_for(condition, what: str, timeout: float = 20.0):
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -395,7 +395,7 @@ def test_reload_keeps_a_group_and_its_members_or_stops_it(dns, port, stack, tmp_
     start_upstream(stack, B, port)
     wait_for(lambda: routed_names(front) == [f"engines@{A}", f"engines@{B}"], "B in the reloaded pool")
 
-    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address).replace("refresh_s: 0.3", "refresh_s: 0.4"))
+    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address).replace("refresh_s: 0.5", "refresh_s: 0.4"))
     assert reload()[0]
     assert group_of(front) is not group and not group.running
     wait_for(lambda: not member.started, "the old group's member to be retired")
