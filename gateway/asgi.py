@@ -125,11 +125,13 @@ class EventStreamResponse:
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
 
         async def pump():
+            writes = coalesced(self.chunks)
             try:
-                async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for body in writes:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
+                await writes.aclose()  # stops its producer now, not when the generator is collected
                 await self.chunks.aclose()
 
         try:
@@ -141,6 +143,57 @@ class EventStreamResponse:
             raise
         if not finished:
             log.info("client disconnected mid-stream; generation aborted")
+
+
+# A slow reader holds at most this much of a stream in the gateway before its producer waits.
+COALESCE_MAX_BYTES = 64 * 1024
+
+
+async def coalesced(chunks: AsyncIterator[bytes], max_bytes: int = COALESCE_MAX_BYTES) -> AsyncIterator[bytes]:
+    """The chunks, each write carrying every chunk made while the last one was being sent.
+
+    A producer task reads `chunks` into a buffer; this generator hands the buffer on, joined,
+    whenever it is not empty. When one read from a backend holds several events, or the
+    client's socket is slower than the backend, they leave in one write instead of one each
+    (each write is a syscall and a pass through every middleware's `send`). The first chunk is
+    never held back: a waiting writer takes it the moment it exists. Errors of the producer are
+    raised here, after what it made before them."""
+    buffer: list[bytes] = []
+    buffered = 0
+    ready, room = asyncio.Event(), asyncio.Event()
+    room.set()
+    finished = False
+
+    async def produce():
+        nonlocal buffered, finished
+        try:
+            async for chunk in chunks:
+                buffer.append(chunk)
+                buffered += len(chunk)
+                ready.set()
+                if buffered >= max_bytes:
+                    room.clear()
+                    await room.wait()
+        finally:
+            finished = True
+            ready.set()
+
+    producer = asyncio.create_task(produce())
+    try:
+        while buffer or not finished:
+            await ready.wait()
+            ready.clear()
+            if buffer:
+                body = buffer[0] if len(buffer) == 1 else b"".join(buffer)
+                buffer.clear()
+                buffered = 0
+                room.set()
+                yield body
+        await producer  # raises what the producer raised
+    finally:
+        if not producer.done():
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
 
 
 async def _say_shutting_down(send) -> None:

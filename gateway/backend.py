@@ -112,11 +112,11 @@ class LoadSnapshot:
     # True when it cannot recover by itself (an engine in a crash loop): the gateway's liveness
     # probe then fails, so the orchestrator restarts the whole process.
     fatal: bool = False
-
-
     # Which serving process this is: a backend that replaces a dead one (an engine restart) counts
     # up, and the gateway's breaker then forgets the failures charged to the process that is gone.
     incarnation: int = 0
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What every backend plugin provides.

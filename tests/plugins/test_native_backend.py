@@ -122,6 +122,23 @@ def test_client_disconnect_aborts_in_the_engine(gw):
     assert backend.load().kv_cache_usage == 0.0
 
 
+def test_tokenizing_and_chat_templates_run_off_the_event_loop(gw, client, monkeypatch):
+    """The largest prompt the limits allow takes ~1 s to tokenize (bench/tokenize_stall.py): on
+    the event loop that would stall every stream; it runs on the plugin's own threads."""
+    tokenizer = gw.backend("native-0").tokenizer
+    threads = []
+    for name in ("encode", "apply_chat_template"):
+        original = getattr(tokenizer, name)
+
+        def recording(*args, _original=original, **kw):
+            threads.append(threading.current_thread().name)
+            return _original(*args, **kw)
+        monkeypatch.setattr(tokenizer, name, recording)
+    assert ask(client, "Hi", max_tokens=1).choices
+    assert client.completions.create(model="smollm2", prompt="Hi", max_tokens=1).choices
+    assert len(threads) == 2 and all(t.startswith("kvgate-tokenize-native-0") for t in threads), threads
+
+
 def test_load_snapshot_carries_engine_counters(gw, client):
     ask(client, "Hello", max_tokens=2)
     extra = gw.backend("native-0").load().extra

@@ -295,6 +295,22 @@ def test_no_first_byte_in_time_is_a_timeout_before_the_stream(upstream):
     assert time.monotonic() - start < 5
 
 
+def test_a_request_that_finds_every_connection_taken_is_overloaded_not_a_timeout(upstream):
+    """With one connection held by a stalled stream, the next request waits for a connection
+    until its first-byte deadline: that is our pool's limit (503, retry), not a slow upstream."""
+    async def go(b):
+        holder = asyncio.create_task(_collect(b, _request("slow")))  # three tokens, then silence
+        await asyncio.sleep(0.3)  # the silent stream holds the only connection
+        try:
+            with pytest.raises(Overloaded, match="All 1 connections"):
+                await _collect(b, _request("waits"))
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+
+    run(go, _backend(upstream, max_connections=1, first_byte_s=1.0))
+
+
 def test_idle_gap_mid_stream_raises_after_the_first_token(upstream):
     async def go(b):
         events = []

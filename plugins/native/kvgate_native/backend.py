@@ -15,6 +15,7 @@ vocabulary, a template that fails on its messages) is the client's error (4xx, o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -38,6 +39,7 @@ from native_backend.sampling_params import SamplingParams as EngineSampling
 from native_backend.tokenizer import Tokenizer, default_model_path
 
 log = logging.getLogger("kvgate.native")
+TOKENIZE_THREADS = 2
 
 ENGINE_FACTORY = "native_backend.engine:make_engine_core"
 
@@ -141,6 +143,12 @@ class NativeBackend:
         self.config = settings.engine_config()
         self.supervisor = EngineSupervisor(self._new_client, name, settings.supervision)
         self.tokenizer: Tokenizer | None = None
+        # Tokenizing and chat templates run here, never on the event loop: the largest prompt the
+        # limits allow takes tens of milliseconds of CPU, a stall of every stream the gateway
+        # serves. A few threads of its own: a burst of long prompts queues here, and does not
+        # hold the loop's default executor (DNS lookups, file reads) hostage.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=TOKENIZE_THREADS, thread_name_prefix=f"kvgate-tokenize-{name}")
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
         return AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=self.settings.startup_timeout_s,
@@ -166,6 +174,7 @@ class NativeBackend:
 
     async def stop(self) -> None:
         await self.supervisor.stop()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def abort(self, request_id: str) -> None:
         if self.client is not None:
@@ -187,16 +196,16 @@ class NativeBackend:
             info=_cache_info(stats),
             problem=None if sup.state == UP else _problem(sup),
             fatal=sup.crash_looped,
+            incarnation=sup.incarnation,
         )
 
     async def generate(self, request: GenerationRequest):
-            incarnation=sup.incarnation,
         client = self.client
         if not self.supervisor.up:
             raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
         engine_request = EngineRequest(
             request_id=request.request_id,
-            prompt_token_ids=self._prompt_ids(request),
+            prompt_token_ids=await self._tokenized(request),
             sampling=_engine_sampling(request),
             priority=request.priority,
             trace_context=dict(request.trace_context),
@@ -210,6 +219,11 @@ class NativeBackend:
             raise _api_error(exc) from None
         except EngineDeadError as exc:
             raise BackendError(f"The engine of deployment '{self.name}' is not running: {exc}") from None
+
+    async def _tokenized(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt token ids, computed on the tokenizing threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._prompt_ids, request)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer

@@ -1,4 +1,4 @@
-"""The `openai` backend: any OpenAI-compatible server behind one shared httpx connection pool.
+"""The `openai` backend: any OpenAI-compatible server behind one shared connection pool.
 
 Every choice becomes one streaming upstream request (stream=true, usage included), and every
 upstream chunk becomes a token event the moment it arrives. Refusals before the first token are
@@ -19,13 +19,11 @@ import logging
 import os
 from dataclasses import replace
 
-import httpx
-
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from kvgate_openai import upstream_errors, wire
 from kvgate_openai.load import LoadTracker, poll_forever
-from kvgate_openai.pool import ClientPool
+from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings
 from kvgate_openai.sse import EventTooLarge, SSEDecoder
 
@@ -43,7 +41,7 @@ class OpenAIBackend:
         self.tracker = LoadTracker(settings)
         self._pool: ClientPool | None = None
         self._poller: asyncio.Task | None = None
-        self._responses: dict[str, httpx.Response] = {}
+        self._responses: dict[str, UpstreamResponse] = {}
         self._aborted: set[str] = set()
         self._scrub = upstream_errors.Scrubber(None)
 
@@ -56,14 +54,10 @@ class OpenAIBackend:
         headers = {"content-type": "application/json"}
         if key:
             headers["authorization"] = f"Bearer {key}"
-        self._pool = ClientPool(
-            s.max_connections,
-            s.keepalive_expiry_s,
-            headers=headers,
-            # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
-            # a pooled connection counts towards the first byte.
-            timeout=httpx.Timeout(None, connect=s.connect_s, pool=s.first_byte_s),
-        )
+        # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
+        # a pooled connection counts towards the first byte.
+        self._pool = ClientPool(s.max_connections, s.keepalive_expiry_s, headers=headers,
+                                connect_s=s.connect_s, scrape_timeout_s=s.stale_after_s)
         url = s.scrape_url()
         if url:
             self._poller = asyncio.create_task(poll_forever(self._pool.any, url, self.tracker, self.name))
@@ -104,11 +98,11 @@ class OpenAIBackend:
         pool = self._pool
         if pool is None:
             raise BackendError(f"The backend '{self.name}' is not started.")
-        slice_ = pool.take()
+        pool.take()
         self.tracker.inflight += 1
         response = None
         try:
-            response = await self._send(pool, slice_, path, body, request, deadline)
+            response = await self._send(pool, path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
                 async for event in self._events(response, request, path == wire.CHAT, deadline):
@@ -116,37 +110,37 @@ class OpenAIBackend:
             else:
                 yield await self._whole(response, request, path == wire.CHAT, deadline)
         finally:
-            pool.give_back(slice_)
+            pool.give_back()
             self.tracker.inflight -= 1
             self._responses.pop(request.request_id, None)
             self._aborted.discard(request.request_id)
             if response is not None:
                 await response.aclose()
 
-    async def _send(self, pool: ClientPool, slice_: int, path: str, body: dict, request: GenerationRequest,
-                    deadline: float) -> httpx.Response:
+    async def _send(self, pool: ClientPool, path: str, body: dict, request: GenerationRequest,
+                    deadline: float) -> UpstreamResponse:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
         content = json.dumps(body, separators=(",", ":")).encode()
         try:
             async with asyncio.timeout_at(deadline):
-                response = await pool.send(slice_, "POST", self.settings.base_url + path, content=content,
+                response = await pool.send("POST", self.settings.base_url + path, content=content,
                                            headers=headers)
         except TimeoutError:
+            if pool.saturated:  # it waited for a connection, not for the upstream
+                raise Overloaded(f"All {self.settings.max_connections} connections to '{self.name}' are busy.") from None
             raise self._first_byte_timeout() from None
-        except httpx.PoolTimeout:
-            raise Overloaded(f"All {self.settings.max_connections} connections to '{self.name}' are busy.") from None
-        except httpx.HTTPError as exc:
+        except UpstreamUnreachable as exc:
             raise self._connection_failed(exc) from None
         self.tracker.succeeded()
         if response.status_code != 200:
             raise await self._refusal(response, deadline)
         return response
 
-    async def _refusal(self, response: httpx.Response, deadline: float) -> APIError:
+    async def _refusal(self, response: UpstreamResponse, deadline: float) -> APIError:
         try:
             async with asyncio.timeout_at(deadline):
                 raw = await _read_some(response, MAX_ERROR_BODY)
-        except (TimeoutError, httpx.HTTPError):
+        except (TimeoutError, StreamBroken):
             raw = b""
         finally:
             await response.aclose()
@@ -161,7 +155,7 @@ class OpenAIBackend:
             log.warning("deployment %s: the upstream rejected our credentials (HTTP %s)", self.name, response.status_code)
         return error
 
-    async def _events(self, response: httpx.Response, request: GenerationRequest, chat: bool, deadline: float):
+    async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float):
         """Token events as chunks arrive; the finishing event waits for the usage chunk."""
         decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
         finish: TokenEvent | None = None
@@ -207,7 +201,7 @@ class OpenAIBackend:
             raise BackendError(f"The backend '{self.name}' sent a stream event over "
                                f"{decoder.max_event_bytes} bytes.") from None
 
-    async def _whole(self, response: httpx.Response, request: GenerationRequest, chat: bool,
+    async def _whole(self, response: UpstreamResponse, request: GenerationRequest, chat: bool,
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
         limit = self.settings.max_body_bytes
@@ -216,7 +210,7 @@ class OpenAIBackend:
                 raw = await _read_some(response, limit + 1)
         except TimeoutError:
             raise self._first_byte_timeout() from None
-        except httpx.HTTPError as exc:
+        except StreamBroken as exc:
             if request.request_id in self._aborted:
                 return TokenEvent(finish_reason="abort")
             log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
@@ -239,7 +233,7 @@ class OpenAIBackend:
             async with asyncio.timeout(self.settings.idle_s):
                 async for _ in chunks:
                     pass
-        except (TimeoutError, httpx.HTTPError, httpx.StreamError):
+        except (TimeoutError, StreamBroken):
             pass  # the connection is closed instead of reused; the answer is complete either way
 
     async def _next_chunk(self, chunks, deadline: float | None) -> bytes | None:
@@ -258,8 +252,8 @@ class OpenAIBackend:
                     f"The backend '{self.name}' sent nothing for {self.settings.idle_s:g} s mid-stream."
                 ) from None
             raise self._first_byte_timeout() from None
-        except (httpx.HTTPError, httpx.StreamError) as exc:
-            log.warning("deployment %s: upstream stream broke: %s", self.name, type(exc).__name__)
+        except StreamBroken as exc:
+            log.warning("deployment %s: upstream stream broke: %s", self.name, exc)
             raise BackendError(f"The backend '{self.name}' dropped the stream.") from None
 
     def _decode(self, payload: bytes, sent: int) -> dict:
@@ -293,15 +287,15 @@ class OpenAIBackend:
 
     def _connection_failed(self, exc: Exception) -> BackendError:
         self.tracker.failed()
-        log.warning("deployment %s: cannot reach the upstream: %s", self.name, type(exc).__name__)
+        log.warning("deployment %s: cannot reach the upstream: %s", self.name, exc)
         return BackendError(f"The backend '{self.name}' cannot be reached.")
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
+def _is_event_stream(response: UpstreamResponse) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-async def _read_some(response: httpx.Response, limit: int) -> bytes:
+async def _read_some(response: UpstreamResponse, limit: int) -> bytes:
     """At most `limit` bytes of the body (the rest is never read)."""
     parts, size = [], 0
     async for part in response.aiter_bytes():

@@ -1,99 +1,161 @@
-"""The upstream connection pool: httpx clients, each owning a slice of the connections.
+"""The upstream connection pool: aiohttp for generation requests, httpx for metrics scrapes.
 
-One httpx.AsyncClient with hundreds of connections spends most of a busy gateway's CPU in
-httpcore's pool bookkeeping, which walks every connection (and asks each idle socket whether it
-is readable) on every request start and every response close: at 128 concurrent streams that
-was 40% of kvgate's profile. Slices of at most SLICE connections keep each walk short; a request
-goes to the slice with the fewest requests in flight, so the slices fill evenly and a request
-never waits for a connection while another slice has one free.
+Generation requests are the gateway's hot path, and the HTTP client was its largest cost: httpx
+(with httpcore, h11 and anyio under it) ran ~3,500 Python calls per 16-chunk streamed request,
+aiohttp (C HTTP parser) ~600, and spent a third of the CPU time (`bench/upstream_overhead.py`,
+measured in the closing note of issue 18). Scrapes of the upstream's /metrics are rare and stay
+on httpx, whose API the load tracker was written against.
 
 Idle connections expire after `keepalive_expiry_s`, set below the keep-alive timeouts of common
 upstreams (uvicorn, which serves vLLM, SGLang and trtllm-serve, closes idle connections after
-5 s): a connection the upstream is about to close is rarely reused. The
-rare one that is still reused at the very moment the upstream closes it fails before any response
-byte; `fresh` is the client for the one retry of such a request: it keeps no idle connections, so
-the retry always opens a new one.
+5 s): a connection the upstream is about to close is rarely reused. The rare one that is still
+reused at the very moment the upstream closes it fails before any response byte; such a request
+is sent once more on `fresh`, a session that keeps no idle connections, so the retry always opens
+a new one. (aiohttp retries a dropped reused connection only for idempotent methods; our
+requests are POSTs, and a POST that never got a response byte was never run, so one retry is safe.)
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import ssl
+from types import SimpleNamespace
 
+import aiohttp
 import httpx
 
 log = logging.getLogger("kvgate.openai")
 
-SLICE = 16
+
+class UpstreamUnreachable(Exception):
+    """The request could not be sent or got no response: connect failed, connection dropped."""
+
+
+class StreamBroken(Exception):
+    """The response body broke off (reset, truncated, malformed framing)."""
+
+
 # How a connection that the upstream closed under our request fails before any response byte:
-# FIN (h11: "Server disconnected without sending a response"), RST while reading or writing.
-DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# FIN (ServerDisconnectedError), RST while writing or reading (ClientOSError).
+DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class UpstreamResponse:
+    """A streamed upstream response, with the few parts the backend reads."""
+
+    __slots__ = ("_raw", "status_code", "headers")
+
+    def __init__(self, raw: aiohttp.ClientResponse):
+        self._raw = raw
+        self.status_code = raw.status
+        self.headers = raw.headers  # case-insensitive
+
+    async def aiter_bytes(self):
+        try:
+            async for part in self._raw.content.iter_any():
+                yield part
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise StreamBroken(type(exc).__name__) from exc
+
+    async def aclose(self) -> None:
+        """Give the connection back when the body was read to its end; otherwise close it, which
+        is also how an upstream learns that a request was aborted."""
+        if self._raw.content.at_eof():
+            self._raw.release()
+        else:
+            self._raw.close()
 
 
 class ClientPool:
-    def __init__(self, max_connections: int, keepalive_expiry_s: float = 4.0, **client_kwargs):
-        slices = math.ceil(max_connections / SLICE)
-        per_slice = math.ceil(max_connections / slices)
-        limits = httpx.Limits(max_connections=per_slice, max_keepalive_connections=per_slice,
-                              keepalive_expiry=keepalive_expiry_s)
-        # One TLS context for all slices: each client would otherwise load the CA bundle (~0.1 s).
-        client_kwargs.setdefault("verify", _tls_context())
-        self.clients = [httpx.AsyncClient(limits=limits, **client_kwargs) for _ in range(slices)]
-        self.in_flight = [0] * slices
-        never_idle = httpx.Limits(max_connections=per_slice, max_keepalive_connections=0)
-        self.fresh = httpx.AsyncClient(limits=never_idle, **client_kwargs)
+    def __init__(self, max_connections: int, keepalive_expiry_s: float = 4.0, *, headers: dict,
+                 connect_s: float, scrape_timeout_s: float = 5.0):
+        self.max_connections = max_connections
+        self.in_flight = 0
         self.reuse_retries = 0
+        self._tls = _tls_context()
+        self._headers = headers
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+        self._keepalive_expiry_s = keepalive_expiry_s
+        self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self._scrapes = httpx.AsyncClient(headers=headers, verify=self._tls,
+                                          timeout=httpx.Timeout(scrape_timeout_s, connect=connect_s))
 
-    def take(self) -> int:
-        """The slice for a new request (counted in flight until `give_back`)."""
-        index = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
-        self.in_flight[index] += 1
-        return index
+    def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+        """Made on first use: aiohttp sessions belong to the running event loop."""
+        if self._session is None:
+            watch = aiohttp.TraceConfig()
+            watch.on_connection_reuseconn.append(_mark_reused)
+            reuse = self._keepalive_expiry_s > 0
+            self._session = self._new_session(
+                aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ssl=self._tls,
+                                     keepalive_timeout=self._keepalive_expiry_s if reuse else None,
+                                     force_close=not reuse),
+                [watch])
+            self._fresh = self._new_session(
+                aiohttp.TCPConnector(limit=self.max_connections, ssl=self._tls, force_close=True), [])
+        return self._session, self._fresh
 
-    def give_back(self, index: int) -> None:
-        self.in_flight[index] -= 1
+    def _new_session(self, connector, trace_configs) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
+                                     trace_configs=trace_configs, trust_env=True)
 
-    async def send(self, index: int, method: str, url: str, **kwargs) -> httpx.Response:
-        """Send on slice `index` (streamed response); a request that a reused connection dropped
-        before its response began is sent once more, on a new connection (`fresh`)."""
-        watch = _ConnectWatch()
-        client = self.clients[index]
-        request = client.build_request(method, url, extensions={"trace": watch}, **kwargs)
+    @property
+    def saturated(self) -> bool:
+        """Every connection is taken: a new request waits for one."""
+        return self.in_flight > self.max_connections
+
+    def take(self) -> None:
+        """Count a request in flight until `give_back` (what `saturated` reads)."""
+        self.in_flight += 1
+
+    def give_back(self) -> None:
+        self.in_flight -= 1
+
+    async def send(self, method: str, url: str, *, content: bytes,
+                   headers: dict) -> UpstreamResponse:
+        """Send; a request that a reused connection dropped before its response began is sent
+        once more, on a new connection."""
+        session, fresh = self._sessions()
+        watch = SimpleNamespace(reused=False)
         try:
-            return await client.send(request, stream=True)
+            return UpstreamResponse(await session.request(method, url, data=content, headers=headers,
+                                                          trace_request_ctx=watch))
         except DROPPED as exc:
-            if watch.connected:  # a new connection failed: that is the upstream's doing
-                raise
+            if not watch.reused:  # a new connection failed: that is the upstream's doing
+                raise UpstreamUnreachable(type(exc).__name__) from exc
             self.reuse_retries += 1
             log.info("%s: a reused connection closed under a request (%s); retrying on a new connection",
                      url, type(exc).__name__)
-        return await self.fresh.send(self.fresh.build_request(method, url, **kwargs), stream=True)
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnreachable(type(exc).__name__) from exc
+        try:
+            return UpstreamResponse(await fresh.request(method, url, data=content, headers=headers))
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnreachable(type(exc).__name__) from exc
 
     @property
     def any(self) -> httpx.AsyncClient:
         """A client for side requests (metrics scrapes)."""
-        return self.clients[0]
+        return self._scrapes
 
     async def aclose(self) -> None:
-        for client in (*self.clients, self.fresh):
-            await client.aclose()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        await self._scrapes.aclose()
 
 
-class _ConnectWatch:
-    """httpcore's trace callback: did this request open a connection, or reuse an idle one?"""
-
-    def __init__(self):
-        self.connected = False
-
-    async def __call__(self, event: str, info: dict) -> None:
-        if event.startswith("connection.connect_"):  # connect_tcp / connect_unix_socket
-            self.connected = True
+async def _mark_reused(session, trace_config_ctx, params) -> None:
+    """aiohttp's trace hook: this request went out on an idle pooled connection."""
+    watch = trace_config_ctx.trace_request_ctx
+    if watch is not None:
+        watch.reused = True
 
 
 def _tls_context() -> ssl.SSLContext:
     try:
-        import certifi  # what httpx itself verifies against
+        import certifi  # what httpx verifies against; the system store may lack public CAs
     except ImportError:
         return ssl.create_default_context()
     return ssl.create_default_context(cafile=certifi.where())

@@ -1,0 +1,97 @@
+"""A stream's writes carry what its producer made while the last write was out (gateway.asgi.coalesced):
+nothing lost or reordered, nothing held back, errors and cancellation still reach both ends."""
+
+import asyncio
+
+import pytest
+
+from gateway.asgi import coalesced
+
+
+async def collect(chunks, **kwargs):
+    return [body async for body in coalesced(chunks, **kwargs)]
+
+
+async def ready_at_once(n):
+    for i in range(n):
+        yield b"%d," % i  # no await between chunks: all of them are there before the first write
+
+
+def test_chunks_made_together_leave_in_one_write_in_order():
+    writes = asyncio.run(collect(ready_at_once(50)))
+    assert b"".join(writes) == b"".join(b"%d," % i for i in range(50))
+    assert len(writes) == 1
+
+
+def test_a_chunk_is_not_held_back_waiting_for_the_next():
+    async def main():
+        release = asyncio.Event()
+
+        async def slow():
+            yield b"first"
+            await release.wait()
+            yield b"second"
+
+        writes = coalesced(slow())
+        first = await asyncio.wait_for(anext(writes), 5)  # the producer is still waiting
+        release.set()
+        return first, [b async for b in writes]
+
+    assert asyncio.run(main()) == (b"first", [b"second"])
+
+
+def test_a_slow_reader_holds_at_most_max_bytes_before_the_producer_waits():
+    async def main():
+        made = []
+
+        async def producer():
+            for i in range(100):
+                made.append(i)
+                yield b"x" * 10
+
+        writes = coalesced(producer(), max_bytes=100)
+        first = await anext(writes)
+        await asyncio.sleep(0.05)  # the reader stalls: the producer stops at the bound
+        stalled_at = len(made)
+        rest = [b async for b in writes]
+        return first, stalled_at, rest
+
+    first, stalled_at, rest = asyncio.run(main())
+    assert stalled_at <= 11 + 10  # the first write, then at most 100 bytes more
+    assert len(first) + sum(map(len, rest)) == 1000
+
+
+def test_an_error_of_the_producer_comes_after_what_it_made():
+    async def failing():
+        yield b"a"
+        yield b"b"
+        raise RuntimeError("upstream broke")
+
+    async def main():
+        got = []
+        with pytest.raises(RuntimeError, match="upstream broke"):
+            async for body in coalesced(failing()):
+                got.append(body)
+        return b"".join(got)
+
+    assert asyncio.run(main()) == b"ab"
+
+
+def test_closing_the_writes_stops_the_producer_and_runs_its_cleanup():
+    async def main():
+        cleaned = asyncio.Event()
+
+        async def endless():
+            try:
+                while True:
+                    yield b"tick"
+                    await asyncio.sleep(0.001)
+            finally:
+                cleaned.set()
+
+        writes = coalesced(endless())
+        await anext(writes)
+        await writes.aclose()
+        return cleaned.is_set()
+
+    assert asyncio.run(main())
