@@ -43,7 +43,7 @@ def run_script(executor, prompts: list[list[int]], decode_steps: int, feed: list
     `feed` (another run's record) so that two runs see the same inputs. Returns (logits per step:
     {request: (rows, vocab)}, the tokens fed per step)."""
     ids = [f"r{i}" for i in range(len(prompts))]
-    first = [1 + 8 * i for i in range(len(prompts))]  # each request's own run of blocks
+    first = [1 + 16 * i for i in range(len(prompts))]  # each request's own run of blocks (up to 256 tokens)
     half = BLOCK if len(prompts[0]) > BLOCK else len(prompts[0]) - 1
     steps = [SchedulerOutput([ScheduledChunk(ids[0], prompts[0][:half], 0, table(first[0], half), False, GREEDY)]),
              SchedulerOutput([ScheduledChunk(ids[0], prompts[0][half:], half, table(first[0], len(prompts[0])), True,
