@@ -141,5 +141,7 @@ def test_status_page_sign_in_in_headless_chromium(gw, tmp_path):
         [cookie] = page.call("Network.getCookies", urls=[gw.base_url])["cookies"]
         assert cookie["name"] == sessions.COOKIE and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert page.evaluate("document.cookie") == ""  # no script on the page can read it
+        page.call("Network.clearBrowserCookies")  # the session ends (expired, or a new admin key)
+        page.wait_for("document.querySelector('form#login') !== null")  # the page asks to sign in again
     finally:
         page.close()
