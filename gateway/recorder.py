@@ -23,6 +23,7 @@ class RequestRecorder:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self._last_token: dict[int, float] = {}
+        self._itl = None
         self.deployment = ""
         self.done = False
         self.trace = None
@@ -93,7 +94,9 @@ class RequestRecorder:
             self.state.recent.ttft.append(now - self.started)
         last = self._last_token.get(index)
         if last is not None:
-            self.metrics.itl.labels(self.model).observe(now - last)
+            if self._itl is None:  # the labelled series, looked up once per request, not per token
+                self._itl = self.metrics.itl.labels(self.model)
+            self._itl.observe(now - last)
             self.state.recent.tpot.append(now - last)
         self._last_token[index] = now
 

@@ -163,7 +163,8 @@ class Upstream:
             return JSONResponse({"choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
         if verb == "endless-line":
             return StreamingResponse(_endless_line(), media_type="text/event-stream")
-        return StreamingResponse(self._stream(verb, body), media_type="text/event-stream")
+        headers = {"set-cookie": "session=for-one-client; Path=/"} if verb == "set-cookie" else None
+        return StreamingResponse(self._stream(verb, body), media_type="text/event-stream", headers=headers)
 
     async def _stream(self, verb: str, body: dict):
         chat = "messages" in body
@@ -384,6 +385,28 @@ def test_trace_context_is_sent_upstream(upstream):
     seen = upstream.seen_headers[-1]
     assert seen["traceparent"] == trace["traceparent"] and seen["tracestate"] == "k=v"
     assert "other" not in seen
+
+
+def test_a_cookie_one_answer_sets_never_rides_on_another_request(upstream):
+    async def go(b):
+        await _collect(b, _request("set-cookie"))
+        await _collect(b, _request("after"))
+
+    # By name, not by IP address: cookie jars refuse cookies of bare IP addresses anyway.
+    by_name = upstream.base_url.replace("127.0.0.1", "localhost")
+    run(go, make_openai_backend({"base_url": by_name + "/v1", "metrics": "none"}, "up-0"))
+    assert "cookie" not in upstream.seen_headers[-1]
+
+
+def test_the_environments_proxy_is_used(upstream, monkeypatch):
+    """HTTP_PROXY names the way out (looked up once per upstream, not per request): here the
+    'proxy' is the upstream itself, and the base_url a name that does not resolve."""
+    monkeypatch.setenv("HTTP_PROXY", upstream.base_url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    backend = make_openai_backend({"base_url": "http://upstream.invalid:9/v1", "metrics": "none"}, "up-0")
+    events = run(lambda b: _collect(b, _request("via-proxy")), backend)
+    assert [e.text for e in events][:3] == ["one", " two", " three"]
 
 
 def test_api_key_is_sent_but_never_logged_or_shown(upstream, monkeypatch, caplog):

@@ -23,6 +23,8 @@ from types import SimpleNamespace
 
 import aiohttp
 import httpx
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 log = logging.getLogger("kvgate.openai")
 
@@ -77,6 +79,7 @@ class ClientPool:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
         self._keepalive_expiry_s = keepalive_expiry_s
         self._session: aiohttp.ClientSession | None = None
+        self._proxies: dict[URL, str | None] = {}
         self._fresh: aiohttp.ClientSession | None = None
         self._scrapes = httpx.AsyncClient(headers=headers, verify=self._tls,
                                           timeout=httpx.Timeout(scrape_timeout_s, connect=connect_s))
@@ -97,8 +100,23 @@ class ClientPool:
         return self._session, self._fresh
 
     def _new_session(self, connector, trace_configs) -> aiohttp.ClientSession:
+        # trust_env would look up proxies and netrc in a thread on every request; the proxy is
+        # looked up once per upstream instead (`_proxy`). No cookie jar: a cookie one client's
+        # answer set must never ride along on another client's request.
         return aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
-                                     trace_configs=trace_configs, trust_env=True)
+                                     trace_configs=trace_configs, trust_env=False,
+                                     cookie_jar=aiohttp.DummyCookieJar())
+
+    def _proxy(self, url: str) -> str | None:
+        """The proxy the environment (HTTP(S)_PROXY, NO_PROXY) names for this URL's origin."""
+        origin = URL(url).origin()
+        if origin not in self._proxies:
+            try:
+                proxy, _ = get_env_proxy_for_url(origin)
+                self._proxies[origin] = str(proxy)
+            except LookupError:
+                self._proxies[origin] = None
+        return self._proxies[origin]
 
     @property
     def saturated(self) -> bool:
@@ -118,9 +136,10 @@ class ClientPool:
         once more, on a new connection."""
         session, fresh = self._sessions()
         watch = SimpleNamespace(reused=False)
+        proxy = self._proxy(url)
         try:
             return UpstreamResponse(await session.request(method, url, data=content, headers=headers,
-                                                          trace_request_ctx=watch))
+                                                          proxy=proxy, trace_request_ctx=watch))
         except DROPPED as exc:
             if not watch.reused:  # a new connection failed: that is the upstream's doing
                 raise UpstreamUnreachable(type(exc).__name__) from exc
@@ -130,7 +149,7 @@ class ClientPool:
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamUnreachable(type(exc).__name__) from exc
         try:
-            return UpstreamResponse(await fresh.request(method, url, data=content, headers=headers))
+            return UpstreamResponse(await fresh.request(method, url, data=content, headers=headers, proxy=proxy))
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamUnreachable(type(exc).__name__) from exc
 
