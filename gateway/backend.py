@@ -91,7 +91,9 @@ class TokenEvent:
     usage: Usage | None = None
     # On the last event, optionally: the backend's own milestones of this request as unix times
     # in seconds ("arrived", "scheduled", "first_token", "finished") and counters
-    # ("prefill_chunks", "preemptions", "cached_tokens"). The gateway turns them into spans.
+    # ("prefill_chunks", "preemptions", "cached_tokens"; with speculative decoding "spec_drafts",
+    # "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate", ...). The gateway turns
+    # them into spans.
     timings: dict[str, float] | None = None
 
 

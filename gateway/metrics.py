@@ -73,6 +73,7 @@ class _LiveCollector:
         yield from _pool_gauges(state.registry)
         yield from _deployment_gauges(state.registry)
         yield from _engine_metrics(state.registry)
+        yield from _spec_decode_metrics(state.registry)
         yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
         yield from _limits_store_gauge(state.limiter)
@@ -192,3 +193,39 @@ def _engine_metrics(registry):
                 value = getattr(load, key) if key in ("running", "waiting", "kv_cache_usage") else load.extra.get(key, 0.0)
                 family.add_metric([d.model, d.name], float(value))
             yield family
+
+
+# Speculative decoding (vLLM v1's names and labels): (our name, vLLM's name, help, key in extra)
+SPEC_DECODE_SERIES = (
+    ("kvgate_engine_spec_decode_drafts", "vllm:spec_decode_num_drafts",
+     "Speculative verifications (a request's step that carried drafts).", "spec_decode_num_drafts"),
+    ("kvgate_engine_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+     "Draft tokens proposed and verified.", "spec_decode_num_draft_tokens"),
+    ("kvgate_engine_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+     "Draft tokens accepted (not counting the token the target adds).", "spec_decode_num_accepted_tokens"),
+)
+SPEC_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos_pos_"  # + j, flattened by the native plugin
+
+
+def _spec_decode_metrics(registry):
+    """Only engines running speculative decoding (k > 0 in their stats) appear here, as in vLLM."""
+    engines = []
+    for d in registry.deployments():
+        if d.started:
+            load = d.backend.load()
+            if load.extra.get("spec_decode_num_speculative_tokens", 0) > 0:
+                engines.append((d, load.extra))
+    for ours, vllm_name, help_text, key in SPEC_DECODE_SERIES:
+        for name, labels in ((ours, ["model", "deployment"]), (vllm_name, ["model_name", "engine"])):
+            family = CounterMetricFamily(name, help_text, labels=labels)
+            for d, extra in engines:
+                family.add_metric([d.model, d.name], extra.get(key, 0.0))
+            yield family
+    help_text = "Draft tokens accepted at each position of the drafts (position 0 first)."
+    for name, labels in (("kvgate_engine_spec_decode_accepted_tokens_per_pos", ["model", "deployment", "position"]),
+                         ("vllm:spec_decode_num_accepted_tokens_per_pos", ["model_name", "engine", "position"])):
+        family = CounterMetricFamily(name, help_text, labels=labels)
+        for d, extra in engines:
+            for position in range(int(extra["spec_decode_num_speculative_tokens"])):
+                family.add_metric([d.model, d.name, str(position)], extra.get(f"{SPEC_PER_POS_KEY}{position}", 0.0))
+        yield family

@@ -164,12 +164,17 @@ ENGINE_PHASES = (("engine.queued", "arrived", "scheduled"), ("engine.prefill", "
 
 
 def _engine_spans(trace: RequestTrace, parent, timings: dict[str, float]) -> None:
-    """Backdated spans from the engine's own clock readings: where the time went inside it."""
+    """Backdated spans from the engine's own clock readings: where the time went inside it.
+    Speculative decoding's counters (`spec_*`: drafts, accepted, acceptance) go on the decode
+    span, the others (prefill chunks, preemptions, cached tokens) on the prefill span."""
     counters = {f"kvgate.engine.{k}": v for k, v in timings.items() if k not in ("arrived", "scheduled", "first_token", "finished")}
+    phase_attributes = {
+        "engine.prefill": {k: v for k, v in counters.items() if not k.startswith("kvgate.engine.spec_")},
+        "engine.decode": {k: v for k, v in counters.items() if k.startswith("kvgate.engine.spec_")},
+    }
     for name, start_key, end_key in ENGINE_PHASES:
         start, end = timings.get(start_key), timings.get(end_key)
         if start is None or end is None:
             continue
-        span = trace.child(name, counters if name == "engine.prefill" else None,
-                           start_time=int(start * 1e9), parent=parent)
+        span = trace.child(name, phase_attributes.get(name), start_time=int(start * 1e9), parent=parent)
         span.end(end_time=int(max(end, start) * 1e9))

@@ -103,6 +103,8 @@ def _deployment(d) -> dict:
             "preemptions": load.extra.get("num_preemptions", 0),
             "kv_blocks_total": load.extra.get("kv_blocks_total"),
         }
+    if load.extra.get("spec_decode_num_speculative_tokens", 0) > 0:
+        engine = {**(engine or {}), "spec_decode": _spec_decode(load.extra)}
     if "engine_restarts" in load.extra:
         engine = {**(engine or {}), "restarts": load.extra["engine_restarts"]}
     return {
@@ -111,4 +113,16 @@ def _deployment(d) -> dict:
         "breaker": d.breaker.state, "in_flight": d.in_flight,
         "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,
         "capacity": load.capacity, "engine": engine,
+    }
+
+
+def _spec_decode(extra: dict) -> dict:
+    """Speculative decoding since the engine started: how many drafts pay (None before any)."""
+    drafts, proposed = extra.get("spec_decode_num_drafts", 0), extra.get("spec_decode_num_draft_tokens", 0)
+    accepted = extra.get("spec_decode_num_accepted_tokens", 0)
+    return {
+        "num_speculative_tokens": int(extra["spec_decode_num_speculative_tokens"]),
+        "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
     }

@@ -19,6 +19,7 @@ from native_backend.protocol import EngineError, EngineRequest, EngineStats, Req
 from native_backend.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.sequence import Sequence
 from native_backend.spec_decode.policy import SpeculationPolicy
+from native_backend.spec_decode.stats import SpecDecodeStats
 from native_backend.stop import StopStringMatcher
 from native_backend.tokenizer import Tokenizer
 
@@ -160,6 +161,8 @@ class LLMEngine:
         if finish_reason is not None:
             del self._texts[result.request_id]
             timings = state.timings(time.time(), result.num_preemptions, result.num_cached_tokens)
+            if self.scheduler.speculation is not None:
+                timings.update(_request_spec_counts(result.spec_decode or SpecDecodeStats()))
         return RequestOutput(
             request_id=result.request_id,
             new_token_ids=list(result.new_token_ids),
@@ -205,9 +208,21 @@ class LLMEngine:
 def _spec_decode_stats(stats) -> dict:
     if stats is None:
         return {}
-    return dict(spec_decode_num_drafts=stats.num_drafts, spec_decode_num_draft_tokens=stats.num_draft_tokens,
+    return dict(spec_decode_num_speculative_tokens=len(stats.accepted_per_pos),
+                spec_decode_num_drafts=stats.num_drafts, spec_decode_num_draft_tokens=stats.num_draft_tokens,
                 spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
                 spec_decode_num_accepted_tokens_per_pos=tuple(stats.accepted_per_pos))
+
+
+def _request_spec_counts(counts: SpecDecodeStats) -> dict[str, float]:
+    """One request's speculation for its trace (the gateway puts `spec_*` on its decode span);
+    zeros when it never speculated (the load policy kept it plain)."""
+    marks = {"spec_drafts": counts.num_drafts, "spec_draft_tokens": counts.num_draft_tokens,
+             "spec_accepted_tokens": counts.num_accepted_tokens}
+    if counts.num_draft_tokens:
+        marks["spec_acceptance_rate"] = counts.acceptance_rate
+        marks["spec_mean_accepted_length"] = counts.mean_accepted_length
+    return {k: float(v) for k, v in marks.items()}
 
 
 def make_engine_core(config: EngineConfig) -> LLMEngine:

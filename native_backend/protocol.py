@@ -69,6 +69,7 @@ class EngineStats:
     kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
     # Speculative decoding, since start (vLLM's vllm:spec_decode_*): verifications, drafted tokens,
     # accepted drafts, and accepted drafts by position (a tuple: not a float in LoadSnapshot.extra).
+    spec_decode_num_speculative_tokens: int = 0  # k of the deployment; 0: speculation is off
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

@@ -91,6 +91,7 @@ class StepResult:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
     num_preemptions: int = 0  # times this request was preempted so far
     error: str | None = None  # set when the request failed alone (finish_reason "abort")
+    spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: it never proposed)
 
     @property
     def finished(self) -> bool:
@@ -391,6 +392,7 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            spec_decode=seq.spec.counts if seq.spec is not None else None,
         )
 
     def _keep_accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -13,7 +13,7 @@ PAUSE_STEPS steps and then tries again with a fresh average.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from native_backend.engine_config import SpeculativeOptions
 from native_backend.sequence import Sequence
@@ -30,6 +30,7 @@ class SpecState:
 
     acceptance: float = 1.0  # moving average of accepted / proposed
     paused_steps: int = 0
+    counts: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # this request's, for its trace
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class SpeculationPolicy:
         if propose is None and options.method == "ngram":
             propose = self._ngram
         self._propose = propose
-        self.stats = SpecDecodeStats()
+        # Every position from the start, so a dashboard sees k series (zeros included) at once.
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
     def _ngram(self, seq: Sequence, k: int) -> list[int]:
         o = self.options
@@ -82,6 +84,7 @@ class SpeculationPolicy:
         """A verification's outcome: counters, and the request's acceptance average."""
         self.stats.record(num_proposed, num_accepted)
         state = seq.spec
+        state.counts.record(num_proposed, num_accepted)
         state.acceptance += EMA_WEIGHT * (num_accepted / num_proposed - state.acceptance)
         if state.acceptance < self.options.min_acceptance_rate:
             state.acceptance, state.paused_steps = 1.0, PAUSE_STEPS
