@@ -19,7 +19,7 @@ server: {log_level: warning}
 auth:
   limits_store: {kind: redis, url_env: KVGATE_TEST_REDIS_URL, timeout_s: 0.3}
   keys:
-    - {name: team, key_env: KVGATE_TEST_KEY, requests_per_minute: 10}
+    - {name: team, key_env: KVGATE_TEST_KEY, requests_per_minute: 10, scopes: [metrics]}  # reads /status.json, /metrics
     - {name: streamer, key_env: KVGATE_TEST_KEY2, max_concurrency: 4}
 models:
   - name: echo
