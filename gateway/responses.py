@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
+from gateway import fastjson
 from gateway.backend import TokenEvent, TokenLogprob, Usage
 
 
@@ -106,7 +106,7 @@ def usage_chunk(shape: ResponseShape, usage: dict) -> dict:
 
 
 def sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + fastjson.dumps(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -14,11 +14,11 @@ the gateway sends as one error event.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from dataclasses import replace
 
+from gateway import fastjson
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from kvgate_openai import upstream_errors, wire
@@ -120,7 +120,7 @@ class OpenAIBackend:
     async def _send(self, pool: ClientPool, path: str, body: dict, request: GenerationRequest,
                     deadline: float) -> UpstreamResponse:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
-        content = json.dumps(body, separators=(",", ":")).encode()
+        content = fastjson.dumps(body)
         try:
             async with asyncio.timeout_at(deadline):
                 response = await pool.send("POST", self.settings.base_url + path, content=content,
@@ -145,7 +145,7 @@ class OpenAIBackend:
         finally:
             await response.aclose()
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
         except ValueError:
             body = {"error": {"message": raw.decode(errors="replace").strip()}} if raw.strip() else None
         error = upstream_errors.for_status(response.status_code, body, response.headers, self.name, self._scrub)
@@ -219,7 +219,7 @@ class OpenAIBackend:
             log.warning("deployment %s: upstream answer over %d bytes", self.name, limit)
             raise BackendError(f"The backend '{self.name}' sent an answer over {limit} bytes.")
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
             if isinstance(body, dict) and "error" in body:
                 raise upstream_errors.for_stream_error(body, self.name, self._scrub)
             return wire.whole_event(body, chat)
@@ -258,7 +258,7 @@ class OpenAIBackend:
 
     def _decode(self, payload: bytes, sent: int) -> dict:
         try:
-            chunk = json.loads(payload)
+            chunk = fastjson.loads(payload)
         except ValueError:
             raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not JSON.") from None
         if not isinstance(chunk, dict):
