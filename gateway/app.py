@@ -102,6 +102,8 @@ async def health_ready(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
     registry = state.registry
     deployments = {d.name: _readiness(d) for d in registry.deployments()}
+    for group in registry.groups():  # members not routable yet, and a group with none
+        deployments.update(group.readiness())
     ready = registry.ready(state.config.server.readiness)
     return JSONResponse(
         {"status": "ready" if ready else "not ready", "deployments": deployments},

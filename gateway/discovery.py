@@ -124,7 +124,8 @@ class DiscoveryGroup:
 
     @property
     def running(self) -> bool:
-        return self._task is not None
+        """Started (from the first resolution on) and not stopped."""
+        return self._http is not None
 
     def draining_in_flight(self) -> int:
         return sum(d.in_flight for d in self.draining.values())
@@ -134,7 +135,7 @@ class DiscoveryGroup:
     async def start(self) -> None:
         """Resolve once and admit what answers (so a gateway starts with its members), then keep
         refreshing in the background."""
-        if self._task is not None:
+        if self.running:
             return
         self._http = httpx.AsyncClient(timeout=self.discovery.timeout_s)
         await self.refresh()
@@ -194,7 +195,7 @@ class DiscoveryGroup:
     def _answered(self, addresses: list[str]) -> None:
         if self.up is False:
             log.info("discovery of %s (model %s): DNS answers again after %.1f s: %d addresses",
-                        self.name, self.model, time.time() - (self.down_since or time.time()), len(addresses))
+                     self.name, self.model, time.time() - (self.down_since or time.time()), len(addresses))
         elif not addresses and (self.up is None or self.routable or self.pending):
             log.warning("discovery of %s (model %s): %s has no address; no members", self.name, self.model,
                         self.discovery.dns)
@@ -302,6 +303,14 @@ class DiscoveryGroup:
 
     def base_url(self, address: str) -> str:
         return self.base_origin(address) + self.discovery.path
+
+    def readiness(self) -> dict[str, str]:
+        """Lines for /health/ready beside the routable members': pending members, and the group
+        itself while it has no member."""
+        lines = {d.name: f"pending: {self.problems.get(a) or 'starting'}" for a, d in self.pending.items()}
+        if not self.routable:
+            lines[self.name] = self.problem or f"no member: {self.discovery.dns} lists no address that is up"
+        return lines
 
     def status(self) -> dict:
         """For the status page and /status.json."""

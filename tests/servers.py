@@ -73,6 +73,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_on(hosts: list[str]) -> int:
+    """A TCP port free on each of `hosts` (loopback addresses that each bind their own server,
+    as the pods behind one Service do). It is chosen below the kernel's ephemeral range, so no
+    port-0 bind elsewhere (free_port, any client, another test run) takes it before they start."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        try:
+            for host in hosts:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no port free on all of {hosts}")
+
+
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -558,7 +558,7 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
     says, and the second pod takes traffic with no change to the gateway's config."""
     import openai
     from dns_server import DnsServer
-    from servers import GatewayServer, free_port, wait_ready
+    from servers import GatewayServer, free_port, free_port_on, wait_ready
 
     docs = rendered("created-secrets")
     engine_env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
@@ -622,24 +622,6 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
             assert list(pool.map(slow_stream, range(6))) == [["one", "two", "three"]] * 6
         per_pod = [c.statuses for c in counters]
         assert all(per_pod) and all(s == 200 for statuses in per_pod for s in statuses), per_pod
-
-
-def free_port_on(addresses: list[str]) -> int:
-    """A port free on every one of these loopback addresses (each pod binds its own)."""
-    import socket
-
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for address in addresses[1:]:
-                with socket.socket() as s:
-                    s.bind((address, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError(f"no port free on all of {addresses}")
 
 
 class RequestCounter:

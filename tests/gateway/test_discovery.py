@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import io
 import logging
-import socket
-import threading
 import time
 
 import httpx
@@ -23,7 +21,7 @@ from dns_server import DnsServer
 from gateway.cli import main as kvgate_main
 from gateway.discovery import DiscoveryFailed, DnsResolver
 from gateway.hookspecs import hookimpl
-from servers import GatewayServer
+from servers import GatewayServer, free_port_on
 
 NAME = "engines.test"
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -74,22 +72,6 @@ class Upstream:
         self.server.close()
 
 
-def shared_port() -> int:
-    """A port free on the test's loopback addresses (each upstream binds its own address)."""
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind((A, 0))
-            port = s.getsockname()[1]
-        try:
-            for host in (B, C):
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on every loopback address")
-
-
 def wait_for(condition, what: str, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -106,7 +88,7 @@ def dns():
 
 @pytest.fixture
 def port():
-    return shared_port()
+    return free_port_on([A, B, C])
 
 
 @pytest.fixture
@@ -204,8 +186,12 @@ def test_a_new_member_is_routable_only_once_healthy(dns, port, stack):
     for _ in range(3):
         assert complete(client) == "one two"
     assert a.arrivals.count == 3
-    ready = httpx.get(front.base_url + "/status.json").json()["models"][0]["discovery"][0]
-    assert ready["pending"][0]["name"] == f"engines@{C}" and "GET http://127.0.0.4" in ready["pending"][0]["problem"]
+    status = httpx.get(front.base_url + "/status.json").json()["models"][0]["discovery"][0]
+    assert status["pending"][0]["name"] == f"engines@{C}" and "GET http://127.0.0.4" in status["pending"][0]["problem"]
+    ready = httpx.get(front.base_url + "/health/ready")
+    assert ready.status_code == 200  # a group is up while one member is
+    assert ready.json()["deployments"][f"engines@{A}"] == "ready"
+    assert ready.json()["deployments"][f"engines@{C}"].startswith(f"pending: GET http://{C}:{port}/health/ready: ")
 
     c = start_upstream(stack, C, port)
     wait_for(lambda: f"engines@{C}" in routed_names(front), "C to pass its health check")
@@ -228,6 +214,9 @@ def test_an_empty_answer_drains_every_member(dns, port, stack):
     with pytest.raises(Exception) as refused:
         complete(front.openai())
     assert getattr(refused.value, "status_code", None) == 503
+    ready = httpx.get(front.base_url + "/health/ready")
+    assert ready.status_code == 503
+    assert ready.json()["deployments"] == {"engines": f"no member: {NAME} lists no address that is up"}
 
 
 # ------------------------------------------------------------------------------ DNS outage
@@ -255,6 +244,7 @@ def test_dns_outage_keeps_the_last_members_and_says_so(dns, port, stack, caplog)
     assert 'kvgate_discovery_members{deployment="engines",model="echo",state="routable"} 2.0' in metrics
     status = httpx.get(front.base_url + "/status.json").json()["models"][0]["discovery"][0]
     assert status["up"] is False and status["problem"].startswith(f"DNS lookup of {NAME} failed")
+    assert httpx.get(front.base_url + "/health/ready").status_code == 200  # still serving: still ready
 
     dns.set(NAME, [B])
     dns.start()
@@ -317,9 +307,7 @@ def test_a_large_pool_is_resolved_whole(dns):
 
 def test_an_ipv6_member_is_named_and_reached_in_brackets(dns, stack):
     dns.set(NAME, ["::1"])
-    with socket.socket(socket.AF_INET6) as s:
-        s.bind(("::1", 0))
-        port6 = s.getsockname()[1]
+    port6 = free_port_on(["::1"])
     start_upstream(stack, "::1", port6)
     front = start_front(stack, dns, port6)
     assert routed_names(front) == ["engines@::1"]
