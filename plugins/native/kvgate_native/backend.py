@@ -107,16 +107,19 @@ class NativeSettings(BaseModel):
     collective_timeout_s: float = Field(60.0, gt=0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
-                              "stored; an AWQ checkpoint is detected from its config.json) or awq (an AWQ int4 "
-                              "directory is required, e.g. from `kvgate quantize`).")
+                              "stored; an AWQ checkpoint is detected from its config.json, a GGUF is dequantized "
+                              "to dtype), awq (an AWQ int4 directory is required, e.g. from `kvgate quantize`) or "
+                              "gguf (a GGUF whose decoder linears are Q4_0 / Q4_1 runs them as stored, int4).")
 
     @model_validator(mode="after")
     def _supported_so_far(self):
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: this engine runs on one device so far; use 1")
-        if self.quantization not in ("none", "awq"):  # GPTQ, FP8 weights, ...: no kernels for them yet
-            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float "
-                             "and AWQ int4 (AutoAWQ GEMM) checkpoints; use none or awq")
+        if self.quantization not in ("none", "awq", "gguf"):  # GPTQ, FP8 weights, ...: no kernels for them yet
+            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float, "
+                             "AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use none, awq or gguf")
+        if self.quantization == "gguf" and not (self.model == "default" or self.model.endswith(".gguf")):
+            raise ValueError(f"quantization: gguf needs a .gguf model file, got {self.model}")
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -124,7 +127,7 @@ class NativeSettings(BaseModel):
         return EngineConfig(
             model=ModelOptions(path=default_model_path() if self.model == "default" else self.model, dtype=self.dtype,
                                device=self.device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
-                               tokenizer_cache_dir=str(tokenizer_cache_dir())),
+                               tokenizer_cache_dir=str(tokenizer_cache_dir()), quantization=self.quantization),
             cache=CacheOptions(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                                kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
                                enable_prefix_caching=self.enable_prefix_caching, kv_scales=self.kv_scales),

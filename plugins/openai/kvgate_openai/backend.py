@@ -22,6 +22,7 @@ from gateway import fastjson
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from kvgate_openai import upstream_errors, wire
+from kvgate_openai.idle import IdleWatch
 from kvgate_openai.load import LoadTracker, poll_forever
 from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings
@@ -158,13 +159,22 @@ class OpenAIBackend:
     async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float):
         """Token events as chunks arrive; the finishing event waits for the usage chunk."""
         decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
+        idle = IdleWatch(self.settings.idle_s)
+        try:
+            async for event in self._stream_events(chunks, decoder, idle, request, chat, deadline):
+                yield event
+        finally:
+            idle.close()
+
+    async def _stream_events(self, chunks, decoder: SSEDecoder, idle: IdleWatch, request: GenerationRequest,
+                             chat: bool, deadline: float):
         finish: TokenEvent | None = None
         usage: Usage | None = None
         sent = 0
         done = False
         while not done:
             try:
-                data = await self._next_chunk(chunks, deadline if not sent else None)
+                data = await self._next_chunk(chunks, deadline if not sent else None, idle)
             except (BackendError, BackendTimeout):
                 if finish is not None:  # it said all it had to say, then misbehaved
                     break
@@ -236,12 +246,12 @@ class OpenAIBackend:
         except (TimeoutError, StreamBroken):
             pass  # the connection is closed instead of reused; the answer is complete either way
 
-    async def _next_chunk(self, chunks, deadline: float | None) -> bytes | None:
-        """The next bytes from upstream, None at the end of the stream, within the deadline."""
+    async def _next_chunk(self, chunks, deadline: float | None, idle: IdleWatch) -> bytes | None:
+        """The next bytes from upstream, None at the end of the stream, within the first-byte
+        deadline (until the first token) or the idle limit (after it)."""
         try:
             if deadline is None:
-                async with asyncio.timeout(self.settings.idle_s):
-                    return await anext(chunks)
+                return await idle.read(anext(chunks))
             async with asyncio.timeout_at(deadline):
                 return await anext(chunks)
         except StopAsyncIteration:
