@@ -67,6 +67,8 @@ _SIGNATURES = {
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
     # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
     "kvgate_int4_linear_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
+    # y, x, qweight, offsets, scales, bias, M, K, N, group (int4_linear.c: GGUF Q4_0 / Q4_1 repacked)
+    "kvgate_int4_linear_off_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
     "kvgate_int4_supported": ([], ctypes.c_int),
     # y, x, w8, scale, M, K, N (int4_linear.c: an int4 model's LM head)
     "kvgate_int8_rows_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
@@ -490,6 +492,39 @@ def int4_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.
                                        m, k, n, k // scales.shape[0])
     if rc != 0:
         raise RuntimeError(f"kvgate_int4_linear_f32 failed ({rc})")
+    return y
+
+
+def int4_linear_off(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`int4_linear` of the offset variant: W[k, n] = q * s + o per group, offsets (K/G, N) fp16
+    in place of qzeros (quantization/gguf_int4.py: GGUF's Q4_0 / Q4_1 blocks)."""
+    _check(x, *([bias] if bias is not None else []), dtype=torch.float32)
+    _check(qweight, dtype=torch.int32)
+    _check(offsets, scales, dtype=torch.float16)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or groups < 1 or k % groups or scales.shape != (groups, n) \
+            or offsets.shape != scales.shape:
+        raise ValueError(f"int4_linear_off: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"offsets {tuple(offsets.shape)}, scales {tuple(scales.shape)} do not fit together")
+    if not (qweight.is_contiguous() and offsets.is_contiguous() and scales.is_contiguous()) or \
+            (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        raise ValueError("int4_linear_off: contiguous qweight, offsets, scales and an (N,) bias expected")
+    return int4_linear_off_unchecked(x, qweight, offsets, scales, bias)
+
+
+def int4_linear_off_unchecked(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    x = x.contiguous()
+    m, k = x.shape
+    n = scales.shape[1]
+    y = x.new_empty((m, n))
+    rc = load().kvgate_int4_linear_off_f32(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), offsets.data_ptr(),
+                                           scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                           m, k, n, k // scales.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"kvgate_int4_linear_off_f32 failed ({rc})")
     return y
 
 

@@ -26,6 +26,9 @@ def _positive(owner: str, **values) -> None:
             raise ValueError(f"{owner}.{name} must be positive, got {value}")
 
 
+WEIGHT_QUANTIZATIONS = ("none", "awq", "gguf")
+
+
 def _one_of(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{owner}.{name}: {value!r} is not one of {', '.join(allowed)}")
@@ -39,11 +42,18 @@ class ModelOptions:
     num_threads: int | None = None  # torch threads in the engine process; None: torch's default
     cpu_kernels: bool = True  # on CPU, kvgate's C kernels where they build
     tokenizer_cache_dir: str | None = None  # where a GGUF's tokenizer is unpacked once
+    # Weights as stored: none (float, or an AWQ directory detected from its config.json), awq (an
+    # AWQ directory required), gguf (a GGUF whose decoder linears are Q4_0 / Q4_1 runs them packed by
+    # the int4 kernels; without it a GGUF is dequantized to dtype).
+    quantization: str = "none"
 
     def __post_init__(self):
         if not self.path:
             raise ValueError("model.path: a GGUF file or a Hugging Face directory is required")
         _one_of("model", "dtype", self.dtype, DTYPES)
+        _one_of("model", "quantization", self.quantization, WEIGHT_QUANTIZATIONS)
+        if self.quantization == "gguf" and not self.path.endswith(".gguf"):
+            raise ValueError(f"model.quantization: gguf needs a .gguf file, got {self.path}")
         if not (self.device == "cpu" or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"model.device: {self.device!r} is not cpu, cuda or cuda:N")

@@ -66,6 +66,7 @@ class InProcessExecutor:
         self.device = torch.device(device or mc.device)
         self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels,
                                            shard=shard)
+        self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf")  # GGUF Q4 linears kept int4
         self.model = load_model(mc.path, self.ctx)
         self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config

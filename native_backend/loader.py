@@ -4,7 +4,9 @@ The model is built in its final form first (`LayerContext`: device, dtype, kerne
 each checkpoint tensor is read on its own and handed to its parameter's `weight_loader` under its
 Hugging Face name: at no point does a whole float copy of the checkpoint exist beside the model.
 
-GGUF tensors are dequantized to float with the `gguf` package. llama.cpp's converter permutes the
+GGUF tensors are dequantized to float with the `gguf` package, except, in a context with
+`gguf_q4`, the decoder linears of a file that stores them all as Q4_0 / Q4_1: those are repacked as
+stored into the int4 method's layout (quantization/gguf_int4.py), never made float. llama.cpp's converter permutes the
 rows of attn_q / attn_k so that its rotary kernel can rotate adjacent pairs (x0, x1); our RoPE,
 like Hugging Face's, rotates halves (x_i, x_{i+d/2}), so those rows are permuted back exactly as
 transformers' `LlamaTensorProcessor._reverse_permute_weights` does.
@@ -24,6 +26,7 @@ from native_backend.config import ModelConfig
 from native_backend.layers.context import LayerContext
 from native_backend.models import MODEL_CLASSES
 from native_backend.models.llama import LlamaForCausalLM
+from native_backend.quantization import gguf_int4
 from native_backend.quantization.format import read_quant_config_file
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
@@ -125,17 +128,23 @@ def load_gguf_model(
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
-    return build_model(config, gguf_tensors(reader, config), ctx)
+    ctx = ctx or LayerContext.for_device("cpu", torch.float32)
+    q4 = gguf_int4.quant_config(reader, path) if ctx.gguf_q4 else None
+    return build_model(config, gguf_tensors(reader, config, packed_q4=q4 is not None), ctx.with_quantization(q4))
 
 
-def gguf_tensors(reader, config: ModelConfig) -> NamedTensors:
+def gguf_tensors(reader, config: ModelConfig, *, packed_q4: bool = False) -> NamedTensors:
     """Dequantized float32 tensors under Hugging Face names, Q/K rows back in HF's order, one at
-    a time (a quantized file is never expanded to float all at once)."""
+    a time (a quantized file is never expanded to float all at once); with packed_q4 the Q4_0 /
+    Q4_1 linears as the int4 method's packed tensors instead (name.qweight, .scales, .offsets)."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1 GGUFs: RoPE frequency factors
             raise NotImplementedError("GGUF rope_freqs (llama3 RoPE scaling) is not supported yet")
         name = hf_name_for_gguf(tensor.name)
         if name is None or _layer_index(name) >= config.num_layers:
+            continue
+        if packed_q4 and name.endswith("_proj.weight"):
+            yield from gguf_int4.packed_tensors(name, tensor, _rotary_heads(name, config))
             continue
         w = dequantize_tensor(tensor.data, tensor.tensor_type)  # (out, in)
         if ".q_proj." in name:
@@ -211,6 +220,11 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _rotary_heads(name: str, config: ModelConfig) -> int | None:
+    """The heads whose rows llama.cpp permuted in this weight (q, k), else None."""
+    return config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else None
 
 
 def _layer_index(name: str) -> int:

@@ -13,6 +13,9 @@
  *     delta = (silu(x Wgate) * x Wup) Wdown
  *   out = add_rms_norm(residual, delta, final_norm)
  *
+ * A linear is float32 (kvgate_linear_f32) or int4 (kvgate_int4_linear_f32), per layer as the
+ * model was built: an int4 model runs its packed weights here as on the per-layer path.
+ *
  * Every row must be a short query (decode, or the few rows of a verification) and M within what
  * the linear kernel serves; the caller checks both, and every pointer's dtype and layout. */
 #include <stdint.h>
@@ -22,8 +25,13 @@
 #include "simd_math.h"
 
 typedef struct {
-    const float *w, *bias; /* (n, k) row-major; bias (n,) or NULL */
+    const float *w, *bias; /* (n, k) row-major, or NULL for an int4 layer; bias (n,) or NULL */
     int64_t n, k;
+    /* An int4 layer (the AutoAWQ GEMM tensors, see int4_linear.c), or all NULL: the float w.
+     * The offset variant (GGUF Q4_0 / Q4_1) has offsets in place of qzeros. */
+    const int32_t *qweight, *qzeros;  /* (k, n/8), (k/group, n/8) */
+    const uint16_t *scales, *offsets; /* (k/group, n) fp16 bits */
+    int64_t group;
 } kvg_linear;
 
 typedef struct {
@@ -45,7 +53,12 @@ typedef struct {
     int64_t table_stride, chunk_blocks;
 } kvg_step;
 
+/* The kernel the layer's linear method calls on the per-layer path: int4 or float. */
 static int project(const kvg_linear *l, const float *x, float *y, int64_t M) {
+    if (l->qweight && l->offsets)
+        return kvgate_int4_linear_off_f32(y, x, l->qweight, l->offsets, l->scales, l->bias, M, l->k, l->n, l->group);
+    if (l->qweight)
+        return kvgate_int4_linear_f32(y, x, l->qweight, l->qzeros, l->scales, l->bias, M, l->k, l->n, l->group);
     return kvgate_linear_f32(y, x, l->w, l->bias, M, l->k, l->n);
 }
 

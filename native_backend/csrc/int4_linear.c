@@ -18,7 +18,14 @@
  * Work split: bands of 16 columns (two words a row), contiguous runs of bands per thread (two
  * threads rarely share a cache line of qweight). Within a band, tiles of up to 4 rows x 16
  * columns (8 accumulators) walk K; a band's qweight (K x 8 bytes) stays in L1/L2 across row tiles.
- * A run of 8 columns left at the right edge (N = 16 j + 8) is a band of one word. */
+ * A run of 8 columns left at the right edge (N = 16 j + 8) is a band of one word.
+ *
+ * The offset variant (kvgate_int4_linear_off_f32: GGUF's Q4_0 / Q4_1 blocks, repacked into this
+ * layout at load) has a float offset per group instead of an integer zero point:
+ *
+ *   W[k, n] = q[k, n] * s[k / G, n] + o[k / G, n]   (Q4_1: o = m;  Q4_0: o = -8 d)
+ *
+ * so the group's correction is + o * xsum instead of - s z * xsum; the rest is the same code. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -32,8 +39,8 @@
 
 typedef struct {
     const float *x, *xsum, *bias;
-    const int32_t *qweight, *qzeros;
-    const uint16_t *scales;
+    const int32_t *qweight, *qzeros; /* qzeros NULL: the offset variant */
+    const uint16_t *scales, *offsets; /* offsets (K/G, N) fp16 bits, or NULL */
     float *y;
     int64_t M, K, N, G;
 } int4_args;
@@ -67,7 +74,9 @@ static inline __attribute__((always_inline)) void tile(const int4_args *a, int64
         }
         for (int v = 0; v < V; v++) {
             const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->scales + g * a->N + c0 + 8 * v)));
-            const __m256 sz = _mm256_mul_ps(s, unpack8(a->qzeros[g * words + w0 + v]));
+            const __m256 sz = a->qzeros ? _mm256_mul_ps(s, unpack8(a->qzeros[g * words + w0 + v]))
+                                        : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(
+                                              (const __m128i *)(a->offsets + g * a->N + c0 + 8 * v))));
             for (int r = 0; r < R; r++) {
                 const __m256 xs = _mm256_broadcast_ss(a->xsum + (m0 + r) * groups + g);
                 out[r][v] = _mm256_fnmadd_ps(sz, xs, _mm256_fmadd_ps(s, acc[r][v], out[r][v]));
@@ -107,18 +116,14 @@ KVG_API int kvgate_int4_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-/* x (M, K) float32; qweight (K, N/8), qzeros (K/G, N/8) int32; scales (K/G, N) fp16 bits; bias
- * (N,) float32 or NULL; y (M, N) float32. G a multiple of 8 dividing K, N a multiple of 8.
- * Returns 0; -1 bad sizes; -2 no memory; -3 the CPU lacks AVX2/FMA/F16C. */
-KVG_API int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qweight, const int32_t *qzeros,
-                                   const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N,
-                                   int64_t G) {
+static int run(float *y, const float *x, const int32_t *qweight, const int32_t *qzeros, const uint16_t *scales,
+               const uint16_t *offsets, const float *bias, int64_t M, int64_t K, int64_t N, int64_t G) {
     if (M < 1 || G < 8 || G % 8 || K % G || N % 8) return -1;
     if (!kvgate_int4_supported()) return -3;
     float *xsum = (float *)malloc(sizeof(float) * M * (K / G));
     if (!xsum) return -2;
     group_sums(x, xsum, M, K, G);
-    const int4_args a = {x, xsum, bias, qweight, qzeros, scales, y, M, K, N, G};
+    const int4_args a = {x, xsum, bias, qweight, qzeros, scales, offsets, y, M, K, N, G};
     const int64_t full_bands = N / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < full_bands + (N % 16 != 0); b++) {
@@ -127,6 +132,22 @@ KVG_API int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qwei
     }
     free(xsum);
     return 0;
+}
+
+/* x (M, K) float32; qweight (K, N/8), qzeros (K/G, N/8) int32; scales (K/G, N) fp16 bits; bias
+ * (N,) float32 or NULL; y (M, N) float32. G a multiple of 8 dividing K, N a multiple of 8.
+ * Returns 0; -1 bad sizes; -2 no memory; -3 the CPU lacks AVX2/FMA/F16C. */
+KVG_API int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qweight, const int32_t *qzeros,
+                                   const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N,
+                                   int64_t G) {
+    return run(y, x, qweight, qzeros, scales, NULL, bias, M, K, N, G);
+}
+
+/* The offset variant: offsets (K/G, N) fp16 bits in place of qzeros; otherwise the same. */
+KVG_API int kvgate_int4_linear_off_f32(float *y, const float *x, const int32_t *qweight, const uint16_t *offsets,
+                                       const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N,
+                                       int64_t G) {
+    return run(y, x, qweight, NULL, scales, offsets, bias, M, K, N, G);
 }
 
 #pragma GCC pop_options

@@ -5,6 +5,7 @@
     LayerContext.for_device("cpu", ..., cpu_kernels=False)   torch alone
     LayerContext.for_device("cuda", torch.bfloat16)          dense linears, Triton attention
     ctx.with_quantization(QuantConfig(group_size=64))        int4 AWQ linears (an AWQ checkpoint)
+    dataclasses.replace(ctx, gguf_q4=True)                   a GGUF's Q4_0 / Q4_1 linears kept int4
 
 Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
 after loading.
@@ -37,6 +38,7 @@ class LayerContext:
     kernels: str = ""  # what was chosen, for the engine's start-up line
     head_method: LinearMethod | None = None  # the LM head's, when not linear_method (int4 models)
     int8_head: bool = True  # int4 models with the C kernels: logits from an int8 copy of the head
+    gguf_q4: bool = False  # a GGUF's Q4_0 / Q4_1 linears run packed by the int4 method (else made float)
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -56,18 +58,19 @@ class LayerContext:
         """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
         linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head kept
         in float as AWQ checkpoints store it, with an int8 copy for the logits on the CPU
-        (`int8_head`; the C kernel, or torch on the same numbers), decode steps per layer (the one-call decode step runs float32 weights
-        only)."""
+        (`int8_head`; the C kernel, or torch on the same numbers); one-call decode steps stay where
+        the int4 C kernel runs (the step calls it), else decode steps run per layer."""
         if quant is None:
             return self
-        from native_backend.quantization.method import AWQLinearMethod, Int8HeadMethod  # imports layers.linear
+        from native_backend.quantization.method import Int8HeadMethod, int4_method  # imports layers.linear
 
         kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
-        method = AWQLinearMethod(quant.group_size, kernel=kernel, triton=self.device.type == "cuda")
+        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda")
         int8_head = self.int8_head and self.device.type == "cpu" and self.dtype == torch.float32
         head = Int8HeadMethod(kernel=kernel) if int8_head else self.linear_method
-        kernels = self.kernels.replace(", one-call decode steps", "")  # no longer true, see above
-        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=False,
+        fuse = self.fuse_decode and kernel
+        kernels = self.kernels if fuse else self.kernels.replace(", one-call decode steps", "")
+        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse,
                                    kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
 
 

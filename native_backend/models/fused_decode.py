@@ -7,12 +7,14 @@ are all short queries (decodes) with one call; it runs the same kernels in the s
 Python path, so the hidden states are bit-identical (tests/native_backend/test_cpu_decode.py).
 
 A quantized cache (fp8, int8) goes through the quantized write and decode kernels, the ones the
-"cpu" attention backend calls, so those steps too are bit-identical to the per-layer path.
+"cpu" attention backend calls, so those steps too are bit-identical to the per-layer path. So do
+int4 AWQ linears (quantization/method.py with the C kernel): the table holds their packed tensors
+and the step calls the int4 kernel the method calls.
 
 The model is built in its final form, so its weights never move after loading: the table is
 built once, when the model binds its KV cache (`FusedDecode.build`), from the model's declared
 list of decoder layers. A model the kernels cannot take (not float32 weights and cache, odd
-sizes, a linear method other than the C kernel's) gets no FusedDecode; a step they cannot take
+sizes, a linear method other than the C kernel's or the int4 C kernel's) gets no FusedDecode; a step they cannot take
 (prefill rows, too many rows) returns None and the caller runs the Python path.
 """
 
@@ -26,13 +28,28 @@ from native_backend import cpu_kernels
 from native_backend.attention import cpu as cpu_attention
 from native_backend.layers.cpu_ops import check_positions
 from native_backend.layers.linear import C_KERNEL, KERNEL_MAX_ROWS
+from native_backend.quantization.method import AWQLinearMethod
 
 _f32p, _i64p, _i64, _f32 = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _LINEAR_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")  # kvg_layer's, in `_projections` order
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _f32p), ("bias", _f32p), ("n", _i64), ("k", _i64)]
+    """kvg_linear: a float32 weight (w), or an int4 one (qweight, qzeros, scales, group; w NULL)."""
+
+    _fields_ = [("w", _f32p), ("bias", _f32p), ("n", _i64), ("k", _i64), ("qweight", ctypes.c_void_p),
+                ("qzeros", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("group", _i64)]
+
+    @classmethod
+    def of(cls, proj) -> _Linear:
+        b = proj.bias.data_ptr() if proj.bias is not None else None
+        if proj.method is C_KERNEL:
+            return cls(proj.weight.data_ptr(), b, proj.out_features, proj.in_features)
+        p = proj._parameters  # int4: qzeros (AWQ) or offsets (GGUF Q4), checked by _fits
+        ptr = lambda name: p[name].data_ptr() if name in p else None  # noqa: E731
+        return cls(None, b, proj.out_features, proj.in_features, ptr("qweight"), ptr("qzeros"), ptr("scales"),
+                   ptr("offsets"), proj.method.group_size)
 
 
 class _Layer(ctypes.Structure):
@@ -83,9 +100,7 @@ class FusedDecode:
                 tensors += [quantized, struct]
                 entry.kv = ctypes.addressof(struct)
             for proj, name in zip(_projections(layer), _LINEAR_FIELDS):
-                b = proj.bias
-                setattr(entry, name, _Linear(proj.weight.data_ptr(), b.data_ptr() if b is not None else None,
-                                             proj.out_features, proj.in_features))
+                setattr(entry, name, _Linear.of(proj))
         config, attn = model.config, layers[0].self_attn.attn
         dims = _Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                      config.intermediate_size, attn.kv.block_size, model.model.norm.eps, attn.scale)
@@ -128,7 +143,7 @@ def _tensors(model, layers) -> list[torch.Tensor | None]:
         if not kv.dtype.quantized:  # float32 caches are read as floats; quantized ones are checked on their own
             tensors += [kv.key, kv.value]
         for proj in _projections(layer):
-            tensors += [proj.weight, proj.bias]
+            tensors += [proj.bias] + ([proj.weight] if proj.method is C_KERNEL else [])
     return tensors
 
 
@@ -147,8 +162,18 @@ def _fits(model, layers, tensors) -> bool:
                                           for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     projections = [proj for layer in layers for proj in _projections(layer)]
     rotary = model.model.rotary_emb
-    return (len(norms_eps) == 1 and all(p.method is C_KERNEL and p.in_features % 8 == 0 for p in projections)
+    return (len(norms_eps) == 1 and all(p.in_features % 8 == 0 and (p.method is C_KERNEL or _int4_fits(p))
+                                        for p in projections)
             and cpu_kernels.readable(*tensors, rotary.cos, rotary.sin, dtype=torch.float32))
+
+
+def _int4_fits(proj) -> bool:
+    """An int4 linear the step can run: the C kernel's method (the CPU has F16C) and its packed
+    tensors as that kernel reads them (the method checked their shapes at load)."""
+    p = proj._parameters
+    return (isinstance(proj.method, AWQLinearMethod) and proj.method.kernel
+            and cpu_kernels.readable(p["qweight"], p.get("qzeros"), dtype=torch.int32)
+            and cpu_kernels.readable(p["scales"], p.get("offsets"), dtype=torch.float16))
 
 
 def _int64_rows(*tensors: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,14 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_int4: {cols} columns is not a multiple of {PACK}")
     if values.numel() and not (0 <= int(values.min()) and int(values.max()) <= 15):
         raise ValueError("pack_int4: values must lie in [0, 15]")
-    v = values.to(torch.int64).reshape(rows, cols // PACK, PACK)
-    packed = torch.zeros(rows, cols // PACK, dtype=torch.int64)
-    for nibble, column in enumerate(AWQ_ORDER):
-        packed |= v[:, :, column] << (4 * nibble)
-    # bit 31 set is a negative int32: wrap the 64-bit value into int32's range
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    # Byte b of a little-endian int32 holds nibbles 2b (low) and 2b + 1 (high): the columns
+    # AWQ_ORDER[2b] and AWQ_ORDER[2b + 1]. Built as bytes and viewed as int32 (no 64-bit pass).
+    v = values.to(torch.uint8).reshape(rows, cols // PACK, PACK)
+    low, high = v[:, :, list(AWQ_ORDER[0::2])], v[:, :, list(AWQ_ORDER[1::2])]
+    packed = (low | (high << 4)).contiguous()  # (rows, cols / 8, 4) bytes
+    if sys.byteorder != "little":
+        packed = packed.flip(-1)
+    return packed.view(torch.int32).reshape(rows, cols // PACK)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

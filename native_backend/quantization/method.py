@@ -78,6 +78,53 @@ class AWQLinearMethod(LinearMethod):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+class Int4OffsetMethod(AWQLinearMethod):
+    """The offset variant of the int4 method: GGUF's Q4_0 / Q4_1 blocks (32 weights, fp16 d and,
+    for Q4_1, an fp16 minimum m) repacked at load into the same packed layout, with a float offset
+    per group in place of the zero point (quantization/gguf_int4.py):
+
+        qweight int32 (in, out/8)  AWQ's nibble order     W[i, o] = q * s + off
+        scales  fp16 (in/g, out)   d                      Q4_1: off = m;  Q4_0: off = -8 d
+        offsets fp16 (in/g, out)
+
+    The C kernel (kvgate_int4_linear_off_f32) and the reference; there is no Triton variant yet,
+    so on CUDA it runs the reference (dequantize, then matmul)."""
+
+    def __init__(self, group_size: int, *, kernel: bool, source: str = "GGUF Q4"):
+        super().__init__(group_size, kernel=kernel)
+        self.name = f"int4 {source} g{group_size} ({'C kernel' if kernel else 'torch reference'})"
+
+    def create_weights(self, layer, out_features, in_features, bias, dtype, device):
+        super().create_weights(layer, out_features, in_features, bias, dtype, device)
+        offsets = nn.Parameter(torch.empty_like(layer._parameters["scales"]), requires_grad=False)
+        offsets.input_dim, offsets.output_dim = 0, 1
+        del layer._parameters["qzeros"]
+        layer.register_parameter("offsets", offsets)
+
+    def process_weights_after_loading(self, layer):
+        super().process_weights_after_loading(layer)
+        if not torch.isfinite(layer._parameters["offsets"]).all():
+            raise ValueError(f"int4 GGUF: a layer of {layer.full_in_features} -> {layer.full_out_features} "
+                             "has non-finite offsets")
+
+    def apply(self, layer, x):
+        p = layer._parameters
+        qweight, offsets, scales, bias = p["qweight"], p["offsets"], p["scales"], p["bias"]
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel and _kernel_fits(rows, bias):
+            y = cpu_kernels.int4_linear_off_unchecked(rows, qweight, offsets, scales, bias)
+        else:
+            y = reference.int4_linear_offset(rows, qweight, offsets, scales, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int4_method(quant, *, kernel: bool, triton: bool) -> AWQLinearMethod:
+    """The int4 method of a QuantConfig: AWQ's zero points, or GGUF Q4's offsets ("gguf Q4_1")."""
+    if quant.quant_method.startswith("gguf"):
+        return Int4OffsetMethod(quant.group_size, kernel=kernel, source=quant.quant_method.replace("gguf", "GGUF"))
+    return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton)
+
+
 def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Per call: the weights were checked once (created here, loaded through the shard loaders)."""
     return (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"

@@ -62,11 +62,14 @@ def test_bad_input_is_a_message_and_exit_1(float_dir, tmp_path, capsys, args, me
     assert code == 1 and f"kvgate quantize: {message}" in err
 
 
-def test_native_settings_accept_awq_and_refuse_the_rest_with_the_reason():
+def test_native_settings_accept_awq_and_gguf_and_refuse_the_rest_with_the_reason():
     assert NativeSettings(quantization="awq").quantization == "awq"
-    with pytest.raises(ValueError, match="quantization: 'gptq' is not supported by this engine: it runs float and "
-                                         "AWQ int4"):
+    assert NativeSettings(quantization="gguf").engine_config().model.quantization == "gguf"  # the default GGUF
+    with pytest.raises(ValueError, match="quantization: 'gptq' is not supported by this engine: it runs float, "
+                                         "AWQ int4 .* and GGUF Q4_0 / Q4_1"):
         NativeSettings(quantization="gptq")
+    with pytest.raises(ValueError, match="quantization: gguf needs a .gguf model file"):
+        NativeSettings(model="/models/awq-dir", quantization="gguf")
 
 
 def test_awq_setting_with_a_float_checkpoint_fails_at_start(float_dir):

@@ -12,7 +12,7 @@ from kvgate_native.backend import NativeSettings, SpeculativeSettings
 from native_backend.engine_config import FIELD_PARTS, EngineConfig, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "quantization", "supervision"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
 NESTED = {"speculative"}  # a nested part, absent unless asked for: its fields are held in step below
@@ -59,7 +59,7 @@ def _non_default_settings() -> dict:
     return dict(dtype="bfloat16", device="cuda:1", num_threads=3, cpu_kernels=False, block_size=32,
                 kv_cache_dtype="int8", kv_cache_bytes=123 << 20, memory_fraction=0.5, enable_prefix_caching=False,
                 kv_scales="unit", max_num_seqs=7, max_num_batched_tokens=99, max_model_len=777, tensor_parallel_size=1,
-                collective_timeout_s=7.5)
+                collective_timeout_s=7.5, quantization="gguf")
 
 
 def test_each_setting_arrives_in_its_part():
