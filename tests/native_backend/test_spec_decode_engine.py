@@ -107,6 +107,24 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted(make_engine, promp
     assert run_all(engine, prompts[:2], sampling) == first
 
 
+def test_an_int4_copy_of_the_target_drafts_token_identically(make_engine, prompts, plain_greedy, tmp_path_factory):
+    """The draft named by draft_model may be an AWQ int4 directory (`kvgate quantize`; RTN here
+    for speed, the same AutoAWQ GEMM files): it proposes, the float target verifies, and greedy
+    output is the float model's whatever the draft guessed."""
+    from native_backend.quantization.method import describe_weights
+    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+
+    int4_dir = str(tmp_path_factory.mktemp("smollm2-int4"))
+    quantize_model(default_gguf_path(), int4_dir, QuantizeOptions(method="rtn", group_size=64))
+    engine = make_engine(dict(method="draft", draft_model=int4_dir, num_speculative_tokens=3, max_batch_size=None,
+                              min_acceptance_rate=0.0))
+    assert "linears int4 AWQ g64" in describe_weights(engine.executor.draft_model)  # the draft is the int4 copy
+    assert run_all(engine, prompts[:8], GREEDY) == plain_greedy[:8]
+    stats = engine.stats()
+    # int4 rounding flips some argmaxes: drafts are rejected as well as accepted, and exactness holds
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
 @pytest.mark.parametrize("speculative, message", [
     (dict(method="draft", draft_num_layers=30), "draft_num_layers: 30 is not in 1..29"),
     (dict(method="draft", draft_model="TINY"), "vocabulary has 96 tokens, the target's 49152"),

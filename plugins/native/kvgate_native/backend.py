@@ -54,7 +54,8 @@ class SpeculativeSettings(BaseModel):
     prompt_lookup_min: int = Field(2, gt=0, description="ngram: shortest suffix match, tokens.")
     prompt_lookup_max: int = Field(4, gt=0, description="ngram: longest suffix match, tokens.")
     draft_model: str | None = Field(None, description="draft: GGUF file or HF directory with the target's "
-                                    "tokenizer ('default' is SmolLM2-135M-Instruct).")
+                                    "tokenizer, e.g. an AWQ int4 copy of the target from `kvgate quantize` "
+                                    "('default' is SmolLM2-135M-Instruct).")
     draft_num_layers: int | None = Field(None, gt=0, description="draft: the target's first n layers "
                                          "(self-speculative, no extra weights).")
     max_batch_size: int | None = Field(4, gt=0, description="No speculation while more requests than this "
