@@ -127,6 +127,10 @@ class DiscoveryGroup:
         """Started (from the first resolution on) and not stopped."""
         return self._http is not None
 
+    def everyone(self) -> list:
+        """Every member: routable, pending and draining."""
+        return [*self.routable.values(), *self.pending.values(), *self.draining.values()]
+
     def draining_in_flight(self) -> int:
         return sum(d.in_flight for d in self.draining.values())
 

@@ -52,9 +52,27 @@ class GatewayMetrics:
         self.failovers = Counter("kvgate_fallback_model_used", "Requests served by a fallback model.",
                                  ["model", "fallback"], registry=r)
         r.register(_LiveCollector(state_of))
+        self.state_of = state_of
 
     def exposition(self) -> bytes:
+        self._forget_gone_members()
         return generate_latest(self.registry)
+
+    def _forget_gone_members(self) -> None:
+        """Members found in DNS (name@address) come and go with pods, whose addresses change on
+        every restart: the series of one no longer in its group are dropped, or a long-lived
+        gateway would export every address it has ever seen."""
+        state = self.state_of()
+        groups = state.registry.groups() if state is not None else []
+        if not groups:
+            return
+        known = {d.name for g in groups for d in g.everyone()}
+        for metric, labels in ((self.requests, ("model", "deployment", "sla_class", "status")),
+                               (self.retries, ("model", "deployment"))):
+            gone = {tuple(sample.labels[n] for n in labels) for family in metric.collect() for sample in family.samples
+                    if "@" in sample.labels["deployment"] and sample.labels["deployment"] not in known}
+            for values in gone:
+                metric.remove(*values)
 
 
 class _LiveCollector:

@@ -174,6 +174,8 @@ def test_members_follow_dns_while_streams_run(dns, port, stack):
     assert 'kvgate_discovery_members{deployment="engines",model="echo",state="routable"} 1.0' in metrics
     assert 'kvgate_discovery_members{deployment="engines",model="echo",state="draining"} 0.0' in metrics
     assert f'kvgate_deployment_up{{deployment="engines@{B}",model="echo"}} 1.0' in metrics
+    assert f'kvgate_requests_total{{deployment="engines@{B}",model="echo",sla_class="standard",status="200"}} 5.0' in metrics
+    assert f"engines@{A}" not in metrics  # a member gone for good leaves no series behind
 
 
 def test_a_new_member_is_routable_only_once_healthy(dns, port, stack):
