@@ -22,6 +22,7 @@ from typing import AsyncIterator
 from gateway.admission import Ticket
 from gateway.backend import GenerationRequest, TokenEvent
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
+from gateway.idle import IdleWatch
 from gateway.models import Deployment, ModelPool, ModelRegistry
 from gateway.routing import load_score
 from gateway.schemas import ParsedRequest
@@ -51,11 +52,17 @@ class OpenChoice:
         """The first event, then the rest; each next event must come within the idle timeout."""
         yield self._note(self.first)
         idle_s = self.pool.config.timeouts.idle_s
+        idle = IdleWatch(idle_s)  # not wait_for (a task per token) nor asyncio.timeout (a timer per token)
+        try:
+            async for event in self._rest(idle, idle_s):
+                yield event
+        finally:
+            idle.close()
+
+    async def _rest(self, idle: IdleWatch, idle_s: float) -> AsyncIterator[TokenEvent]:
         while not self.finished:
             try:
-                # asyncio.timeout, not wait_for: wait_for would start a task for every token.
-                async with asyncio.timeout(idle_s):
-                    event = await anext(self.events)
+                event = await idle.read(anext(self.events))
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:

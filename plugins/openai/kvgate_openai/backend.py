@@ -21,8 +21,8 @@ from dataclasses import replace
 from gateway import fastjson
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
+from gateway.idle import IdleWatch
 from kvgate_openai import upstream_errors, wire
-from kvgate_openai.idle import IdleWatch
 from kvgate_openai.load import LoadTracker, poll_forever
 from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings

@@ -1,7 +1,8 @@
-"""The mid-stream idle limit without a timer per chunk.
+"""An idle limit on a stream without a timer per chunk.
 
 `asyncio.timeout` around every read creates, schedules and cancels a timer per chunk: ~8 % of the
-gateway's CPU on a streamed request. Here each read only notes when it began waiting; one timer
+gateway's CPU on a streamed request (the openai adapter reads upstream chunks, and the gateway
+reads every backend's token events, each under an idle limit). Here each read only notes when it began waiting; one timer
 per stream fires at most once per idle period, checks, and either cancels the reading task (it
 has waited the whole period) or re-arms itself for the rest of the current wait.
 """

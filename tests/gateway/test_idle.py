@@ -1,11 +1,11 @@
-"""kvgate_openai.idle.IdleWatch: the idle limit counts each wait, costs one timer per idle period
+"""gateway.idle.IdleWatch: the idle limit counts each wait, costs one timer per idle period
 (not one per read), and never mistakes someone else's cancellation for its own."""
 
 import asyncio
 
 import pytest
 
-from kvgate_openai.idle import IdleWatch
+from gateway.idle import IdleWatch
 
 
 def test_a_wait_longer_than_the_limit_times_out():
