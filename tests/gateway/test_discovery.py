@@ -168,8 +168,7 @@ def test_members_follow_dns_while_streams_run(dns, port, stack):
     # The stream ends normally, then the drained member's backend is stopped.
     text = first.choices[0].text + "".join(c.choices[0].text for c in stream if c.choices)
     assert len(text.split()) == 40
-    wait_for(lambda: A not in group.draining, "A to finish draining")
-    assert not member_a.started
+    wait_for(lambda: A not in group.draining and not member_a.started, "A to be drained and stopped")
     metrics = httpx.get(front.base_url + "/metrics").text
     assert 'kvgate_discovery_members{deployment="engines",model="echo",state="routable"} 1.0' in metrics
     assert 'kvgate_discovery_members{deployment="engines",model="echo",state="draining"} 0.0' in metrics
