@@ -7,6 +7,7 @@ import pytest
 
 from browser import DevToolsPage, chromium
 from gateway import sessions
+from gateway.config import ConfigError, parse_config
 from servers import GatewayServer
 
 ALICE, BOB, MONITOR = "sk-alice-0123456789", "sk-bob-0123456789", "sk-monitor-0123456789"
@@ -110,6 +111,15 @@ def test_sign_in_sets_a_strict_http_only_cookie_that_opens_only_the_operator_pag
     assert get(gw, "/status.json", headers=forged).status_code == 401
     out = httpx.post(gw.base_url + "/status/logout", headers=session, follow_redirects=False)
     assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
+
+
+def test_an_unknown_scope_is_a_config_error():
+    text = "auth:\n  keys: [{name: k, key: sk-k-0123456789, scopes: [admin]}]\nmodels:\n  - name: m\n" \
+           "    deployments: [{name: d, backend: echo}]\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert any(p.startswith("auth.keys[0].scopes[0]: Input should be 'metrics'") for p in info.value.problems), \
+        info.value.problems
 
 
 def test_sessions_expire_and_die_with_the_admin_key():
