@@ -4,6 +4,7 @@ One engine process serves the module's tests (it takes a while to load); the eng
 gets a gateway of its own.
 """
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -232,9 +233,10 @@ def cut_32_streams(gw, backend, sig) -> float:
     assert httpx.get(gw.base_url + "/health/ready").json()["deployments"]["native-0"] == "ready"
     deployment = next(d for d in gw.state.registry.deployments() if d.name == "native-0")
     assert deployment.breaker.state == "closed"
-    answer = gw.openai(timeout=60).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
-    assert answer.choices[0].message.content is not None
+    # No request accepted after recovery fails: 8 at once, streamed, each to its finish.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: list(stream_lines(gw, max_tokens=4, prompt=f"Count to {i}:")), range(8)))
+    assert all(a[-1] == "[DONE]" and not any("error" in json.loads(x) for x in a[:-1]) for a in answers), answers
     return recovered_s
 
 
