@@ -82,3 +82,25 @@ def test_a_half_open_probe_of_the_old_process_does_not_block_the_new_one():
     assert b.state == HALF_OPEN and not b.allows()
     incarnation[0] = 2
     assert b.allows()
+
+
+def test_readiness_names_an_open_breaker_without_leaving_the_service():
+    import httpx
+
+    from servers import GatewayServer
+
+    config = """
+models:
+  - name: m
+    breaker: {failures: 1, cooldown_s: 60}
+    deployments:
+      - {name: bad, backend: echo, settings: {fail_after_tokens: 0}}
+      - {name: good, backend: echo}
+"""
+    with GatewayServer(config) as gw:
+        deployment = next(d for d in gw.state.registry.deployments() if d.name == "bad")
+        while deployment.breaker.state != OPEN:
+            httpx.post(gw.base_url + "/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": 2})
+        ready = httpx.get(gw.base_url + "/health/ready")
+        assert ready.status_code == 200  # the process can serve: good is up, bad is up but cut off
+        assert ready.json()["deployments"] == {"bad": "up, breaker open", "good": "ready"}
