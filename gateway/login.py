@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import html
+import logging
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -16,6 +17,8 @@ from starlette.responses import HTMLResponse, RedirectResponse
 
 from gateway import sessions
 from gateway.errors import AuthenticationError, RequestTooLarge
+
+log = logging.getLogger("kvgate.auth")
 
 PAGE = Path(__file__).with_name("static") / "login.html"
 MAX_FORM_BYTES = 4096
@@ -37,6 +40,8 @@ async def status_login(request: Request):
         raise AuthenticationError("Sign in with the form at /status, or send a key as a Bearer token.")
     key = await _form_field(request, "key")
     if not key or not store.is_admin(key):
+        # For the operator (repeated failures are someone guessing); never the key itself.
+        log.warning("status page: a sign-in with a wrong key from %s", request.client.host if request.client else "?")
         return page(store, "That is not the admin key.")
     response = RedirectResponse("/status", status_code=303)
     response.headers["set-cookie"] = sessions.set_cookie_header(

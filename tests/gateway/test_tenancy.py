@@ -88,10 +88,11 @@ def sign_in(gw, key):
     return httpx.post(gw.base_url + "/status/login", data={"key": key}, timeout=10, follow_redirects=False)
 
 
-def test_sign_in_sets_a_strict_http_only_cookie_that_opens_only_the_operator_pages(gw):
+def test_sign_in_sets_a_strict_http_only_cookie_that_opens_only_the_operator_pages(gw, caplog):
     wrong = sign_in(gw, ALICE)  # a client key is not the admin key
     assert wrong.status_code == 401 and "That is not the admin key." in wrong.text
     assert "set-cookie" not in wrong.headers
+    assert "sign-in with a wrong key from 127.0.0.1" in caplog.text and ALICE not in caplog.text
     r = sign_in(gw, ADMIN)
     assert r.status_code == 303 and r.headers["location"] == "/status"
     cookie = r.headers["set-cookie"]
