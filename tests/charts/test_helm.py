@@ -604,6 +604,10 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
             model="default", messages=[{"role": "user", "content": "hello from the chart"}], max_tokens=4)
         assert reply.choices[0].message.content.split() == ["hello", "from", "the", "chart"]
         assert counters[1].statuses == []
+        # The gateway reads each engine pod's load from its /metrics with the engine key (with keys
+        # on, /metrics takes a key with the metrics scope).
+        engine_key = {"authorization": f"Bearer {engine_env['KVGATE_ENGINE_KEY']}"}
+        assert httpx.get(pods[0].base_url + "/metrics", headers=engine_key).status_code == 200
 
         # kubectl scale statefulset --replicas=2: the new pod is ready, the Service's DNS lists it.
         dns.set(engines_dns, pod_addresses)

@@ -249,7 +249,8 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- with .root.Values.config.sla_classes }}{{ $_ := set $cfg "sla_classes" . }}{{ end -}}
 {{- with .root.Values.config.default_sla_class }}{{ $_ := set $cfg "default_sla_class" . }}{{ end -}}
 {{- if .root.Values.engineAuth.enabled -}}
-{{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY"))) -}}
+{{- /* the gateways' key; the metrics scope lets them scrape the engine's load from /metrics */ -}}
+{{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY" "scopes" (list "metrics")))) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
