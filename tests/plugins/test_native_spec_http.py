@@ -1,7 +1,8 @@
 """Speculative decoding behind a live gateway, through the real openai client.
 
-One gateway serves three native deployments of SmolLM2 (one engine process each): no
-speculation, n-gram drafts, and the self-speculative draft (the model's first 4 layers). Greedy
+One gateway serves four native deployments of SmolLM2 (one engine process each): no
+speculation, n-gram drafts, the self-speculative draft (the model's first 4 layers), and a
+separate draft model: an int4 copy of the target (`kvgate quantize`'s format; RTN for speed). Greedy
 answers with speculation equal those without, streamed and not; then /metrics, the engine spans
 and the status page report the speculation those requests did, consistently with each other.
 """
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.timeout(900)
 
 ENGINE = "max_num_seqs: 4, max_num_batched_tokens: 128, kv_cache_bytes: 67108864, num_threads: 1"
 # min_acceptance_rate 0: the 4-layer early exit guesses poorly, and every step should verify.
-CONFIG = f"""
+CONFIG = """
 models:
   - name: plain
     deployments: [{{name: plain-0, backend: native, settings: {{{ENGINE}}}}}]
@@ -37,8 +38,13 @@ models:
         settings:
           {{{ENGINE}, speculative: {{method: draft, draft_num_layers: 4, num_speculative_tokens: 3,
                                      min_acceptance_rate: 0.0}}}}
+  - name: int4draft
+    deployments:
+      - name: int4draft-0
+        backend: native
+        settings: {{{ENGINE}, speculative: {{method: draft, draft_model: {INT4_DIR}, num_speculative_tokens: 2}}}}
 """
-SPECULATING = {"ngram": ("ngram-0", 4), "selfdraft": ("selfdraft-0", 3)}
+SPECULATING = {"ngram": ("ngram-0", 4), "selfdraft": ("selfdraft-0", 3), "int4draft": ("int4draft-0", 2)}
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while the fox runs "
            "into the forest, where the trees are tall and the river is cold.")
@@ -55,8 +61,14 @@ GREEDY = dict(temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
+    from native_backend.loader import default_gguf_path
+    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+
+    int4_dir = tmp_path_factory.mktemp("smollm2-int4")
+    quantize_model(default_gguf_path(), str(int4_dir), QuantizeOptions(method="rtn", group_size=64))
     exporter = InMemorySpanExporter()
-    with GatewayServer(CONFIG, ready_timeout=900, span_exporter=exporter) as gw:
+    config = CONFIG.format(ENGINE=ENGINE, INT4_DIR=int4_dir)
+    with GatewayServer(config, ready_timeout=900, span_exporter=exporter) as gw:
         yield gw, exporter
 
 
