@@ -65,5 +65,30 @@ def run_script(executor, prompts: list[list[int]], decode_steps: int, feed: list
     return logits, fed
 
 
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    """Four prompts of 23-97 tokens from real English text (the first longer than a block)."""
+    import pydoc_data.topics
+
+    ids = tokenizer.encode(" ".join(list(pydoc_data.topics.topics.values())[:10]))
+    return [ids[:23], ids[100:160], ids[300:397], ids[500:531]]
+
+
+def transformers_greedy(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The reference: transformers' generate on the same GGUF file (fp32), one prompt at a time."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from native_backend.loader import default_gguf_path
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
 def max_difference(a: list[dict], b: list[dict]) -> float:
     return max(float((x[r] - y[r]).abs().max()) for x, y in zip(a, b, strict=True) for r in x)

@@ -15,10 +15,10 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import signal
 from dataclasses import dataclass
 
@@ -37,6 +37,10 @@ log = logging.getLogger("kvgate.engine")
 
 START_TIMEOUT_S = 600.0  # a worker loading its shard: the engine client's own start-up timeout is the real bound
 STOP_TIMEOUT_S = 5.0  # a worker that has not exited this long after "stop" is killed
+GGUF_Q4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: the int4 method's group for quantization "gguf"
+
+
+STOPPED, DIED, LOST_PEER, TIMED_OUT = "stopped", "died", "lost a peer", "timed out"  # what a worker's state says
 
 
 class TensorParallelError(RuntimeError):
@@ -60,7 +64,10 @@ class TensorParallelExecutor:
         self.device = rank_device(config.model.device, 0)
         self.workers: list[_Worker] = []
         self._closed = False
-        atexit.register(self.close)  # before multiprocessing's exit handler, which would join a stopped worker forever
+        # At exit, before multiprocessing's own handler, which would SIGTERM the daemonic workers and
+        # join them: forever, for a stopped one (the engine process is itself a multiprocessing
+        # child, where that handler runs before atexit's).
+        multiprocessing.util.Finalize(self, self.close, exitpriority=10)
         try:
             self._start()
         except BaseException:
@@ -70,6 +77,8 @@ class TensorParallelExecutor:
         self.model_config = self.rank.model_config
         self.max_model_len = self.rank.max_model_len
         self.plan = self.rank.plan
+        self.weights = getattr(self.rank, "weights", None)  # the decoder linears' format, as every rank has it
+        self.weights = self.rank.weights
 
     def _start(self) -> None:
         from native_backend.executor import InProcessExecutor
@@ -125,24 +134,39 @@ class TensorParallelExecutor:
                 raise self._fault(None)
 
     def _fault(self, cause: BaseException | None) -> TensorParallelError:
-        """Why the group failed, naming the rank: its own report, how it died, or the timeout."""
-        dead = []
+        """Why the group failed, naming the rank: a stopped rank (the collective timed out on it),
+        else a rank that died (its own report, or the signal that killed it). Ranks that only
+        lost a peer or gave up waiting on a silent one are consequences, named only when nothing
+        else explains the failure."""
+        found = {STOPPED: [], DIED: [], LOST_PEER: [], TIMED_OUT: []}
         for worker in self.workers:
-            self._read_error(worker)
-            worker.process.join(0.5 if cause is not None else 0)  # a rank that just died: let it be reaped
-            if not worker.process.is_alive():
-                why = worker.error or _describe_exit(worker.process.exitcode)
-                dead.append(f"rank {worker.rank} {why}")
-        if dead:
-            message = f"tensor-parallel worker died: {'; '.join(dead)}"
-        elif cause is not None and "timed out" in str(cause).lower():
-            message = (f"tensor-parallel step timed out: a rank did not answer within "
-                       f"{self.config.parallel.collective_timeout_s:g} s (collective timeout; a worker "
-                       f"stopped or hung): {cause}")
+            kind, text = self._diagnose(worker, wait=cause is not None)
+            if kind is not None:
+                found[kind].append(f"rank {worker.rank} {text}")
+        timeout = f"a rank did not answer within {self.config.parallel.collective_timeout_s:g} s (collective timeout)"
+        if found[STOPPED]:
+            message = f"tensor-parallel step failed: {timeout}: {'; '.join(found[STOPPED])}"
+        elif found[DIED] or found[LOST_PEER]:
+            message = f"tensor-parallel worker died: {'; '.join(found[DIED] or found[LOST_PEER])}"
+        elif found[TIMED_OUT] or (cause is not None and _is_timeout(str(cause))):
+            message = f"tensor-parallel step failed: {timeout}: a rank stopped or hung"
         else:
             message = f"tensor-parallel collective failed: {cause}"
         log.error("%s", message)
         return TensorParallelError(message)
+
+    def _diagnose(self, worker: _Worker, wait: bool) -> tuple[str | None, str]:
+        worker.process.join(0.5 if wait else 0)  # a rank that just died: let it be reaped
+        self._read_error(worker)
+        if _is_stopped(worker.process.pid):
+            return STOPPED, "is stopped (SIGSTOP?)"
+        if worker.process.is_alive():
+            return None, ""
+        if worker.error and _is_timeout(worker.error):
+            return TIMED_OUT, "gave up waiting"
+        if worker.error and _is_lost_peer(worker.error):
+            return LOST_PEER, "lost its connection to a peer"
+        return DIED, worker.error or _describe_exit(worker.process.exitcode)
 
     @staticmethod
     def _read_error(worker: _Worker) -> None:
@@ -195,13 +219,13 @@ class TensorParallelExecutor:
             except (OSError, ValueError):
                 pass
         for worker in self.workers:
-            worker.process.join(STOP_TIMEOUT_S)
-            if worker.process.is_alive():  # hung, or stopped (SIGSTOP ignores everything but SIGKILL)
+            if not _is_stopped(worker.process.pid):
+                worker.process.join(STOP_TIMEOUT_S)
+            if worker.process.is_alive():  # hung, or stopped (a stopped process acts on SIGKILL alone)
                 worker.process.kill()
                 worker.process.join(STOP_TIMEOUT_S)
             worker.conn.close()
         leave_group()
-        atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ reports
 
@@ -209,7 +233,7 @@ class TensorParallelExecutor:
         mc, p = self.config.model, self.plan
         ranks = "; ".join(describe_rank(r) for r in self.reports)
         return (f"{mc.path} on {self.size} tensor-parallel ranks ({backend_for(self.device)} over loopback, "
-                f"{mc.device}, {mc.dtype}, {self.rank.ctx.kernels}; decode steps per layer: the one-call "
+                f"{mc.device}, {mc.dtype}, {self.rank.model.ctx.kernels}; decode steps per layer: the one-call "
                 f"decode step is single-rank only); KV cache {self.rank.kv_dtype.name} "
                 f"{p.num_blocks} blocks x {p.block_size} tokens on every rank, {p.full_context_sequences} "
                 f"sequences at full context {p.max_model_len}; per rank: {ranks}")
@@ -234,7 +258,26 @@ def check_supported(config: EngineConfig) -> None:
     if os.path.isdir(path) and read_quant_config_file(path) is not None:
         raise ValueError(f"parallel.tensor_parallel_size {size} with an AWQ int4 checkpoint: not supported yet "
                          "(serve AWQ with tensor_parallel_size 1, or the float checkpoint with tensor parallelism)")
-    check_tp_size(read_model_config(path), size, os.path.basename(path.rstrip("/")) or path)
+    group = GGUF_Q4_GROUP if config.model.quantization == "gguf" else None  # Q4_0 / Q4_1 blocks, run packed
+    check_tp_size(read_model_config(path), size, os.path.basename(path.rstrip("/")) or path, group)
+
+
+def _is_timeout(text: str) -> bool:
+    return "timed out" in text.lower()
+
+
+def _is_lost_peer(text: str) -> bool:
+    """gloo's words for a peer that went away: a consequence of another rank's death."""
+    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "Read error"))
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Linux: the process is in state T (stopped by a signal) or t (traced)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _describe_exit(code: int | None) -> str:

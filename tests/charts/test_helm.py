@@ -521,11 +521,16 @@ def test_speculative_settings_reach_the_engine_and_bad_ones_are_refused(helm, tm
     assert code == 1 and "needs exactly one of draft_model" in output
 
 
-def test_engine_config_with_tensor_parallelism_is_refused_clearly_until_the_engine_has_it(helm, tmp_path, monkeypatch):
-    docs = render(helm, [], ["engineDefaults.tensorParallelSize=2", "engineDefaults.device=cuda"])
+def test_engine_config_with_tensor_parallelism_passes_the_config_check(helm, tmp_path, monkeypatch):
+    docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.device=cuda"])
+    assert find(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] == 3
     code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
-    assert code == 1
-    assert "tensor_parallel_size: this engine runs on one device so far" in output
+    assert code == 0, output
+    # What the engine cannot combine with it yet is refused by the same check, with the reason.
+    docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.speculative.method=ngram"])
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    assert code == 1 and "tensor_parallel_size 3 with speculative decoding: not supported yet" in output
 
 
 # ------------------------------------------------------------------------------ served for real

@@ -2,11 +2,16 @@
 TP 4 (each KV head replicated on two ranks) give TP 1's logits within 1e-5 over prefill (chunked)
 and decode steps, through real worker processes and a gloo group; sizes that cannot split are
 refused naming the valid ones; each rank holds 1/N of the split weights and of the KV bytes per
-token; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables."""
+token; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables; a
+worker killed or stopped fails the step naming its rank, within the collective timeout, and
+leaves no process behind."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from native_backend.engine_config import EngineConfig
 from native_backend.executor import make_executor
 from native_backend.parallel import report
 from native_backend.parallel.deltas import DeltaDecoder, DeltaEncoder
-from native_backend.parallel.executor import check_supported
+from native_backend.parallel.executor import TensorParallelError, check_supported
 from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)
@@ -144,3 +149,35 @@ def test_deltas_rebuild_every_block_table_the_scheduler_sent():
         rebuilt = decoder.decode(delta)
         assert [(c.request_id, c.block_table) for c in rebuilt.chunks] == [(c.request_id, c.block_table) for c in chunks]
         assert sum(len(c[4]) for c in delta.chunks) <= sum(len(c.block_table) for c in chunks)  # tails only
+
+
+@pytest.mark.parametrize("sig, rank, message", [
+    (signal.SIGKILL, 3, r"tensor-parallel worker died: rank 3 was killed by SIGKILL$"),
+    (signal.SIGSTOP, 2, r"did not answer within 3 s \(collective timeout\): rank 2 is stopped"),
+])
+def test_a_dead_or_stopped_worker_fails_the_step_naming_the_rank_and_nothing_is_left(checkpoint, sig, rank, message):
+    executor = executor_for(checkpoint, 4, collective_timeout_s=3)
+    processes = [w.process for w in executor.workers]
+    try:
+        step = SchedulerOutput([ScheduledChunk("a", PROMPTS[0], 0, [1, 2], True, GREEDY)])
+        executor.execute(step)
+        os.kill(processes[rank - 1].pid, sig)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=message):
+            executor.execute(SchedulerOutput([ScheduledChunk("a", [5], len(PROMPTS[0]), [1, 2], True, GREEDY)]))
+        assert time.monotonic() - started < 30  # the collective timeout, not forever
+    finally:
+        executor.close()
+    assert not any(p.is_alive() for p in processes)  # the stopped one killed, the others stopped
+
+
+def test_an_idle_engine_notices_a_dead_worker(checkpoint):
+    executor = executor_for(checkpoint, 2)
+    try:
+        executor.check_health()
+        executor.workers[0].process.kill()
+        executor.workers[0].process.join(10)
+        with pytest.raises(TensorParallelError, match="rank 1 was killed by SIGKILL"):
+            executor.check_health()
+    finally:
+        executor.close()

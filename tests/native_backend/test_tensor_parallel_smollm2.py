@@ -8,12 +8,8 @@ replicated), as its start-up line says; TP 2 is refused naming TP 3.
 
 from __future__ import annotations
 
-import os
-
-import pydoc_data.topics
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from native_backend.engine import LLMEngine
 from native_backend.engine_config import EngineConfig
@@ -22,7 +18,7 @@ from native_backend.parallel import report
 from native_backend.parallel.executor import check_supported
 from native_backend.protocol import EngineRequest
 from native_backend.sampling_params import SamplingParams
-from tensor_parallel_checks import max_difference, run_script
+from tensor_parallel_checks import max_difference, run_script, smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -49,22 +45,12 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(engines):
-    text = " ".join(list(pydoc_data.topics.topics.values())[:10])
-    ids = engines[0].tokenizer.encode(text)
-    return [ids[:23], ids[100:160], ids[300:397], ids[500:531]]
+    return smollm2_prompts(engines[0].tokenizer)
 
 
 @pytest.fixture(scope="module")
 def reference(prompts):
-    path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
-    with torch.inference_mode():
-        outs = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
-    del model
-    return outs
+    return transformers_greedy(prompts, NEW_TOKENS)
 
 
 def test_tp3_logits_within_1e4_of_tp1_over_prefill_and_32_decode_steps(engines, prompts):

@@ -104,7 +104,9 @@ class NativeSettings(BaseModel):
                                              description="Watchdog and restarts of the engine process.")
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs on cuda) one engine shards the model "
+                                      "across; the model's heads, KV heads, MLP and vocabulary must split "
+                                      "(refused at start naming the sizes that would).")
     collective_timeout_s: float = Field(60.0, gt=0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
@@ -114,8 +116,10 @@ class NativeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _supported_so_far(self):
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: this engine runs on one device so far; use 1")
+        if self.tensor_parallel_size > 1 and (self.speculative is not None or self.quantization == "awq"):
+            what = "speculative decoding" if self.speculative is not None else "quantization awq"
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} with {what}: not supported yet "
+                             "(use tensor_parallel_size 1 for it)")
         if self.quantization not in ("none", "awq", "gguf"):  # GPTQ, FP8 weights, ...: no kernels for them yet
             raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float, "
                              "AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use none, awq or gguf")
