@@ -52,11 +52,18 @@ async def list_models(request: Request) -> JSONResponse:
     key = _api_key(request)
     created = int(state.started_at)
     data = [
-        {"id": pool.name, "object": "model", "created": created, "owned_by": "kvgate"}
+        {"id": pool.name, "object": "model", "created": created, "owned_by": "kvgate", **_weights(pool)}
         for pool in state.registry.pools
         if key is None or key.may_use([pool.name, *pool.aliases])
     ]
     return JSONResponse({"object": "list", "data": data})
+
+
+def _weights(pool) -> dict[str, str]:
+    """{"weights": "int4 AWQ g64"} when the model's running backends say how its weights are stored
+    (LoadSnapshot.info; the native engine does), several formats joined; else nothing."""
+    formats = sorted({d.backend.load().info.get("weights") for d in pool.deployments if d.started} - {None})
+    return {"weights": ", ".join(formats)} if formats else {}
 
 
 async def completions(request: Request):

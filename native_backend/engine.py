@@ -201,6 +201,7 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             block_size=self.plan.block_size,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            weights=self.executor.weights,
             **_spec_decode_stats(s.spec_decode),
         )
 

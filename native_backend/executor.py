@@ -27,7 +27,7 @@ from native_backend.layers.context import LayerContext
 from native_backend.layers.sharding import SINGLE, ShardSpec
 from native_backend.loader import load_model
 from native_backend.model_runner import ModelRunner
-from native_backend.quantization.method import describe_weights
+from native_backend.quantization.method import describe_weights, weights_format
 from native_backend.spec_decode import draft_model
 
 log = logging.getLogger("kvgate.engine")
@@ -40,6 +40,7 @@ class Executor(Protocol):
     model_config: ModelConfig
     max_model_len: int
     plan: KVCachePlan
+    weights: str  # the decoder linears' format (quantization.method.weights_format)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
 
@@ -68,6 +69,7 @@ class InProcessExecutor:
                                            shard=shard)
         self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf")  # GGUF Q4 linears kept int4
         self.model = load_model(mc.path, self.ctx)
+        self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
         self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's

@@ -78,7 +78,6 @@ class TensorParallelExecutor:
         self.max_model_len = self.rank.max_model_len
         self.plan = self.rank.plan
         self.weights = getattr(self.rank, "weights", None)  # the decoder linears' format, as every rank has it
-        self.weights = self.rank.weights
 
     def _start(self) -> None:
         from native_backend.executor import InProcessExecutor

@@ -144,6 +144,15 @@ def describe_weights(model) -> str:
             f"embedding, norms and head in {model.ctx.dtype}{head})".replace("torch.", ""))
 
 
+def weights_format(model) -> str:
+    """The decoder linears' format in a few words: "float32", or the int4 method's ("int4 AWQ g64",
+    "int4 GGUF Q4_1 g32"), for the engine's stats (the gateway's /v1/models)."""
+    method = model.model.layers[0].self_attn.q_proj.method
+    if isinstance(method, AWQLinearMethod):
+        return method.name.split(" (")[0]
+    return str(model.ctx.dtype).replace("torch.", "")
+
+
 def _weight_buffers(model) -> list[torch.Tensor]:
     """Weights held as buffers (the int8 copy of an int4 model's head); a tied head's float weight
     is the embedding's and counted once with the parameters."""

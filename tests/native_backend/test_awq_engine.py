@@ -52,6 +52,8 @@ def test_int4_engine_greedy_equals_the_torch_reference_and_stays_near_fp32(int4_
     kernel = make_engine(int4_dir)
     line = kernel.describe()
     assert "linears int4 AWQ g64" in line and "210 linears" in line and "weights" in line
+    assert ("one-call decode steps" in line) == cpu_kernels.int4_available()
+    assert kernel.stats().weights == "int4 AWQ g64"  # what /v1/models says
     text = " ".join(list(pydoc_data.topics.topics.values())[70:80])
     ids = kernel.tokenizer.encode(text)
     prompts = [ids[i * 100: i * 100 + 40 + 9 * i] for i in range(3)]
@@ -60,6 +62,8 @@ def test_int4_engine_greedy_equals_the_torch_reference_and_stays_near_fp32(int4_
         reference = make_engine(int4_dir, cpu_kernels=False)
         assert "torch reference" in reference.describe()
         assert run(reference, prompts) == int4
-    fp32 = run(make_engine(default_gguf_path()), prompts)
+    fp32_engine = make_engine(default_gguf_path())
+    assert fp32_engine.stats().weights == "float32"
+    fp32 = run(fp32_engine, prompts)
     first_divergence = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), NEW_TOKENS) for x, y in zip(int4, fp32)]
     assert sum(first_divergence) >= 2 * len(prompts), first_divergence  # int4 is close, not identical

@@ -201,7 +201,7 @@ class NativeBackend:
             capacity=self.settings.max_num_seqs,
             healthy=up,
             extra=extra,
-            info=_cache_info(stats),
+            info=_engine_info(stats),
             problem=None if sup.state == UP else _problem(sup),
             fatal=sup.crash_looped,
             incarnation=sup.incarnation,
@@ -318,6 +318,15 @@ def _named_field(message: str) -> str | None:
     """The engine's checks say 'field: problem'."""
     head, sep, _ = message.partition(":")
     return head if sep and head.isidentifier() else None
+
+
+def _engine_info(stats: dict) -> dict[str, str]:
+    """What does not change while it runs: the KV cache's configuration and the weights' format
+    (`weights`, e.g. "int4 AWQ g64": /v1/models shows it)."""
+    info = _cache_info(stats)
+    if stats.get("weights"):
+        info["weights"] = stats["weights"]
+    return info
 
 
 def _cache_info(stats: dict) -> dict[str, str]:
