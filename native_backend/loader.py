@@ -24,6 +24,7 @@ import torch
 
 from native_backend.config import ModelConfig
 from native_backend.layers.context import LayerContext
+from native_backend.layers.sharding import LazyTensor
 from native_backend.models import MODEL_CLASSES
 from native_backend.models.llama import LlamaForCausalLM
 from native_backend.quantization import gguf_int4
@@ -74,12 +75,14 @@ def load_hf_model(model_dir: str, ctx: LayerContext | None = None) -> LlamaForCa
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     ctx = (ctx or LayerContext.for_device("cpu", torch.float32)).with_quantization(quant)
-    return build_model(config, safetensors_tensors(files), ctx)
+    lazy = ctx.shard.size > 1 and quant is None  # a tensor-parallel rank reads its slices only
+    return build_model(config, safetensors_tensors(files, lazy=lazy), ctx)
 
 
-def safetensors_tensors(files: list[str]) -> NamedTensors:
+def safetensors_tensors(files: list[str], *, lazy: bool = False) -> NamedTensors:
     """Every tensor of (possibly sharded) safetensors files, read one at a time; a damaged or
-    truncated file is an error naming the file (and the tensor, once its header has been read)."""
+    truncated file is an error naming the file (and the tensor, once its header has been read).
+    `lazy`: unread SafetensorsSlices instead, which read only the part a weight loader keeps."""
     from safetensors import SafetensorError, safe_open
 
     for file in files:
@@ -89,12 +92,37 @@ def safetensors_tensors(files: list[str]) -> NamedTensors:
                     if name.endswith("rotary_emb.inv_freq"):  # old checkpoints; we derive it from the config
                         continue
                     try:
-                        tensor = f.get_tensor(name)
+                        tensor = SafetensorsSlice(f.get_slice(name), f"{file}: tensor {name}") if lazy \
+                            else f.get_tensor(name)
                     except SafetensorError as exc:
                         raise ValueError(f"{file}: tensor {name} cannot be read: {exc}") from None
                     yield name, tensor
         except SafetensorError as exc:
             raise ValueError(f"{file}: not a readable safetensors file: {exc}") from None
+
+
+class SafetensorsSlice(LazyTensor):
+    """A safetensors tensor read on demand through `get_slice`: only the narrowed part is read."""
+
+    def __init__(self, handle, what: str, index: tuple[slice, ...] | None = None):
+        self.handle, self.what = handle, what
+        full = tuple(handle.get_shape())
+        self.index = index or tuple(slice(0, n) for n in full)
+        self.shape = tuple(s.stop - s.start for s in self.index)
+
+    def narrow(self, dim: int, start: int, length: int) -> SafetensorsSlice:
+        index = list(self.index)
+        first = index[dim].start + start
+        index[dim] = slice(first, first + length)
+        return SafetensorsSlice(self.handle, self.what, tuple(index))
+
+    def read(self) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        try:
+            return self.handle[self.index]
+        except SafetensorError as exc:
+            raise ValueError(f"{self.what} cannot be read: {exc}") from None
 
 
 # ------------------------------------------------------------------------------ GGUF
@@ -130,13 +158,16 @@ def load_gguf_model(
         config = dataclasses.replace(config, num_layers=num_layers)
     ctx = ctx or LayerContext.for_device("cpu", torch.float32)
     q4 = gguf_int4.quant_config(reader, path) if ctx.gguf_q4 else None
-    return build_model(config, gguf_tensors(reader, config, packed_q4=q4 is not None), ctx.with_quantization(q4))
+    tensors = gguf_tensors(reader, config, packed_q4=q4 is not None, lazy=ctx.shard.size > 1)
+    return build_model(config, tensors, ctx.with_quantization(q4))
 
 
-def gguf_tensors(reader, config: ModelConfig, *, packed_q4: bool = False) -> NamedTensors:
+def gguf_tensors(reader, config: ModelConfig, *, packed_q4: bool = False, lazy: bool = False) -> NamedTensors:
     """Dequantized float32 tensors under Hugging Face names, Q/K rows back in HF's order, one at
     a time (a quantized file is never expanded to float all at once); with packed_q4 the Q4_0 /
-    Q4_1 linears as the int4 method's packed tensors instead (name.qweight, .scales, .offsets)."""
+    Q4_1 linears as the int4 method's packed tensors instead (name.qweight, .scales, .offsets).
+    `lazy` (a tensor-parallel rank): unread GGUFSlices, which dequantize only the rows and
+    quantization blocks a weight loader keeps."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1 GGUFs: RoPE frequency factors
             raise NotImplementedError("GGUF rope_freqs (llama3 RoPE scaling) is not supported yet")
@@ -146,12 +177,62 @@ def gguf_tensors(reader, config: ModelConfig, *, packed_q4: bool = False) -> Nam
         if packed_q4 and name.endswith("_proj.weight"):
             yield from gguf_int4.packed_tensors(name, tensor, _rotary_heads(name, config))
             continue
+        if lazy:
+            heads = _rotary_heads(name, config)
+            yield name, GGUFSlice(tensor.data, tensor.tensor_type, heads and tensor.data.shape[0] // heads)
+            continue
         w = dequantize_tensor(tensor.data, tensor.tensor_type)  # (out, in)
         if ".q_proj." in name:
             w = unpermute_rotary_rows(w, config.num_heads)
         elif ".k_proj." in name:
             w = unpermute_rotary_rows(w, config.num_kv_heads)
         yield name, w
+
+
+class GGUFSlice(LazyTensor):
+    """A GGUF tensor dequantized on demand, only the part kept. The file's rows are the weight's
+    output rows, so a row range is a slice of the raw rows; a column range is a slice of every
+    row's quantization blocks when it falls on block edges (else the rows are dequantized whole,
+    then cut). q/k rows (llama.cpp interleaves each head's rotary pairs) are un-permuted after the
+    cut, which keeps whole heads: a rank's rows are whole heads."""
+
+    def __init__(self, data, qtype, rotary_head_dim: int | None, rows=None, cols=None):
+        self.data, self.qtype, self.rotary_head_dim = data, qtype, rotary_head_dim
+        self.rows = rows or (0, data.shape[0])
+        self.cols = cols or ((0, _gguf_layout(data, qtype)[0]) if data.ndim == 2 else None)
+        self.shape = tuple(b - a for a, b in ((self.rows, self.cols) if self.cols else (self.rows,)))
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFSlice:
+        rows, cols = self.rows, self.cols
+        if dim == 0:
+            rows = (rows[0] + start, rows[0] + start + length)
+        else:
+            cols = (cols[0] + start, cols[0] + start + length)
+        return GGUFSlice(self.data, self.qtype, self.rotary_head_dim, rows, cols)
+
+    def read(self) -> torch.Tensor:
+        raw = self.data[self.rows[0] : self.rows[1]]
+        if self.cols is None:
+            return dequantize_tensor(raw, self.qtype)
+        full, block, unit = _gguf_layout(self.data, self.qtype)
+        (a, b) = self.cols
+        if (a, b) != (0, full) and a % block == 0 and b % block == 0:
+            w = dequantize_tensor(raw[:, a // block * unit : b // block * unit], self.qtype)
+        else:
+            w = dequantize_tensor(raw, self.qtype)[:, a:b]
+        if self.rotary_head_dim:
+            w = unpermute_rotary_rows(w, w.shape[0] // self.rotary_head_dim)
+        return w
+
+
+def _gguf_layout(data, qtype) -> tuple[int, int, int]:
+    """(columns, elements per block, entries of `data`'s rows per block): quantized and bf16
+    rows are raw bytes, f32/f16 rows typed elements."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    unit = block_bytes if data.dtype.itemsize == 1 else 1
+    return data.shape[1] // unit * block, block, unit
 
 
 def dequantize_tensor(data, qtype) -> torch.Tensor:

@@ -105,9 +105,31 @@ class ShardSpec:
 SINGLE = ShardSpec()
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+class LazyTensor:
+    """A checkpoint tensor not read yet: its shape, a narrower one (`narrow`, what ShardSpec.narrow
+    calls), and its values (`read`). The loader hands these to tensor-parallel ranks, so that a
+    weight loader narrows first and a rank reads only its slice from the file."""
+
+    shape: tuple[int, ...]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        raise NotImplementedError
+
+    def read(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def materialize(loaded: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return loaded.read() if isinstance(loaded, LazyTensor) else loaded
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
     """Copy a checkpoint tensor (already this rank's part) into a parameter: same shape, cast to
     the parameter's dtype and device on the way."""
+    loaded = materialize(loaded)
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
     if not param.dtype.is_floating_point and loaded.dtype != param.dtype:  # packed bits: no value casts

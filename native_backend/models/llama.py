@@ -31,7 +31,7 @@ from native_backend.layers.linear import ColumnParallelLinear, LinearBase, RowPa
 from native_backend.layers.norm import RMSNorm
 from native_backend.layers.ops import TorchOps
 from native_backend.layers.rotary import RotaryEmbedding
-from native_backend.layers.sharding import default_weight_loader
+from native_backend.layers.sharding import default_weight_loader, materialize
 
 
 @dataclass
@@ -230,5 +230,5 @@ def _take_kv_scale(scales: dict, name: str, tensor: torch.Tensor) -> bool:
     parts = name.split(".", 3)
     if len(parts) < 4 or parts[:2] != ["model", "layers"] or parts[3] not in _KV_SCALE_NAMES:
         return False
-    scales[(int(parts[2]), _KV_SCALE_NAMES[parts[3]])] = float(tensor.float().max())
+    scales[(int(parts[2]), _KV_SCALE_NAMES[parts[3]])] = float(materialize(tensor).float().max())
     return True
