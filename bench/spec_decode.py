@@ -21,10 +21,17 @@ ratios compare equal work.
 
 Configurations: off; ngram (k = --k); draft = the target's first --draft-layers layers
 (self-speculative); draft = a second copy of the target (acceptance 1.0 by construction: an
-upper bound on acceptance, never a speed-up, as the only model shipped is the target itself).
+upper bound on acceptance, never a speed-up, as the only model shipped is the target itself);
+with --int4-draft DIR, draft = an AWQ int4 copy of the target (`kvgate quantize`).
 "tok/s" is OUTPUT tokens per second.
 
-    .venv/bin/python bench/spec_decode.py                 # everything (about 15 minutes on 2 cores)
+The box is shared, so every comparison is interleaved: all engines are built first, then
+--rounds rounds run each configuration in turn (A B C A B C; C2: off, ngram, off, ngram). A row
+gives the median tok/s over the rounds, the median of its per-round ratios to "off", the same
+ratio in output tokens per CPU second of this process (time.process_time: with one torch thread
+the work done, much less sensitive to the other jobs on a shared box), and the load average.
+
+    .venv/bin/python bench/spec_decode.py                 # everything (about 30 minutes on 2 cores)
     .venv/bin/python bench/spec_decode.py --quick         # fewer prompts and a smaller C2
 """
 
@@ -34,6 +41,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -90,6 +98,8 @@ def configurations(args) -> dict[str, dict | None]:
         f"draft-self{args.draft_layers}": dict(method="draft", draft_num_layers=args.draft_layers,
                                                num_speculative_tokens=min(k, 2)),
         "draft-copy": dict(method="draft", draft_model=default_gguf_path(), num_speculative_tokens=min(k, 2)),
+        **({"draft-int4": dict(method="draft", draft_model=args.int4_draft, num_speculative_tokens=min(k, 2))}
+           if args.int4_draft else {}),
     }
 
 
@@ -113,7 +123,7 @@ def run(engine, prompts: list[list[int]], max_tokens: list[int], ignore_eos: boo
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     tokens = {rid: [] for rid in ids}
     times = {rid: [] for rid in ids}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for rid, prompt, n in zip(ids, prompts, max_tokens):
         engine.add_request(EngineRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0,
                                                                            ignore_eos=ignore_eos)))
@@ -127,7 +137,7 @@ def run(engine, prompts: list[list[int]], max_tokens: list[int], ignore_eos: boo
     spec = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                               "spec_decode_num_accepted_tokens")}
     return {"tokens": [tokens[r] for r in ids], "times": [times[r] for r in ids],
-            "wall": time.perf_counter() - start, "spec": spec}
+            "wall": time.perf_counter() - start, "cpu": time.process_time() - cpu_start, "spec": spec}
 
 
 def spec_summary(spec: dict) -> dict:
@@ -142,23 +152,26 @@ def batch1(args, engine, prompt_sets: dict[str, list[list[int]]]) -> dict:
     for name, prompts in prompt_sets.items():
         spec_total = dict.fromkeys(("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                     "spec_decode_num_accepted_tokens"), 0)
-        tokens, decode_tokens, decode_s = [], 0, 0.0
+        tokens, decode_tokens, decode_s, cpu_s = [], 0, 0.0, 0.0
         for i, prompt in enumerate(prompts):
             r = run(engine, [prompt], [args.b1_new], False, f"{name}{i}-")
             times = r["times"][0]
             tokens.append(r["tokens"][0])
             decode_tokens += len(times) - 1
             decode_s += times[-1] - times[0]
+            cpu_s += r["cpu"]
             for key in spec_total:
                 spec_total[key] += r["spec"][key]
-        engine_result[name] = {"decode_tok_s": decode_tokens / decode_s, "tokens": tokens, **spec_summary(spec_total)}
+        engine_result[name] = {"decode_tok_s": decode_tokens / decode_s, "tokens": tokens,
+                               "cpu_tok_s": sum(map(len, tokens)) / cpu_s, **spec_summary(spec_total)}
     return engine_result
 
 
 def c2(args, engine, workload: dict) -> dict:
     r = run(engine, workload["prompts"], workload["output_lens"], True, "c2-")
     out = sum(map(len, r["tokens"]))
-    return {"out_tok_s": out / r["wall"], "wall_s": r["wall"], "tokens": r["tokens"], **spec_summary(r["spec"])}
+    return {"out_tok_s": out / r["wall"], "wall_s": r["wall"], "cpu_tok_s": out / r["cpu"], "tokens": r["tokens"],
+            **spec_summary(r["spec"])}
 
 
 def main() -> None:
@@ -166,10 +179,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the draft methods use min(k, 2))")
     p.add_argument("--draft-layers", type=int, default=24)
+    p.add_argument("--int4-draft", help="an AWQ int4 copy of the target (kvgate quantize): adds a draft-int4 row")
     p.add_argument("--b1-new", type=int, default=128)
     p.add_argument("--requests", type=int, default=64, help="C2 requests")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (A B A B ...): medians over them")
     p.add_argument("--only", nargs="*", help="configurations to run (default: all)")
     p.add_argument("--skip-c2", action="store_true")
+    p.add_argument("--only-c2", action="store_true", help="only the C2 pair (off, ngram with the policy)")
     p.add_argument("--sweep", action="store_true", help="only the batch-size sweep")
     p.add_argument("--sweep-new", type=int, default=96, help="new tokens per request in the sweep")
     p.add_argument("--quick", action="store_true", help="4 prompts per set, 16 C2 requests")
@@ -187,29 +203,56 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out.replace(".json", "_sweep.json")).write_text(json.dumps(report, indent=1))
         return
-    configs = configurations(args)
-    results, prompt_sets = {}, None
-    for name, speculative in configs.items():
-        if args.only and name not in args.only:
-            continue
-        engine = make_engine(args, speculative, max_num_seqs=64)
-        if prompt_sets is None:
-            tok = engine.tokenizer
-            prompt_sets = {"copy-heavy": [tok.apply_chat_template(t) for t in copy_heavy_prompts()],
-                           "chat": [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]}
-            if args.quick:
-                prompt_sets = {k: v[:4] for k, v in prompt_sets.items()}
-        run(engine, workload["warmup_prompts"], [8, 8], True, "warmup-")  # untimed
-        print(f"[{name}] batch 1 ...", file=sys.stderr, flush=True)
-        results[name] = {"batch1": batch1(args, engine, prompt_sets)}
-        if not args.skip_c2 and name in ("off", "ngram"):
-            print(f"[{name}] C2 ...", file=sys.stderr, flush=True)
-            results[name]["c2"] = c2(args, engine, workload)
-        del engine
-    report = summarize(args, results)
+    configs = {name: spec for name, spec in configurations(args).items() if not args.only or name in args.only}
+    results = {}
+    if not args.only_c2:
+        results["batch1"] = interleaved_batch1(args, configs, workload)
+    if not args.skip_c2:
+        results["c2"] = interleaved_c2(args, configs, workload)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    report = summarize(args, results)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print_table(report)
+
+
+def timed(fn, *a):
+    """fn(*a) with the load average before and after (the box is shared: say how busy it was)."""
+    load_before = os.getloadavg()[0]
+    result = fn(*a)
+    return {**result, "load_avg": (load_before + os.getloadavg()[0]) / 2}
+
+
+def interleaved_batch1(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
+    """Every configuration's engine built first, then `rounds` rounds of each in turn (A B C A B C):
+    whatever else loads the box falls on all of them alike."""
+    engines = {name: make_engine(args, spec, max_num_seqs=4, kv_cache_bytes=128 << 20) for name, spec in configs.items()}
+    tok = next(iter(engines.values())).tokenizer
+    prompt_sets = {"copy-heavy": [tok.apply_chat_template(t) for t in copy_heavy_prompts()],
+                   "chat": [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]}
+    if args.quick:
+        prompt_sets = {k: v[:4] for k, v in prompt_sets.items()}
+    for engine in engines.values():
+        run(engine, workload["warmup_prompts"], [8, 8], True, "warmup-")  # untimed
+    rounds = {name: [] for name in engines}
+    for i in range(args.rounds):
+        for name, engine in engines.items():
+            print(f"[batch 1, round {i + 1}] {name} ...", file=sys.stderr, flush=True)
+            rounds[name].append(timed(batch1, args, engine, prompt_sets))
+    return rounds
+
+
+def interleaved_c2(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
+    """C2 with speculation off and on (n-gram, the load policy at its defaults): A B A B."""
+    names = [n for n in ("off", "ngram") if n in configs]
+    engines = {n: make_engine(args, configs[n], max_num_seqs=64) for n in names}
+    for engine in engines.values():
+        run(engine, workload["warmup_prompts"], [8, 8], True, "warmup-")
+    rounds = {n: [] for n in names}
+    for i in range(args.rounds):
+        for name, engine in engines.items():
+            print(f"[C2, round {i + 1}] {name} ...", file=sys.stderr, flush=True)
+            rounds[name].append(timed(c2, args, engine, workload))
+    return rounds
 
 
 def sweep(args) -> list[dict]:
@@ -246,33 +289,52 @@ def decode_rate(r: dict) -> float:
 
 
 def summarize(args, results: dict) -> dict:
-    base = results.get("off")
+    """Medians over the interleaved rounds; a configuration's speed-up is the median of its
+    round-by-round ratios to "off" (each ratio from neighbouring runs)."""
     rows = []
-    for name, r in results.items():
-        for set_name, b in r["batch1"].items():
-            same = base is not None and b["tokens"] == base["batch1"][set_name]["tokens"]
-            rows.append({"config": name, "workload": f"batch 1, {set_name}", "tok_s": b["decode_tok_s"],
-                         "speedup": b["decode_tok_s"] / base["batch1"][set_name]["decode_tok_s"] if base else None,
-                         "acceptance_rate": b["acceptance_rate"], "mean_accepted_length": b["mean_accepted_length"],
-                         "same_tokens": same})
-        if "c2" in r:
-            c = r["c2"]
-            rows.append({"config": name, "workload": f"C2 ({args.requests} requests, max_num_seqs 64)",
-                         "tok_s": c["out_tok_s"],
-                         "speedup": c["out_tok_s"] / base["c2"]["out_tok_s"] if base and "c2" in base else None,
-                         "acceptance_rate": c["acceptance_rate"], "mean_accepted_length": c["mean_accepted_length"],
-                         "same_tokens": base is not None and "c2" in base and c["tokens"] == base["c2"]["tokens"]})
-    return {"args": vars(args), "rows": rows, "median_of_none": "one run per cell (fresh engine, warmed up)"}
+    b1 = results.get("batch1", {})
+    base = b1.get("off")
+    for name, rounds in b1.items():
+        for set_name in (k for k in rounds[0] if k != "load_avg"):
+            rates = [r[set_name]["decode_tok_s"] for r in rounds]
+            ratios = [r[set_name]["decode_tok_s"] / o[set_name]["decode_tok_s"] for r, o in zip(rounds, base)] if base else []
+            cpu = [r[set_name]["cpu_tok_s"] / o[set_name]["cpu_tok_s"] for r, o in zip(rounds, base)] if base else []
+            rows.append(_row(name, f"batch 1, {set_name}", rates, ratios, cpu, rounds[0][set_name],
+                             [r["load_avg"] for r in rounds],
+                             base is not None and all(r[set_name]["tokens"] == base[0][set_name]["tokens"] for r in rounds)))
+    c2_rounds = results.get("c2", {})
+    base = c2_rounds.get("off")
+    for name, rounds in c2_rounds.items():
+        rates = [r["out_tok_s"] for r in rounds]
+        ratios = [r["out_tok_s"] / o["out_tok_s"] for r, o in zip(rounds, base)] if base else []
+        cpu = [r["cpu_tok_s"] / o["cpu_tok_s"] for r, o in zip(rounds, base)] if base else []
+        rows.append(_row(name, f"C2 ({args.requests} requests, max_num_seqs 64)", rates, ratios, cpu, rounds[-1],
+                         [r["load_avg"] for r in rounds],
+                         base is not None and all(r["tokens"] == base[0]["tokens"] for r in rounds)))
+    return {"args": vars(args), "rows": rows,
+            "method": f"{args.rounds} interleaved rounds (A B A B): median tok/s, median of per-round ratios to off; "
+                      "cpu_speedup: the same ratio of output tokens per CPU second of this process (time.process_time, "
+                      "one torch thread: the work done, less sensitive to other jobs on the box)"}
+
+
+def _row(config, workload, rates, ratios, cpu_ratios, spec_of, loads, same) -> dict:
+    return {"config": config, "workload": workload, "tok_s": statistics.median(rates), "tok_s_rounds": rates,
+            "speedup": statistics.median(ratios) if ratios else None, "speedup_rounds": ratios,
+            "cpu_speedup": statistics.median(cpu_ratios) if cpu_ratios else None, "cpu_speedup_rounds": cpu_ratios,
+            "acceptance_rate": spec_of["acceptance_rate"], "mean_accepted_length": spec_of["mean_accepted_length"],
+            "load_avg": statistics.mean(loads), "same_tokens": same}
 
 
 def print_table(report: dict) -> None:
     def f(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    print(f"{'config':<16} {'workload':<36} {'out tok/s':>9} {'vs off':>7} {'accept':>7} {'mean len':>8} same")
+    print(f"{'config':<16} {'workload':<36} {'out tok/s':>9} {'vs off':>7} {'cpu vs':>7} {'accept':>7} "
+          f"{'mean len':>8} {'load':>5} same")
     for r in report["rows"]:
         print(f"{r['config']:<16} {r['workload']:<36} {f(r['tok_s'], '.1f'):>9} {f(r['speedup']):>7} "
-              f"{f(r['acceptance_rate']):>7} {f(r['mean_accepted_length']):>8} {'yes' if r['same_tokens'] else 'NO'}")
+              f"{f(r['cpu_speedup']):>7} {f(r['acceptance_rate']):>7} {f(r['mean_accepted_length']):>8} {f(r['load_avg'], '.1f'):>5} "
+              f"{'yes' if r['same_tokens'] else 'NO'}")
 
 
 if __name__ == "__main__":
