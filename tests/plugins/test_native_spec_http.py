@@ -7,6 +7,7 @@ answers with speculation equal those without, streamed and not; then /metrics, t
 and the status page report the speculation those requests did, consistently with each other.
 """
 
+import asyncio
 import os
 import time
 
@@ -203,3 +204,12 @@ def test_a_deployment_without_speculation_exports_no_spec_decode_series(traced, 
                 if s.kind == SpanKind.CLIENT and s.attributes.get("kvgate.deployment") == "plain-0"}
     decodes = [s for s in spans if s.name == "engine.decode" and s.parent.span_id in attempts]
     assert decodes and not any(k.startswith("kvgate.engine.spec_") for s in decodes for k in s.attributes)
+
+
+def test_a_missing_draft_model_is_refused_at_start_naming_it(tmp_path):
+    from kvgate_native.backend import make_native_backend
+
+    missing = str(tmp_path / "no-such-draft")
+    backend = make_native_backend({"speculative": {"method": "draft", "draft_model": missing}}, "draft-0")
+    with pytest.raises(RuntimeError, match=f"'draft-0': speculative.draft_model {missing} does not exist"):
+        asyncio.run(backend.start())

@@ -171,6 +171,9 @@ class NativeBackend:
     async def start(self) -> None:
         if not os.path.exists(self.config.model.path):
             raise RuntimeError(f"native deployment '{self.name}': model file {self.config.model.path} does not exist")
+        draft = self.config.speculative.draft_model if self.config.speculative is not None else None
+        if draft is not None and not os.path.exists(draft):
+            raise RuntimeError(f"native deployment '{self.name}': speculative.draft_model {draft} does not exist")
         if self.settings.quantization == "awq" and not _is_awq_checkpoint(self.config.model.path):
             raise RuntimeError(f"native deployment '{self.name}': quantization awq, but {self.config.model.path} "
                                "is not an AWQ checkpoint (no quantization_config with quant_method awq in config.json)")
