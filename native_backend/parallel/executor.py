@@ -19,6 +19,8 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
+import os
+import re
 import signal
 from dataclasses import dataclass
 
@@ -150,7 +152,7 @@ class TensorParallelExecutor:
         elif found[TIMED_OUT] or (cause is not None and _is_timeout(str(cause))):
             message = f"tensor-parallel step failed: {timeout}: a rank stopped or hung"
         else:
-            message = f"tensor-parallel collective failed: {cause}"
+            message = f"tensor-parallel collective failed: {_without_source_path(str(cause))}"
         log.error("%s", message)
         return TensorParallelError(message)
 
@@ -173,7 +175,7 @@ class TensorParallelExecutor:
             while worker.conn.poll(0):
                 message = worker.conn.recv()
                 if message[0] == "error":
-                    worker.error = f"failed: {message[1]}"
+                    worker.error = f"failed: {_without_source_path(message[1])}"
                     log.error("tensor-parallel rank %d: %s", worker.rank, message[2])
         except (OSError, EOFError):
             pass
@@ -247,7 +249,6 @@ def check_supported(config: EngineConfig) -> None:
     """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
     from native_backend.loader import read_model_config
     from native_backend.quantization.format import read_quant_config_file
-    import os
 
     size = config.parallel.tensor_parallel_size
     if config.speculative is not None:
@@ -259,6 +260,11 @@ def check_supported(config: EngineConfig) -> None:
                          "(serve AWQ with tensor_parallel_size 1, or the float checkpoint with tensor parallelism)")
     group = GGUF_Q4_GROUP if config.model.quantization == "gguf" else None  # Q4_0 / Q4_1 blocks, run packed
     check_tp_size(read_model_config(path), size, os.path.basename(path.rstrip("/")) or path, group)
+
+
+def _without_source_path(text: str) -> str:
+    """gloo puts "[/path/to/gloo/file.cc:NN] " in its errors: clients see no paths."""
+    return re.sub(r"\[/[^\]]*\] ", "", text)
 
 
 def _is_timeout(text: str) -> bool:

@@ -50,7 +50,8 @@ def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connecti
     executor = InProcessExecutor(config, ShardSpec(rank, size), device, allocate=False)
     conn.send(("loaded", executor.plan.num_blocks))
     tag, num_blocks, calibration_ids = conn.recv()
-    assert tag == "plan", tag
+    if tag != "plan":
+        raise RuntimeError(f"expected rank 0's plan, got {tag!r}")
     join_group(rank, size, port, device, config.parallel.collective_timeout_s)
     executor.allocate_cache(num_blocks, calibration_ids)
     conn.send(("ready", executor.memory_report()))
