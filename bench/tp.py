@@ -35,22 +35,24 @@ if str(ROOT) not in sys.path:
 
 
 def build(tp: int, threads: int):
+    from native_backend.cache_dir import tokenizer_cache_dir
     from native_backend.engine_config import EngineConfig
     from native_backend.executor import make_executor
     from native_backend.loader import default_gguf_path
 
     config = EngineConfig.build(path=default_gguf_path(), tensor_parallel_size=tp, num_threads=threads,
-                                kv_cache_bytes=256 << 20, tokenizer_cache_dir=str(ROOT / ".bench-cache"))
+                                kv_cache_bytes=256 << 20, tokenizer_cache_dir=str(tokenizer_cache_dir()))
     return make_executor(config)
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
     import pydoc_data.topics
 
+    from native_backend.cache_dir import tokenizer_cache_dir
     from native_backend.loader import default_gguf_path
     from native_backend.tokenizer import Tokenizer
 
-    ids = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=ROOT / ".bench-cache").encode(
+    ids = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=tokenizer_cache_dir()).encode(
         " ".join(pydoc_data.topics.topics.values()))
     return [ids[i * length : (i + 1) * length] for i in range(batch)]
 
