@@ -1,7 +1,8 @@
 """AWQ int4 against round-to-nearest int4 and fp32 on SmolLM2-135M-Instruct, one run, CPU.
 
-Rows: `fp32` (the default Q4_1 GGUF dequantized to fp32: the reference), `rtn` and `awq` (int4,
-group 64, written by `kvgate quantize` from that same fp32 model; AWQ calibrated on the shipped
+Rows: `fp32` (the default Q4_1 GGUF dequantized to fp32: the reference), `gguf q4_1` (that GGUF
+with `quantization: gguf`: its Q4_1 linears run as stored by the int4 kernels), `rtn` and `awq`
+(int4, group 64, written by `kvgate quantize` from the fp32 model; AWQ calibrated on the shipped
 calibration text), their logits from the int8 copy of the head as the engine runs them, and
 `awq (fp32 head)`: the AWQ model with logits from the float head (what int8 costs). Columns:
 
@@ -12,10 +13,9 @@ calibration text), their logits from the int8 copy of the head as the engine run
   (teacher-forced: each model sees the true text);
 - resident weight bytes: every parameter the engine holds (linears, embedding, norms), and the
   decoder's linear layers alone;
-- batch-1 decode and throughput: `bench/engine_throughput.py --skip-hf` run on each model (the same
-  workload and the same definitions: batch-1 decode-only output tok/s of a 128-token prompt with 128
-  new tokens, median of --b1-repeats prompts; throughput = output tok/s of --requests requests
-  added at once). Skipped with --skip-speed.
+- batch-1 decode and C2 output tok/s of fp32, gguf q4_1 and awq in one run, interleaved, with the
+  load average of each measurement (bench/awq_speed.py; rtn has awq's format and kernels). Skipped
+  with --skip-speed.
 
 llama.cpp's own batch-1 rate on the GGUF (the issue's anchor) needs `bash bench/llamacpp_server.sh
 install` (a ~6 minute build); it is not run here.
@@ -37,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_HEAD = " (fp32 head)"  # a row of the AWQ model whose logits come from the float head
+Q4_1 = "gguf q4_1"  # the default GGUF with quantization gguf: its Q4_1 linears run as stored (int4)
+ROWS = ["fp32", Q4_1, "rtn", "awq", "awq" + FP32_HEAD]
+SPEED_ROWS = ["fp32", Q4_1, "awq"]  # rtn has awq's format, bytes and kernels: the same speed
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -122,7 +125,7 @@ def accuracy_rows(args, paths: dict[str, str]) -> dict[str, dict]:
     for name, path in paths.items():
         if name.endswith(FP32_HEAD):
             continue  # scored with the model it belongs to
-        model = load_model(path)
+        model = load_model(path, _context(name))
         started = time.perf_counter()
         with_float_head = name + FP32_HEAD in paths
         scores = score(model, windows, float_head=with_float_head)
@@ -142,20 +145,21 @@ def accuracy_rows(args, paths: dict[str, str]) -> dict[str, dict]:
     return rows
 
 
+def _context(name: str):
+    """What the engine builds the row's model with (`quantization: gguf` for the Q4_1 row)."""
+    import dataclasses
+
+    import torch
+
+    from native_backend.layers.context import LayerContext
+
+    return dataclasses.replace(LayerContext.for_device("cpu", torch.float32), gguf_q4=name == Q4_1)
+
+
 def _int8_head_bytes(model) -> int:
     from native_backend.quantization.method import _weight_buffers
 
     return sum(b.numel() * b.element_size() for b in _weight_buffers(model))
-
-
-def speed(args, path: str) -> dict:
-    out = Path(args.workdir) / f"speed-{Path(path).name}.json"
-    cmd = [sys.executable, "bench/engine_throughput.py", "--skip-hf", "--model", path, "--out", str(out),
-           "--threads", str(args.threads), "--requests", str(args.requests), "--b1-repeats", str(args.b1_repeats)]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    r = json.loads(out.read_text())
-    return {"b1_decode_tok_s": r["batch1"]["kvgate_decode_tok_s"], "throughput_out_tok_s": r["kvgate_out_tok_s"],
-            "engine": r["config"]["engine"], "load_average": r["machine"]}
 
 
 def main() -> None:
@@ -168,10 +172,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
-    parser.add_argument("--rows", help="comma-separated subset of fp32,rtn,awq,'awq (fp32 head)'; merged into "
+    parser.add_argument("--rows", help="comma-separated subset of fp32,'gguf q4_1',rtn,awq,'awq (fp32 head)'; merged into "
                                        "--out's existing rows (perplexity is deterministic; speed is not)")
-    parser.add_argument("--requests", type=int, default=64, help="throughput workload size")
-    parser.add_argument("--b1-repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=64, help="C2 workload size")
+    parser.add_argument("--b1-repeats", type=int, default=3, help="batch-1 prompts (each on every model)")
+    parser.add_argument("--b1-new", type=int, default=128, help="batch-1 new tokens")
+    parser.add_argument("--c2-repeats", type=int, default=1, help="C2 rounds (each on every model)")
+    parser.add_argument("--kv-mib", type=int, default=1024, help="every speed engine's KV-cache budget")
     parser.add_argument("--workdir", default="/tmp/kvgate-awq-bench")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq.json"))
     args = parser.parse_args()
@@ -179,14 +186,16 @@ def main() -> None:
 
     from native_backend.loader import default_gguf_path
 
-    names = args.rows.split(",") if args.rows else ["fp32", "rtn", "awq", "awq" + FP32_HEAD]
-    methods = {"fp32": None, "rtn": "rtn", "awq": "awq", "awq" + FP32_HEAD: "awq"}  # the head's cost
+    names = args.rows.split(",") if args.rows else ROWS
+    methods = {"fp32": None, Q4_1: None, "rtn": "rtn", "awq": "awq", "awq" + FP32_HEAD: "awq"}  # the head's cost
     paths = {name: checkpoint_dir(args, methods[name]) if methods[name] else default_gguf_path() for name in names}
     rows = {} if args.skip_accuracy else accuracy_rows(args, paths)
     if not args.skip_speed:
-        for name, path in paths.items():
-            if not name.endswith(FP32_HEAD):
-                rows.setdefault(name, {}).update(speed(args, path))
+        from awq_speed import measure  # bench/awq_speed.py
+
+        models = {name: (paths[name], "gguf" if name == Q4_1 else "none") for name in SPEED_ROWS if name in paths}
+        for name, row in measure(models, args).items():
+            rows.setdefault(name, {}).update(row)
     result = {"group_size": args.group_size, "eval_tokens": args.eval_tokens, "window": args.window,
               "threads": args.threads, "paths": paths, "rows": rows}
     if args.rows and Path(args.out).exists():  # a part of the table: merged into the rest
@@ -194,7 +203,7 @@ def main() -> None:
         for name, row in previous["rows"].items():
             rows[name] = {**row, **rows.get(name, {})}
         result["paths"] = {**previous["paths"], **paths}
-        rows = result["rows"] = {n: rows[n] for n in ["fp32", "rtn", "awq", "awq" + FP32_HEAD] if n in rows}
+        rows = result["rows"] = {n: rows[n] for n in ROWS if n in rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_table(rows)
@@ -206,9 +215,9 @@ def print_table(rows: dict[str, dict]) -> None:
         print(json.dumps(rows, indent=2))
         return
     print(f"{'':17} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12} "
-          f"{'b1 tok/s':>9} {'thrpt tok/s':>12}")
+          f"{'b1 tok/s':>9} {'C2 tok/s':>12}")
     for name, r in rows.items():
-        b1, tp = r.get("b1_decode_tok_s"), r.get("throughput_out_tok_s")
+        b1, tp = r.get("b1_decode_tok_s"), r.get("c2_out_tok_s")
         if "perplexity" not in r:
             continue
         print(f"{name:17} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "

@@ -1,0 +1,112 @@
+"""The speed columns of bench/awq.py: fp32 and the int4 models side by side in one run, interleaved.
+
+Each model gets a worker process that loads its engine once (the same engine settings for all, a
+KV budget of --kv-mib) and then runs what the parent asks, one thing at a time across all workers:
+
+- batch-1 decode: bench/engine_throughput.py's batch-1 prompts (128 tokens of pydoc_data.topics,
+  128 new, greedy, EOS ignored), prompt r on every model before prompt r + 1, the order of the
+  models rotated each round; decode-only rate = (new - 1) / (last token time - first token time);
+  median over the prompts;
+- C2: engine_throughput.py's workload (--requests requests, prompts 64-512 tokens, outputs 64-256,
+  all added at once, step until done): output tok/s of wall time, each round on every model, rotated.
+
+A box shared with other work moves absolute rates from one minute to the next; interleaving keeps
+the models' ratios fair, and every measurement records the 1-minute load average when it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(conn, path: str, quantization: str, threads: int, kv_bytes: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+
+    torch.set_num_threads(threads)
+    from engine_throughput import _b1_numbers, _kvgate_run
+
+    from native_backend.cache_dir import tokenizer_cache_dir
+    from native_backend.engine import LLMEngine
+    from native_backend.engine_config import EngineConfig
+
+    engine = LLMEngine(EngineConfig.build(path=path, num_threads=threads, quantization=quantization,
+                                          tokenizer_cache_dir=str(tokenizer_cache_dir()), kv_cache_bytes=kv_bytes))
+    conn.send(engine.describe())
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        if cmd[0] == "warmup":
+            _kvgate_run(engine, cmd[1], [8] * len(cmd[1]), "warmup-")
+            conn.send(None)
+        elif cmd[0] == "b1":
+            run = _kvgate_run(engine, [cmd[1]], [cmd[2]], f"b1-{time.monotonic_ns()}-")
+            conn.send(_b1_numbers(run["start"], run["times"][run["ids"][0]]))
+        elif cmd[0] == "c2":
+            run = _kvgate_run(engine, cmd[1], cmd[2], f"c2-{time.monotonic_ns()}-")
+            out = sum(len(t) for t in run["tokens"].values())
+            conn.send({"out_tokens": out, "wall_s": run["wall"], "out_tok_s": out / run["wall"],
+                       "lengths_ok": [len(run["tokens"][r]) for r in run["ids"]] == list(cmd[2])})
+
+
+def measure(models: dict[str, tuple[str, str]], args) -> dict[str, dict]:
+    """models: row name -> (path, quantization). Returns per row: b1_decode_tok_s, c2_out_tok_s and
+    every measurement with the load average it started under."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from engine_throughput import build_workload
+
+    w_args = argparse.Namespace(seed=0, requests=args.requests, prompt_min=64, prompt_max=512, output_min=64,
+                                output_max=256, b1_prompt=128, b1_repeats=args.b1_repeats)
+    workload = build_workload(w_args, next(iter(models.values()))[0])
+    ctx = multiprocessing.get_context("spawn")
+    workers = {}
+    for name, (path, quantization) in models.items():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, path, quantization, args.threads, args.kv_mib << 20))
+        proc.start()
+        workers[name] = (parent, proc)
+    try:
+        rows = {name: {"engine": conn.recv(), "b1_runs": [], "c2_runs": []} for name, (conn, _) in workers.items()}
+        for conn, _ in workers.values():
+            conn.send(("warmup", workload["warmup_prompts"]))
+            conn.recv()
+        names = list(models)
+        for r, prompt in enumerate(workload["b1_prompts"]):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
+                rows[name]["b1_runs"].append(_timed(workers[name][0], ("b1", prompt, args.b1_new)))
+                print(f"[{name}] b1 prompt {r}: {rows[name]['b1_runs'][-1]['decode_tok_s']:.1f} tok/s "
+                      f"(load {rows[name]['b1_runs'][-1]['load_avg_1m']:.1f})", file=sys.stderr, flush=True)
+        for r in range(args.c2_repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                run = _timed(workers[name][0], ("c2", workload["prompts"], workload["output_lens"]))
+                rows[name]["c2_runs"].append(run)
+                print(f"[{name}] C2 round {r}: {run['out_tok_s']:.1f} tok/s (load {run['load_avg_1m']:.1f})",
+                      file=sys.stderr, flush=True)
+    finally:
+        for conn, proc in workers.values():
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+            proc.join(30)
+    for row in rows.values():
+        row["b1_decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in row["b1_runs"])
+        row["c2_out_tok_s"] = statistics.median(r["out_tok_s"] for r in row["c2_runs"])
+        row["load_avg_1m"] = [r["load_avg_1m"] for r in row["b1_runs"] + row["c2_runs"]]
+    return rows
+
+
+def _timed(conn, cmd) -> dict:
+    load = os.getloadavg()[0]
+    conn.send(cmd)
+    return {**conn.recv(), "load_avg_1m": load}
