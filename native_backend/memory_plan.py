@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from native_backend.config import ModelConfig
+from native_backend.parallel.validate import split_problems
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -121,9 +122,9 @@ def lookup(table: dict, name: str, what: str):
 
 
 def tp_is_valid(config: ModelConfig, tp: int) -> bool:
-    """Query heads must split evenly; KV heads must split evenly, or each rank gets a whole copy."""
-    kv = config.num_kv_heads
-    return config.num_heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+    """The engine's own rule (parallel.validate): heads, KV heads (split or replicated), MLP and
+    vocabulary must all split, so the plan never calls a size valid that the engine refuses."""
+    return not split_problems(config, tp)
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
@@ -131,10 +132,10 @@ def valid_tp_sizes(config: ModelConfig) -> list[int]:
 
 
 def check_tp(config: ModelConfig, tp: int, model_name: str) -> None:
-    if tp < 1 or not tp_is_valid(config, tp):
+    problems = split_problems(config, tp) if tp >= 1 else ["a size below 1"]
+    if problems:
         raise PlanError(
-            f"--tp {tp} does not split {model_name}'s {config.num_heads} attention heads "
-            f"({config.num_kv_heads} KV heads) evenly; valid sizes: "
+            f"--tp {tp} does not split {model_name}: {'; '.join(problems)}; valid sizes: "
             + ", ".join(map(str, valid_tp_sizes(config))))
 
 

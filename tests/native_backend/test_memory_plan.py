@@ -106,9 +106,16 @@ def test_tp_splits_the_weights():
 
 
 def test_a_tp_that_does_not_split_the_heads_is_refused_naming_the_valid_sizes():
-    with pytest.raises(PlanError, match=r"--tp 2 .* 9 attention heads .* valid sizes: 1, 3, 9$"):
+    with pytest.raises(PlanError, match=r"--tp 2 .* 9 attention heads;.* valid sizes: 1, 3$"):
         plan("SmolLM2-135M", tp=2, gpu="L4")
     assert valid_tp_sizes(LLAMA_2_70B) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_the_plan_refuses_what_the_engine_refuses():
+    """9 ranks split SmolLM2's 9 heads, but not its MLP (1536) nor its vocabulary (49152): the
+    engine refuses TP 9 at start, and so does the plan (one rule: parallel.validate)."""
+    with pytest.raises(PlanError, match=r"--tp 9 .*MLP intermediate size 1536; vocabulary of 49152; valid sizes: 1, 3$"):
+        plan("SmolLM2-135M", tp=9, gpu="L4")
 
 
 # ------------------------------------------------------------------------------ the budget
