@@ -9,7 +9,6 @@ the supervisor restarts the engine, and no process of the old group is left; SIG
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from native_backend.loader import default_gguf_path
 from native_backend.tokenizer import Tokenizer
 from servers import GatewayServer, free_port
+from stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 from tensor_parallel_checks import smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
@@ -47,35 +47,6 @@ def gw(tmp_path_factory):
     os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
     with GatewayServer(CONFIG, ready_timeout=900) as server:
         yield server
-
-
-def stream_lines(gw, **body):
-    """A raw SSE stream's data lines, as they come."""
-    body = {"model": "smollm2", "prompt": "Count slowly:", "ignore_eos": True, "temperature": 0, "stream": True, **body}
-    with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                yield line[6:]
-
-
-def ends_with_one_error_then_done(lines) -> str:
-    """A cut stream: some chunks, exactly one error event, then [DONE]; the error's message."""
-    tail = list(lines)
-    errors = [json.loads(x)["error"] for x in tail if x != "[DONE]" and "error" in json.loads(x)]
-    assert tail[-1] == "[DONE]" and len(errors) == 1 and json.loads(tail[-2]) == {"error": errors[0]}, tail[-3:]
-    return errors[0]["message"]
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def ready(gw) -> bool:
-    return httpx.get(gw.base_url + "/health/ready").status_code == 200
 
 
 def group(gw) -> tuple[psutil.Process, list[psutil.Process]]:
