@@ -177,16 +177,9 @@ def gguf_tensors(reader, config: ModelConfig, *, packed_q4: bool = False, lazy: 
         if packed_q4 and name.endswith("_proj.weight"):
             yield from gguf_int4.packed_tensors(name, tensor, _rotary_heads(name, config))
             continue
-        if lazy:
-            heads = _rotary_heads(name, config)
-            yield name, GGUFSlice(tensor.data, tensor.tensor_type, heads and tensor.data.shape[0] // heads)
-            continue
-        w = dequantize_tensor(tensor.data, tensor.tensor_type)  # (out, in)
-        if ".q_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_heads)
-        elif ".k_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_kv_heads)
-        yield name, w
+        heads = _rotary_heads(name, config)
+        part = GGUFSlice(tensor.data, tensor.tensor_type, heads and tensor.data.shape[0] // heads)
+        yield name, part if lazy else part.read()  # (out, in)
 
 
 class GGUFSlice(LazyTensor):
@@ -212,15 +205,16 @@ class GGUFSlice(LazyTensor):
 
     def read(self) -> torch.Tensor:
         raw = self.data[self.rows[0] : self.rows[1]]
-        if self.cols is None:
-            return dequantize_tensor(raw, self.qtype)
-        full, block, unit = _gguf_layout(self.data, self.qtype)
-        (a, b) = self.cols
-        if (a, b) != (0, full) and a % block == 0 and b % block == 0:
-            w = dequantize_tensor(raw[:, a // block * unit : b // block * unit], self.qtype)
+        if self.cols is None:  # a vector: norms, biases
+            w = dequantize_tensor(raw, self.qtype)
         else:
-            w = dequantize_tensor(raw, self.qtype)[:, a:b]
-        if self.rotary_head_dim:
+            full, block, unit = _gguf_layout(self.data, self.qtype)
+            (a, b) = self.cols
+            if (a, b) != (0, full) and a % block == 0 and b % block == 0:
+                w = dequantize_tensor(raw[:, a // block * unit : b // block * unit], self.qtype)
+            else:
+                w = dequantize_tensor(raw, self.qtype)[:, a:b]
+        if self.rotary_head_dim:  # q/k weights and biases
             w = unpermute_rotary_rows(w, w.shape[0] // self.rotary_head_dim)
         return w
 
