@@ -54,28 +54,24 @@ class OpenChoice:
         idle_s = self.pool.config.timeouts.idle_s
         idle = IdleWatch(idle_s)  # not wait_for (a task per token) nor asyncio.timeout (a timer per token)
         try:
-            async for event in self._rest(idle, idle_s):
-                yield event
+            while not self.finished:
+                try:
+                    event = await idle.read(anext(self.events))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    self.deployment.breaker.record_failure()
+                    raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") from None
+                except APIError as exc:
+                    if exc.backend_fault:
+                        self.deployment.breaker.record_failure()
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
+                    self.deployment.breaker.record_failure()
+                    raise _backend_failure(self.deployment, exc) from exc
+                yield self._note(event)
         finally:
             idle.close()
-
-    async def _rest(self, idle: IdleWatch, idle_s: float) -> AsyncIterator[TokenEvent]:
-        while not self.finished:
-            try:
-                event = await idle.read(anext(self.events))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                self.deployment.breaker.record_failure()
-                raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") from None
-            except APIError as exc:
-                if exc.backend_fault:
-                    self.deployment.breaker.record_failure()
-                raise
-            except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
-                self.deployment.breaker.record_failure()
-                raise _backend_failure(self.deployment, exc) from exc
-            yield self._note(event)
 
     def _note(self, event: TokenEvent) -> TokenEvent:
         if event.finish_reason:

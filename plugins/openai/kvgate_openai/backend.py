@@ -102,15 +102,17 @@ class OpenAIBackend:
         pool.take()
         self.tracker.inflight += 1
         response = None
+        idle = IdleWatch(self.settings.idle_s)  # the gaps between chunks, once the first token is in
         try:
             response = await self._send(pool, path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
-                async for event in self._events(response, request, path == wire.CHAT, deadline):
+                async for event in self._events(response, request, path == wire.CHAT, deadline, idle):
                     yield event
             else:
                 yield await self._whole(response, request, path == wire.CHAT, deadline)
         finally:
+            idle.close()
             pool.give_back()
             self.tracker.inflight -= 1
             self._responses.pop(request.request_id, None)
@@ -156,18 +158,10 @@ class OpenAIBackend:
             log.warning("deployment %s: the upstream rejected our credentials (HTTP %s)", self.name, response.status_code)
         return error
 
-    async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float):
+    async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float,
+                      idle: IdleWatch):
         """Token events as chunks arrive; the finishing event waits for the usage chunk."""
         decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
-        idle = IdleWatch(self.settings.idle_s)
-        try:
-            async for event in self._stream_events(chunks, decoder, idle, request, chat, deadline):
-                yield event
-        finally:
-            idle.close()
-
-    async def _stream_events(self, chunks, decoder: SSEDecoder, idle: IdleWatch, request: GenerationRequest,
-                             chat: bool, deadline: float):
         finish: TokenEvent | None = None
         usage: Usage | None = None
         sent = 0
