@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +41,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from servers import free_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from upstream_overhead import spawn  # noqa: E402  (start a server, wait until it is ready)
 
 CONFIG = """
 sla_classes:
@@ -221,13 +222,10 @@ def main() -> None:
         config = Path(tmp) / "soak.yaml"
         config.write_text(CONFIG.format(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
                                         threads=args.threads))
-        log = open(Path(tmp) / "serve.log", "w+")
-        server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                   "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
         base = f"http://127.0.0.1:{port}"
+        server = spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+                       base + "/health/ready", env={"PYTHONPATH": str(ROOT)}, timeout=600)
         try:
-            _wait_ready(base, server, log)
             result = asyncio.run(drive(base, server.pid, args))
         finally:
             server.terminate()
@@ -236,21 +234,6 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     ok = result["lost"] == result["garbled"] == 0 and result["kv_all_free"] and result["rss_growth_pct"] < 5
     sys.exit(0 if ok else 1)
-
-
-def _wait_ready(base: str, server: subprocess.Popen, log, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"kvgate serve exited:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("kvgate serve did not become ready")
 
 
 if __name__ == "__main__":
