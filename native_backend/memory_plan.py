@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from native_backend.config import ModelConfig
-from native_backend.parallel.validate import split_problems
+from native_backend.parallel.validate import split_problems, valid_tp_sizes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -121,17 +121,9 @@ def lookup(table: dict, name: str, what: str):
 # ------------------------------------------------------------------------------ tensor parallelism
 
 
-def tp_is_valid(config: ModelConfig, tp: int) -> bool:
-    """The engine's own rule (parallel.validate): heads, KV heads (split or replicated), MLP and
-    vocabulary must all split, so the plan never calls a size valid that the engine refuses."""
-    return not split_problems(config, tp)
-
-
-def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    return [n for n in range(1, config.num_heads + 1) if tp_is_valid(config, n)]
-
-
 def check_tp(config: ModelConfig, tp: int, model_name: str) -> None:
+    """The engine's own rule (parallel.validate: heads, KV heads split or replicated, MLP and
+    vocabulary), so the plan never calls a size valid that the engine refuses."""
     problems = split_problems(config, tp) if tp >= 1 else ["a size below 1"]
     if problems:
         raise PlanError(
