@@ -79,7 +79,7 @@ class ClientPool:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
         self._keepalive_expiry_s = keepalive_expiry_s
         self._session: aiohttp.ClientSession | None = None
-        self._proxies: dict[URL, str | None] = {}
+        self._proxies: dict[str, str | None] = {}
         self._fresh: aiohttp.ClientSession | None = None
         self._scrapes = httpx.AsyncClient(headers=headers, verify=self._tls,
                                           timeout=httpx.Timeout(scrape_timeout_s, connect=connect_s))
@@ -108,15 +108,16 @@ class ClientPool:
                                      cookie_jar=aiohttp.DummyCookieJar())
 
     def _proxy(self, url: str) -> str | None:
-        """The proxy the environment (HTTP(S)_PROXY, NO_PROXY) names for this URL's origin."""
-        origin = URL(url).origin()
-        if origin not in self._proxies:
+        """The proxy the environment (HTTP(S)_PROXY, NO_PROXY) names for this URL, looked up the
+        first time (a deployment sends to a couple of URLs, so the string itself is the key: no
+        URL parsing per request)."""
+        if url not in self._proxies:
             try:
-                proxy, _ = get_env_proxy_for_url(origin)
-                self._proxies[origin] = str(proxy)
+                proxy, _ = get_env_proxy_for_url(URL(url))
+                self._proxies[url] = str(proxy)
             except LookupError:
-                self._proxies[origin] = None
-        return self._proxies[origin]
+                self._proxies[url] = None
+        return self._proxies[url]
 
     @property
     def saturated(self) -> bool:
