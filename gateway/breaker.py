@@ -35,7 +35,10 @@ class CircuitBreaker:
 
     @property
     def state(self) -> str:
-        self._forget_replaced_process()
+        # Only an open breaker holds anything a restart clears (record_failure checks for itself),
+        # so a closed one, read on every routing decision, costs no backend.load() here.
+        if self.opened_at is not None:
+            self._forget_replaced_process()
         if self.opened_at is None:
             return CLOSED
         if self.clock() - self.opened_at < self.cooldown_s:
