@@ -154,7 +154,7 @@ class DiscoveryGroup:
             await asyncio.gather(task, return_exceptions=True)
         pending, self.pending = list(self.pending.values()), {}
         self.problems.clear()
-        await asyncio.gather(*(_stop(d) for d in pending))
+        await asyncio.gather(*(d.stop() for d in pending))
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -167,7 +167,7 @@ class DiscoveryGroup:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         draining, self.draining = list(self.draining.values()), {}
-        await asyncio.gather(*(_stop(d) for d in draining))
+        await asyncio.gather(*(d.stop() for d in draining))
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -236,7 +236,7 @@ class DiscoveryGroup:
         for address in [a for a in self.pending if a not in addresses]:
             member = self.pending.pop(address)
             self.problems.pop(address, None)
-            self._background(_stop(member))
+            self._background(member.stop())
 
     def _background(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -249,7 +249,7 @@ class DiscoveryGroup:
         if self.draining.get(address) is not member:
             return  # back in DNS, or stopped by close()
         del self.draining[address]
-        await _stop(member)
+        await member.stop()
         log.info("member %s of model %s drained and stopped", member.name, self.model)
 
     async def _admit_pending(self) -> None:
@@ -332,11 +332,3 @@ def address_order(address: str) -> tuple[int, int]:
     """IPv4 before IPv6, each in numeric order."""
     ip = ipaddress.ip_address(address)
     return ip.version, int(ip)
-
-
-async def _stop(member) -> None:
-    try:
-        await member.backend.stop()
-    except Exception:  # noqa: BLE001
-        log.exception("member %s failed to stop cleanly", member.name)
-    member.started = False

@@ -45,6 +45,14 @@ class Deployment:
             return True
         return bool(load.capacity) and load.running + load.waiting >= load.capacity + limits.max_waiting
 
+    async def stop(self) -> None:
+        """Stop the backend; a failure is logged, never raised (the others must stop too)."""
+        try:
+            await self.backend.stop()
+        except Exception:  # noqa: BLE001
+            log.exception("deployment %s failed to stop cleanly", self.name)
+        self.started = False
+
 
 @dataclass(eq=False)
 class ModelPool:
@@ -153,7 +161,7 @@ class ModelRegistry:
 
     async def stop(self) -> None:
         await asyncio.gather(*(g.close() for g in self.groups()))
-        await asyncio.gather(*(_stop(d) for d in self.deployments() if d.started))
+        await asyncio.gather(*(d.stop() for d in self.deployments() if d.started))
 
 
 def _up(d: Deployment) -> bool:
@@ -223,11 +231,3 @@ async def _start(d: Deployment) -> None:
     except Exception as exc:  # noqa: BLE001 - one bad backend must not stop the others
         d.start_error = str(exc) or type(exc).__name__
         log.error("deployment %s of model %s failed to start: %s", d.name, d.model, d.start_error)
-
-
-async def _stop(d: Deployment) -> None:
-    try:
-        await d.backend.stop()
-    except Exception:  # noqa: BLE001
-        log.exception("deployment %s failed to stop cleanly", d.name)
-    d.started = False

@@ -54,9 +54,5 @@ async def reload_config(state) -> tuple[bool, str]:
 async def _retire(d: Deployment) -> None:
     while d.in_flight:
         await asyncio.sleep(RETIRE_POLL_S)
-    try:
-        await d.backend.stop()
-    except Exception:  # noqa: BLE001
-        log.exception("retired deployment %s failed to stop cleanly", d.name)
-    d.started = False
+    await d.stop()
     log.info("retired deployment %s of model %s stopped", d.name, d.model)
