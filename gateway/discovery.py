@@ -262,13 +262,13 @@ class DiscoveryGroup:
             if problem is None:
                 self.routable[address] = self.pending.pop(address)
                 self.problems.pop(address, None)
-                self.routable = dict(sorted(self.routable.items(), key=lambda kv: address_order(kv[0])))
                 log.info("member %s of model %s is healthy: routable", member.name, self.model)
                 admitted = True
             elif self.problems.get(address) != problem:
                 self.problems[address] = problem
                 log.warning("member %s of model %s is not routable yet: %s", member.name, self.model, problem)
         if admitted:
+            self.routable = dict(sorted(self.routable.items(), key=lambda kv: address_order(kv[0])))
             self._changed()
 
     async def _check(self, address: str, member) -> str | None:
