@@ -168,7 +168,7 @@ class RedisLimiter:
         if self.up and limited:  # a key without limits costs no round trip
             request_id = uuid.uuid4().hex
             try:
-                answer = await self._admit(keys=self._keys(key, "req", "req:sum", "tok", "tok:sum", "flight"),
+                answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
                                            args=[weight, key.requests_per_minute or 0, key.tokens_per_minute or 0,
                                                  key.max_concurrency or 0, request_id, self.lease_s])
             except (RedisError, OSError) as exc:
@@ -191,14 +191,15 @@ class RedisLimiter:
 
     async def _finish_in_redis(self, key: ApiKey, tokens: int, request_id: str, leased: bool) -> None:
         try:
-            await self._finish(keys=self._keys(key, "tok", "tok:sum", "flight"),
+            await self._finish(keys=self._keys(key.name, "tok", "tok:sum", "flight"),
                                args=[tokens, request_id, int(leased)])
         except (RedisError, OSError) as exc:
             self._went_down(exc)
             self.local.charge(key, tokens)  # its lease lapses in Redis by itself
 
-    def _keys(self, key: ApiKey, *parts: str) -> list[str]:
-        return [f"{self.cfg.key_prefix}:{{{key.name}}}:{part}" for part in parts]
+    def _keys(self, name: str, *parts: str) -> list[str]:
+        """The Redis keys of one API key's `parts` (the layout in the module docstring)."""
+        return [f"{self.cfg.key_prefix}:{{{name}}}:{part}" for part in parts]
 
     # ------------------------------------------------------------------ health
 
@@ -233,7 +234,7 @@ class RedisLimiter:
                 if not self.up:
                     break
                 try:
-                    await self._renew(keys=[f"{self.cfg.key_prefix}:{{{name}}}:flight"], args=[self.lease_s, *ids])
+                    await self._renew(keys=self._keys(name, "flight"), args=[self.lease_s, *ids])
                 except (RedisError, OSError) as exc:
                     self._went_down(exc)
 

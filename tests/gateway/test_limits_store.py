@@ -111,7 +111,7 @@ def test_old_events_leave_the_window(redis):
         (a,) = replicas(redis, n=1)
         k = key(rpm=2)
         seconds, micros = await a.redis.time()
-        req, total = a._keys(k, "req", "req:sum")
+        req, total = a._keys(k.name, "req", "req:sum")
         await a.redis.zadd(req, {"2:old": seconds + micros / 1e6 - 59.5})  # two requests 59.5 s ago
         await a.redis.set(total, 2)
         with pytest.raises(RateLimited) as info:
