@@ -113,8 +113,9 @@ class Sampler:
         (k, vocab) q of a draft model, None for n-gram drafts. Returns the accepted drafts plus
         one token, and logprobs for them where asked for."""
         k, p = len(drafts), row.params
+        # Only penalties read the history: copy it with the drafts only for them.
         rows = [SamplingRow(row.request_id, p, row.prompt_token_ids, row.output_token_ids + drafts[:j])
-                for j in range(k + 1)]
+                for j in range(k + 1)] if _has_penalty(p) else [row] * (k + 1)
         logits = logits.float()
         logprobs = self._logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
