@@ -483,16 +483,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
 def int4_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """`int4_linear` for callers that checked types and shapes once (the AWQ linear method)."""
-    x = x.contiguous()
-    m, k = x.shape
-    n = scales.shape[1]
-    y = x.new_empty((m, n))
-    rc = load().kvgate_int4_linear_f32(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(),
-                                       scales.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                       m, k, n, k // scales.shape[0])
-    if rc != 0:
-        raise RuntimeError(f"kvgate_int4_linear_f32 failed ({rc})")
-    return y
+    return _int4_call("kvgate_int4_linear_f32", x, qweight, qzeros, scales, bias)
 
 
 def int4_linear_off(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
@@ -516,15 +507,21 @@ def int4_linear_off(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tenso
 
 def int4_linear_off_unchecked(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
                               bias: torch.Tensor | None) -> torch.Tensor:
+    return _int4_call("kvgate_int4_linear_off_f32", x, qweight, offsets, scales, bias)
+
+
+def _int4_call(name: str, x: torch.Tensor, qweight: torch.Tensor, per_group: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """One of the int4 kernels: per_group is qzeros (kvgate_int4_linear_f32) or offsets (_off_f32)."""
     x = x.contiguous()
     m, k = x.shape
     n = scales.shape[1]
     y = x.new_empty((m, n))
-    rc = load().kvgate_int4_linear_off_f32(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), offsets.data_ptr(),
-                                           scales.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                           m, k, n, k // scales.shape[0])
+    rc = getattr(load(), name)(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), per_group.data_ptr(),
+                               scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               m, k, n, k // scales.shape[0])
     if rc != 0:
-        raise RuntimeError(f"kvgate_int4_linear_off_f32 failed ({rc})")
+        raise RuntimeError(f"{name} failed ({rc})")
     return y
 
 
