@@ -96,12 +96,7 @@ class Sequence:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output, without concatenating both."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -129,3 +124,13 @@ class Sequence:
         if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
             return "length"
         return None
+
+
+def token_slice(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """(prompt_token_ids + output_token_ids)[start:end], without concatenating both."""
+    num_prompt = len(prompt_token_ids)
+    if end <= num_prompt:
+        return prompt_token_ids[start:end]
+    if start >= num_prompt:
+        return output_token_ids[start - num_prompt : end - num_prompt]
+    return prompt_token_ids[start:] + output_token_ids[: end - num_prompt]

@@ -28,6 +28,7 @@ import torch
 from native_backend.batch import ScheduledChunk
 from native_backend.model_runner import ModelRunner
 from native_backend.sampler import sampling_probs
+from native_backend.sequence import token_slice
 
 _DRAFT_SEED_MIX = 0x9E3779B97F4A7C15  # seeds the draft's stream apart from the target's
 
@@ -74,8 +75,8 @@ class Drafter:
         """The last known token, after whatever the draft's own KV still lacks."""
         end = chunk.start_pos + len(chunk.token_ids)
         start = chunk.start_pos if self.shares_target_kv else min(self._computed.get(chunk.request_id, 0), chunk.start_pos)
-        history = chunk.prompt_token_ids + chunk.output_token_ids  # the request's tokens so far
-        return dataclasses.replace(chunk, token_ids=history[start:end], start_pos=start, num_logits=1,
+        tokens = token_slice(chunk.prompt_token_ids, chunk.output_token_ids, start, end)  # of the request so far
+        return dataclasses.replace(chunk, token_ids=tokens, start_pos=start, num_logits=1,
                                    num_spec_tokens=0, draft_token_ids=[], sample=True)
 
     def _logits(self, step: list[ScheduledChunk], active: list[ScheduledChunk]) -> torch.Tensor:
