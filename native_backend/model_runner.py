@@ -81,8 +81,9 @@ class ModelRunner:
         if not chunks:
             return
         rows = [_sampling_row(c) for c, _ in chunks]
-        index = torch.tensor([r for _, r in chunks], device=logits.device)
-        tokens, logprobs = self.sampler(logits.index_select(0, index), rows, errors=output.errors)
+        if len(chunks) < len(logits):  # verifications' rows in between: take the plain chunks' rows
+            logits = logits.index_select(0, torch.tensor([r for _, r in chunks], device=logits.device))
+        tokens, logprobs = self.sampler(logits, rows, errors=output.errors)
         for row, token, lp in zip(rows, tokens, logprobs):
             if row.request_id in output.errors:
                 continue  # fails alone in Scheduler.update
