@@ -64,14 +64,16 @@ def test_kernel_edge_columns_and_no_bias(n):
 @needs_int4_kernel
 @pytest.mark.parametrize("code,zero", [(0, 0), (15, 15), (0, 15), (15, 0)])
 def test_zero_point_extremes(code, zero):
-    k, n, group = 128, 48, 64
+    k, n, group = 128, 112, 64  # 112: a wide band of 64 columns (decode rows), then 48 in narrow bands
     qweight = pack_int4(torch.full((k, n), code))
     qzeros = pack_int4(torch.full((k // group, n), zero))
     scales = torch.full((k // group, n), 0.5).half()
-    x = torch.randn(5, k, generator=gen(1))
-    expected = x.sum(dim=1, keepdim=True) * (code - zero) * 0.5 * torch.ones(1, n)
-    torch.testing.assert_close(int4_linear(x, qweight, qzeros, scales), expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(cpu_kernels.int4_linear(x, qweight, qzeros, scales), expected, atol=1e-4, rtol=1e-5)
+    for m in (1, 2, 5):
+        x = torch.randn(m, k, generator=gen(m))
+        expected = x.sum(dim=1, keepdim=True) * (code - zero) * 0.5 * torch.ones(1, n)
+        torch.testing.assert_close(int4_linear(x, qweight, qzeros, scales), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(cpu_kernels.int4_linear(x, qweight, qzeros, scales), expected, atol=1e-4,
+                                   rtol=1e-5)
 
 
 @needs_int4_kernel
@@ -143,10 +145,11 @@ def test_reference_dequantizes_per_group():
 
 
 @needs_int4_kernel
-def test_int8_rows_kernel_equals_torch():
-    w8 = torch.randint(-127, 128, (1000, 576), generator=gen(7), dtype=torch.int8)
+@pytest.mark.parametrize("k", [576, 8, 40, 1000])  # the one-row path walks K 32 at a time, then by 8
+def test_int8_rows_kernel_equals_torch(k):
+    w8 = torch.randint(-127, 128, (1000, k), generator=gen(7), dtype=torch.int8)
     scale = torch.rand(1000, generator=gen(8)) * 0.01
     for m in (1, 3, 4, 6, 33):
-        x = torch.randn(m, 576, generator=gen(m))
+        x = torch.randn(m, k, generator=gen(m))
         ref = x @ (w8.float() * scale[:, None]).t()
-        assert rel_err(cpu_kernels.int8_rows(x, w8, scale), ref) < 1e-5, m
+        assert rel_err(cpu_kernels.int8_rows(x, w8, scale), ref) < 1e-5, (m, k)

@@ -72,14 +72,15 @@ def test_offset_kernel_equals_the_reference(k, n, group):
 @needs_int4_kernel
 @pytest.mark.parametrize("code,offset", [(0, 0.0), (15, 0.0), (0, -4.0), (15, -7.5), (15, 2.0)])
 def test_offset_extremes(code, offset):
-    k, n = 96, 40  # 40: a band of one word at the right edge
+    k, n = 96, 104  # 104: a wide band of 64 columns at decode rows, then 40: a band of one word at the edge
     p = gguf_int4.to_int4_layout(torch.full((n, k), code, dtype=torch.uint8), torch.full((n, k // 32), 0.5).half(),
                                  torch.full((n, k // 32), offset).half())
-    x = torch.randn(5, k, generator=gen(1))
-    expected = x.sum(dim=1, keepdim=True) * (code * 0.5 + offset) * torch.ones(1, n)
-    for y in (int4_linear_offset(x, p["qweight"], p["offsets"], p["scales"]),
-              cpu_kernels.int4_linear_off(x, p["qweight"], p["offsets"], p["scales"])):
-        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
+    for m in (1, 2, 5):
+        x = torch.randn(m, k, generator=gen(m))
+        expected = x.sum(dim=1, keepdim=True) * (code * 0.5 + offset) * torch.ones(1, n)
+        for y in (int4_linear_offset(x, p["qweight"], p["offsets"], p["scales"]),
+                  cpu_kernels.int4_linear_off(x, p["qweight"], p["offsets"], p["scales"])):
+            torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
 
 
 @needs_int4_kernel
