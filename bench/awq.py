@@ -17,8 +17,9 @@ calibration text), their logits from the int8 copy of the head as the engine run
   load average of each measurement (bench/awq_speed.py; rtn has awq's format and kernels). Skipped
   with --skip-speed.
 
-llama.cpp's own batch-1 rate on the GGUF (the issue's anchor) needs `bash bench/llamacpp_server.sh
-install` (a ~6 minute build); it is not run here.
+- llama.cpp's own batch-1 decode of the same GGUF, the anchor, interleaved with the engines'
+  (bench/llamacpp_b1.py in the venv `bash bench/llamacpp_server.sh install` builds, ~6 minutes
+  once); left out, with a note, when that venv is not built or with --no-llamacpp.
 
     .venv/bin/python bench/awq.py                      # quantizes (cached), then the table
     .venv/bin/python bench/awq.py --skip-speed --eval-tokens 4096
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's batch-1 anchor row")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--rows", help="comma-separated subset of fp32,'gguf q4_1',rtn,awq,'awq (fp32 head)'; merged into "
                                        "--out's existing rows (perplexity is deterministic; speed is not)")
@@ -191,10 +193,13 @@ def main() -> None:
     paths = {name: checkpoint_dir(args, methods[name]) if methods[name] else default_gguf_path() for name in names}
     rows = {} if args.skip_accuracy else accuracy_rows(args, paths)
     if not args.skip_speed:
-        from awq_speed import measure  # bench/awq_speed.py
+        from awq_speed import llama_cpp_python, measure  # bench/awq_speed.py
 
         models = {name: (paths[name], "gguf" if name == Q4_1 else "none") for name in SPEED_ROWS if name in paths}
-        for name, row in measure(models, args).items():
+        llama = None if args.no_llamacpp else llama_cpp_python()
+        if not llama and not args.no_llamacpp:
+            print("llama.cpp anchor left out: run `bash bench/llamacpp_server.sh install` first", file=sys.stderr)
+        for name, row in measure(models, args, (llama, default_gguf_path()) if llama else None).items():
             rows.setdefault(name, {}).update(row)
     result = {"group_size": args.group_size, "eval_tokens": args.eval_tokens, "window": args.window,
               "threads": args.threads, "paths": paths, "rows": rows}
@@ -223,6 +228,9 @@ def print_table(rows: dict[str, dict]) -> None:
         print(f"{name:17} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "
               f"{100 * r['top1_agreement_with_fp32']:11.1f}% {r['weight_bytes'] / 2**20:12.1f} "
               f"{r['linear_weight_bytes'] / 2**20:12.1f} {b1 or float('nan'):9.1f} {tp or float('nan'):12.1f}")
+    for name, r in rows.items():
+        if "perplexity" not in r and r.get("b1_decode_tok_s"):  # the llama.cpp anchor: speed only
+            print(f"{name:17} batch-1 decode {r['b1_decode_tok_s']:.1f} tok/s")
     rtn, awq = rows.get("rtn"), rows.get("awq")
     if rtn and awq and rtn["perplexity"] > fp["perplexity"]:
         closed = (rtn["perplexity"] - awq["perplexity"]) / (rtn["perplexity"] - fp["perplexity"])

@@ -59,9 +59,56 @@ def _worker(conn, path: str, quantization: str, threads: int, kv_bytes: int) -> 
                        "lengths_ok": [len(run["tokens"][r]) for r in run["ids"]] == list(cmd[2])})
 
 
-def measure(models: dict[str, tuple[str, str]], args) -> dict[str, dict]:
+LLAMA_CPP = "llama.cpp (Q4_1 GGUF)"  # the anchor row: batch-1 decode only
+
+
+class _LlamaCpp:
+    """bench/llamacpp_b1.py in llama.cpp's venv, answering the "b1" command as the workers do."""
+
+    def __init__(self, python: str, gguf: str, threads: int):
+        import subprocess
+
+        self.proc = subprocess.Popen([python, str(ROOT / "bench" / "llamacpp_b1.py"), gguf, str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        import json
+
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp's worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def send(self, cmd) -> None:
+        import json
+
+        if cmd[0] == "b1":
+            self.proc.stdin.write(json.dumps({"cmd": "b1", "prompt": list(cmd[1]), "new": cmd[2]}) + "\n")
+        elif cmd[0] == "stop":
+            self.proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> dict:
+        return self._read()
+
+    def join(self, timeout: float) -> None:
+        self.proc.wait(timeout)
+
+
+def llama_cpp_python() -> str | None:
+    """The python of llama.cpp's venv (bench/llamacpp_server.sh install), or None when not built."""
+    import subprocess
+
+    out = subprocess.run(["bash", str(ROOT / "bench" / "llamacpp_server.sh"), "python"], capture_output=True,
+                         text=True)
+    return out.stdout.strip() or None
+
+
+def measure(models: dict[str, tuple[str, str]], args, llama_cpp: tuple[str, str] | None = None) -> dict[str, dict]:
     """models: row name -> (path, quantization). Returns per row: b1_decode_tok_s, c2_out_tok_s and
-    every measurement with the load average it started under."""
+    every measurement with the load average it started under. llama_cpp: (its venv's python, the
+    GGUF) adds the anchor row, batch-1 decode only, interleaved with the others."""
     sys.path.insert(0, str(ROOT / "bench"))
     from engine_throughput import build_workload
 
@@ -81,11 +128,18 @@ def measure(models: dict[str, tuple[str, str]], args) -> dict[str, dict]:
             conn.send(("warmup", workload["warmup_prompts"]))
             conn.recv()
         names = list(models)
+        if llama_cpp:
+            anchor = _LlamaCpp(*llama_cpp, args.threads)
+            workers[LLAMA_CPP] = (anchor, anchor)
+            rows[LLAMA_CPP] = {"engine": {"llama.cpp": anchor.ready}, "b1_runs": [], "c2_runs": []}
+            _timed(anchor, ("b1", workload["warmup_prompts"][0], 8))  # warm-up
+            names.append(LLAMA_CPP)
         for r, prompt in enumerate(workload["b1_prompts"]):
             for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
                 rows[name]["b1_runs"].append(_timed(workers[name][0], ("b1", prompt, args.b1_new)))
                 print(f"[{name}] b1 prompt {r}: {rows[name]['b1_runs'][-1]['decode_tok_s']:.1f} tok/s "
                       f"(load {rows[name]['b1_runs'][-1]['load_avg_1m']:.1f})", file=sys.stderr, flush=True)
+        names = list(models)  # C2: the engines only
         for r in range(args.c2_repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 run = _timed(workers[name][0], ("c2", workload["prompts"], workload["output_lens"]))
@@ -101,7 +155,7 @@ def measure(models: dict[str, tuple[str, str]], args) -> dict[str, dict]:
             proc.join(30)
     for row in rows.values():
         row["b1_decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in row["b1_runs"])
-        row["c2_out_tok_s"] = statistics.median(r["out_tok_s"] for r in row["c2_runs"])
+        row["c2_out_tok_s"] = statistics.median(r["out_tok_s"] for r in row["c2_runs"]) if row["c2_runs"] else None
         row["load_avg_1m"] = [r["load_avg_1m"] for r in row["b1_runs"] + row["c2_runs"]]
     return rows
 
