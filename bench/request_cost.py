@@ -63,7 +63,7 @@ def measure(root: Path, requests: int, stream: bool, workdir: Path) -> pstats.St
     paths = [root, *(root / "plugins" / p for p in ("echo", "openai", "native", "tensorrt_llm"))]
     env = {"PYTHONPATH": os.pathsep.join(map(str, paths))}
     gateway = spawn([sys.executable, "-c", SERVE_PROFILED, str(profile), str(config), str(kv_port)],
-                    f"http://127.0.0.1:{kv_port}/health/ready", env=env)
+                    f"http://127.0.0.1:{kv_port}/health/ready", env=env, cwd=root)  # cwd: sys.path[0] under -c
     base = f"http://127.0.0.1:{kv_port}"
     try:
         asyncio.run(send(base, 20, stream))  # warm-up: connections, caches, first-use imports

@@ -6,14 +6,14 @@ in this one run, side by side, with the same requests:
 - `kvgate`:  `kvgate serve` with one `backend: openai` deployment pointing at the upstream;
 - `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
   the upstream as an OpenAI-compatible text-completion model.
-An async httpx client drives each at concurrency 1, 32 and 128, streaming and not (/v1/completions,
-max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
+Async httpx clients (one per worker: see `drive`) drive each at concurrency 1, 32 and 128, streaming
+and not (/v1/completions, max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
 Reported: requests/s, client-side latency p50/p99 (streams: until [DONE]), the latency each
 gateway adds over `direct`, and the CPU time the server process (with its children) spent per
 request: on a shared 2-core machine that last column is the steadiest measure of a gateway's cost
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
-    .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm]
+    .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--baseline TREE]
 """
 
 from __future__ import annotations
@@ -76,10 +76,11 @@ def ensure_litellm() -> Path:
     return exe
 
 
-def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
+def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: float = 120,
+          cwd: Path | None = None) -> subprocess.Popen:
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -95,7 +96,7 @@ def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: floa
     raise RuntimeError(f"{cmd} did not become ready at {ready_url}")
 
 
-def start_servers(workdir: Path, with_litellm: bool) -> dict[str, tuple[subprocess.Popen, str]]:
+def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = None) -> dict[str, tuple[subprocess.Popen, str]]:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
     servers = {"direct": (spawn([sys.executable, str(ROOT / "bench/bare_server.py"), str(port), str(MAX_TOKENS)],
@@ -105,6 +106,13 @@ def start_servers(workdir: Path, with_litellm: bool) -> dict[str, tuple[subproce
     servers["kvgate"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
                                 "--port", str(kv_port)], f"http://127.0.0.1:{kv_port}/health/ready"),
                          f"http://127.0.0.1:{kv_port}")
+    if baseline is not None:  # another checkout's gateway and plugins, e.g. a worktree of an older commit
+        base_port = free_port()
+        paths = [baseline, *(baseline / "plugins" / p for p in ("echo", "openai", "native", "tensorrt_llm"))]
+        servers["baseline"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
+                                      "--port", str(base_port)], f"http://127.0.0.1:{base_port}/health/ready",
+                                     env={"PYTHONPATH": os.pathsep.join(map(str, paths))}, cwd=baseline),
+                               f"http://127.0.0.1:{base_port}")
     if with_litellm:
         exe = ensure_litellm()
         ll_port = free_port()
@@ -142,16 +150,27 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()  # fields after the command name: state, ppid, ...
 
 
-async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int) -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int, shared: bool = False) -> dict:
+    """`concurrency` workers send `total` requests between them, each worker on its own client
+    (one keep-alive connection each). One client shared by all workers was the bottleneck it
+    meant to avoid: httpcore's pool rescans every connection (a socket poll per idle one) twice
+    per request, so at concurrency 128 the client spent 35-50 % of its CPU there, more the
+    burstier the answers, and held some requests for seconds (a gateway's own time per request
+    stayed under 0.25 s while the client saw 5 s). `shared` brings that client back."""
     headers = {"authorization": f"Bearer {BENCH_KEY}"}
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=120, headers=headers) as client:
-        await asyncio.gather(*(one_request(client, stream) for _ in range(min(concurrency, 16))))  # warm-up
+    if shared:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        clients = [httpx.AsyncClient(base_url=base, limits=limits, timeout=120, headers=headers)] * concurrency
+    else:
+        clients = [httpx.AsyncClient(base_url=base, timeout=120, headers=headers) for _ in range(concurrency)]
+    try:
+        warm = clients[:min(concurrency, 16)] if shared else clients  # every worker's connection is open
+        await asyncio.gather(*(one_request(c, stream) for c in warm))  # warm-up
         latencies: list[float] = []
         errors: list[str] = []
         remaining = [total]
 
-        async def worker():
+        async def worker(client: httpx.AsyncClient):
             while remaining[0] > 0:
                 remaining[0] -= 1
                 try:
@@ -161,8 +180,11 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int)
                     errors.append(f"{type(exc).__name__}{f' {status}' if status else ''}")
 
         cpu_before, start = tree_cpu_s(pid), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(c) for c in clients))
         elapsed, cpu = time.perf_counter() - start, tree_cpu_s(pid) - cpu_before
+    finally:
+        for client in set(clients):
+            await client.aclose()
     latencies.sort()
     if not latencies:
         raise RuntimeError(f"every request to {base} failed: {sorted(set(errors))}")
@@ -176,15 +198,15 @@ def median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def measure(servers: dict, repeats: int, quick: bool) -> list[dict]:
+def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = False) -> list[dict]:
     rows = []
-    for stream in (False, True):
+    for stream in streams:
         for concurrency in CONCURRENCY:
             total = {1: 60 if quick else 200, 32: 300 if quick else 800, 128: 400 if quick else 1000}[concurrency]
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             for _ in range(repeats):  # interleaved, so drift hits every target alike
                 for name, (proc, base) in servers.items():
-                    runs[name].append(asyncio.run(drive(base, concurrency, total, stream, proc.pid)))
+                    runs[name].append(asyncio.run(drive(base, concurrency, total, stream, proc.pid, shared)))
             cell = {name: median_of(r) for name, r in runs.items()}
             for name, result in cell.items():
                 row = {"target": name, "stream": stream, "concurrency": concurrency, "requests": total, **result,
@@ -226,13 +248,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and one repeat (a smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per cell (default 3, quick 1)")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install)")
+    parser.add_argument("--stream", choices=("both", "yes", "no"), default="both", help="which requests to send")
+    parser.add_argument("--shared-client", action="store_true",
+                        help="all workers on one httpx client, as before December (see drive)")
+    parser.add_argument("--baseline", default=None,
+                        help="also run this checkout's gateway (e.g. a git worktree of an older commit) as 'baseline'")
     parser.add_argument("--out", default=str(ROOT / "bench/results/upstream_overhead.json"))
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
+    streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp:
-        servers = start_servers(Path(tmp), with_litellm=not args.no_litellm)
+        servers = start_servers(Path(tmp), with_litellm=not args.no_litellm,
+                                baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
-            rows = measure(servers, repeats, args.quick)
+            rows = measure(servers, repeats, args.quick, streams, args.shared_client)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -243,6 +272,7 @@ def main() -> None:
     summary = verdict(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
+                                          "shared_client": args.shared_client, "baseline": args.baseline,
                                           "rows": rows, "verdict": summary}, indent=2))
     print(f"wrote {args.out}")
 
