@@ -118,34 +118,55 @@ async def _serve(request: Request, parse, id_prefix: str):
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
     trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
     requests = choice_requests(parsed, request_id, sla.priority, trace)
+    opening = open_choices(registry, pool, requests, ticket, recorder)
+    if not parsed.stream:
+        return await _answer_whole(request, recorder, parsed, shape, opening)
     try:
         # Watch the client from the start: one that leaves while queued, or before the first
         # token, frees its queue slot and aborts its backend work now, not when a token comes.
-        opened, choices = await run_until_disconnect(
-            request.receive, open_choices(registry, pool, requests, ticket, recorder),
-            orphan=lambda late: _release(recorder, late))
+        opened, choices = await run_until_disconnect(request.receive, opening,
+                                                     orphan=lambda late: _release(recorder, late))
     except BaseException as exc:
-        if isinstance(exc, APIError):
-            recorder.finish(exc.status, None, error=exc.message)
-        else:
-            recorder.finish(CLIENT_CLOSED, None)
+        _finish_failed(recorder, exc)
         raise
     if not opened:
         recorder.finish(CLIENT_CLOSED, None)
         return JSONResponse({}, status_code=CLIENT_CLOSED)
-    if parsed.stream:
-        return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
-                                   finalizer=lambda: _release(recorder, choices))
+    return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
+                               finalizer=lambda: _release(recorder, choices))
+
+
+async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
+                        opening) -> JSONResponse:
+    """Open the choices and collect their answers under one watch of the client (one task and
+    one watcher per request, not two of each): a client that leaves at any point aborts them."""
+    choices: list[OpenChoice] = []
+
+    async def open_then_collect() -> dict:
+        choices.extend(await opening)
+        if asyncio.current_task().cancelling():
+            # The client left while the choices opened, and the opening finished anyway (a
+            # swallowed cancellation): do not generate for nobody.
+            raise asyncio.CancelledError
+        return await _collect(recorder, parsed, shape, choices)
+
     try:
-        finished, body = await run_until_disconnect(request.receive, _collect(recorder, parsed, shape, choices))
+        finished, body = await run_until_disconnect(request.receive, open_then_collect())
         recorder.finish(200 if finished else CLIENT_CLOSED, body["usage"] if body else None,
                         [c["finish_reason"] for c in body["choices"]] if body else ())
-    except APIError as exc:
-        recorder.finish(exc.status, None, error=exc.message)
+    except BaseException as exc:
+        _finish_failed(recorder, exc)
         raise
     finally:
         await asyncio.shield(_release(recorder, choices))  # also when _collect never got to start
     return FastJSONResponse(body) if finished else JSONResponse({}, status_code=CLIENT_CLOSED)
+
+
+def _finish_failed(recorder: RequestRecorder, exc: BaseException) -> None:
+    if isinstance(exc, APIError):
+        recorder.finish(exc.status, None, error=exc.message)
+    else:
+        recorder.finish(CLIENT_CLOSED, None)
 
 
 async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None:
