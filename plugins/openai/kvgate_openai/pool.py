@@ -47,8 +47,9 @@ _NEW_CONNECTION: contextvars.ContextVar[list | None] = contextvars.ContextVar("k
 
 class _Connector(aiohttp.TCPConnector):
     """Says whether a request went out on a new connection. aiohttp's trace hooks say it too,
-    but a session with any trace config runs seven hooks (an awaited signal and an attrs object
-    each) on every request: ~8 % of the gateway's CPU per non-streamed request."""
+    but a session with any trace config runs its hooks (an awaited signal and an attrs object
+    each) at every step of every request and per response chunk read: 34 of the 1,132 Python
+    calls of a non-streamed request (bench/request_cost.py)."""
 
     async def _create_connection(self, req, traces, timeout):
         mark = _NEW_CONNECTION.get()
