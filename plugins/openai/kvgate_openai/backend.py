@@ -209,9 +209,13 @@ class OpenAIBackend:
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
         limit = self.settings.max_body_bytes
+        read = _read_some(response, limit + 1)
         try:
-            async with asyncio.timeout_at(deadline):
-                raw = await _read_some(response, limit + 1)
+            if response.complete():  # usually so by now: no timer for a read that cannot wait
+                raw = await read
+            else:
+                async with asyncio.timeout_at(deadline):
+                    raw = await read
         except TimeoutError:
             raise self._first_byte_timeout() from None
         except StreamBroken as exc:

@@ -68,6 +68,10 @@ class UpstreamResponse:
         self.status_code = raw.status
         self.headers = raw.headers  # case-insensitive
 
+    def complete(self) -> bool:
+        """The whole body has arrived (reading it cannot wait)."""
+        return self._raw.content.is_eof()
+
     async def aiter_bytes(self):
         try:
             async for part in self._raw.content.iter_any():
