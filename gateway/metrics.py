@@ -53,6 +53,17 @@ class GatewayMetrics:
                                  ["model", "fallback"], registry=r)
         r.register(_LiveCollector(state_of))
         self.state_of = state_of
+        self._series: dict = {}
+
+    def series(self, metric, *labels: str):
+        """`metric.labels(*labels)`, looked up once per metric and label values instead of once per
+        request (a lock, label checks and a dict lookup each time). Only for series that are never
+        removed: not `requests` or `retries`, whose gone discovery members are dropped."""
+        key = (metric, labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         self._forget_gone_members()

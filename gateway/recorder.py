@@ -34,7 +34,7 @@ class RequestRecorder:
     # ------------------------------------------------------------------ admission and attempts
 
     def queued(self, seconds: float, waited: bool) -> None:
-        self.metrics.queue_wait.labels(self.model, self.sla_class).observe(seconds)
+        self.metrics.series(self.metrics.queue_wait, self.model, self.sla_class).observe(seconds)
         if self.trace is not None and waited:
             start = time.time_ns() - int(seconds * 1e9)
             span = self.trace.child("kvgate.queue", {"kvgate.sla_class": self.sla_class}, start_time=start)
@@ -90,12 +90,12 @@ class RequestRecorder:
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
-            self.metrics.ttft.labels(self.model, self.sla_class).observe(now - self.started)
+            self.metrics.series(self.metrics.ttft, self.model, self.sla_class).observe(now - self.started)
             self.state.recent.ttft.append(now - self.started)
         last = self._last_token.get(index)
         if last is not None:
             if self._itl is None:  # the labelled series, looked up once per request, not per token
-                self._itl = self.metrics.itl.labels(self.model)
+                self._itl = self.metrics.series(self.metrics.itl, self.model)
             self._itl.observe(now - last)
             self.state.recent.tpot.append(now - last)
         self._last_token[index] = now
@@ -110,10 +110,10 @@ class RequestRecorder:
         m = self.metrics
         m.requests.labels(self.model, self.deployment, self.sla_class, str(status)).inc()
         if status == 200:
-            m.e2e.labels(self.model, self.sla_class).observe(time.monotonic() - self.started)
+            m.series(m.e2e, self.model, self.sla_class).observe(time.monotonic() - self.started)
         if usage:
-            m.prompt_tokens.labels(self.model).observe(usage.get("prompt_tokens", 0))
-            m.completion_tokens.labels(self.model).observe(usage.get("completion_tokens", 0))
+            m.series(m.prompt_tokens, self.model).observe(usage.get("prompt_tokens", 0))
+            m.series(m.completion_tokens, self.model).observe(usage.get("completion_tokens", 0))
         if status == 429 and self.key is not None:
             m.rate_limited.labels(self.key.name).inc()
         if self.key is not None:
