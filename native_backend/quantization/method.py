@@ -6,10 +6,10 @@ float copy of the weight.
                      [, bias (out,)]; each marks its input and output dimension for the shard
                      loaders (the transpose of a dense weight's: output is dim 1 here)
     apply:           C kernel (cpu_kernels.int4_linear) for up to KERNEL_MAX_ROWS float32 rows on
-                     the CPU; the Triton kernel (triton_int4.py) on CUDA (not yet run on a GPU:
-                     tested under TRITON_INTERPRET=1); otherwise the reference: dequantize then matmul. Like
-                     vLLM's AWQ path, a long prefill chunk pays for one transient dequantized
-                     matrix and gets a BLAS GEMM for it.
+                     the CPU; the Triton kernel (triton_int4.py, both variants) on CUDA (not yet run
+                     on a GPU: tested under TRITON_INTERPRET=1); otherwise the reference: dequantize
+                     then matmul. Like vLLM's AWQ path, a long prefill chunk pays for one transient
+                     dequantized matrix and gets a BLAS GEMM for it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ KERNEL_MAX_ROWS = 512
 class AWQLinearMethod(LinearMethod):
     """Int4 weights with a zero point and an fp16 scale per group of `group_size` inputs."""
 
+    label = "int4 AWQ"  # the format, in names and load errors
+
     def __init__(self, group_size: int, *, kernel: bool, triton: bool = False):
         self.group_size = group_size
         self.kernel = kernel  # the C kernel for few rows (CPU, where it builds)
         self.triton = triton  # the Triton kernel (CUDA)
         how = "Triton" if triton else "C kernel" if kernel else "torch reference"
-        self.name = f"int4 AWQ g{group_size} ({how})"
+        self.name = f"{self.label} g{group_size} ({how})"
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         g = self.group_size
@@ -46,7 +48,8 @@ class AWQLinearMethod(LinearMethod):
         if out_features % PACK:
             raise ValueError(f"int4 AWQ: {out_features} output features is not a multiple of {PACK}")
         if self.triton and (g < 16 or g & (g - 1)):  # refused at load, not mid-request
-            raise ValueError(f"int4 AWQ on CUDA: group size {g} is not a power of two >= 16 (the Triton kernel's tiles)")
+            raise ValueError(f"{self.label} on CUDA: group size {g} is not a power of two >= 16 "
+                             "(the Triton kernel's tiles)")
         shapes = {"qweight": ((in_features, out_features // PACK), torch.int32),
                   "qzeros": ((in_features // g, out_features // PACK), torch.int32),
                   "scales": ((in_features // g, out_features), torch.float16)}
@@ -87,12 +90,12 @@ class Int4OffsetMethod(AWQLinearMethod):
         scales  fp16 (in/g, out)   d                      Q4_1: off = m;  Q4_0: off = -8 d
         offsets fp16 (in/g, out)
 
-    The C kernel (kvgate_int4_linear_off_f32) and the reference; there is no Triton variant yet,
-    so on CUDA it runs the reference (dequantize, then matmul)."""
+    Applied as the zero-point method is: the C kernel (kvgate_int4_linear_off_f32) on the CPU, the
+    Triton kernel's offset variant (triton_int4.int4_linear_offset) on CUDA, else the reference."""
 
-    def __init__(self, group_size: int, *, kernel: bool, source: str = "GGUF Q4"):
-        super().__init__(group_size, kernel=kernel)
-        self.name = f"int4 {source} g{group_size} ({'C kernel' if kernel else 'torch reference'})"
+    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, source: str = "GGUF Q4"):
+        self.label = f"int4 {source}"
+        super().__init__(group_size, kernel=kernel, triton=triton)
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         super().create_weights(layer, out_features, in_features, bias, dtype, device)
@@ -113,6 +116,10 @@ class Int4OffsetMethod(AWQLinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         if self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_off_unchecked(rows, qweight, offsets, scales, bias)
+        elif self.triton and rows.is_cuda:
+            from native_backend.quantization import triton_int4  # imports triton: CUDA only
+
+            y = triton_int4.int4_linear_offset(rows, qweight, offsets, scales, bias)
         else:
             y = reference.int4_linear_offset(rows, qweight, offsets, scales, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -121,7 +128,8 @@ class Int4OffsetMethod(AWQLinearMethod):
 def int4_method(quant, *, kernel: bool, triton: bool) -> AWQLinearMethod:
     """The int4 method of a QuantConfig: AWQ's zero points, or GGUF Q4's offsets ("gguf Q4_1")."""
     if quant.quant_method.startswith("gguf"):
-        return Int4OffsetMethod(quant.group_size, kernel=kernel, source=quant.quant_method.replace("gguf", "GGUF"))
+        return Int4OffsetMethod(quant.group_size, kernel=kernel, triton=triton,
+                                source=quant.quant_method.replace("gguf", "GGUF"))
     return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton)
 
 
