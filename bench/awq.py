@@ -208,7 +208,8 @@ def main() -> None:
         for name, row in previous["rows"].items():
             rows[name] = {**row, **rows.get(name, {})}
         result["paths"] = {**previous["paths"], **paths}
-        rows = result["rows"] = {n: rows[n] for n in ROWS if n in rows}
+        order = ROWS + [n for n in rows if n not in ROWS]  # the table's rows, then the anchor
+        rows = result["rows"] = {n: rows[n] for n in order if n in rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_table(rows)
