@@ -315,17 +315,24 @@ KVG_API int kvgate_int8_rows_f32(float *y, const float *x, const int8_t *w8, con
         const int8_t *w = w8 + n * K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t R = M - m0 < 4 ? M - m0 : 4;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             const float *x0 = x + m0 * K;
-            for (int64_t k = 0; k < K; k += 8) {
-                const __m256 wv = load8_i8(w + k);
-                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
-                if (R > 1) a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + K + k), a1);
-                if (R > 2) a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + 2 * K + k), a2);
-                if (R > 3) a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + 3 * K + k), a3);
+            /* Two accumulators a row (even and odd runs of 8 along K): 2 R chains, not R. */
+            __m256 acc[4][2];
+            for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) {
+                const __m256 w0 = load8_i8(w + k), w1 = load8_i8(w + k + 8);
+                for (int r = 0; r < 4; r++) {
+                    if (r >= R) break;
+                    acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + r * K + k), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + r * K + k + 8), acc[r][1]);
+                }
             }
-            const __m256 acc[4] = {a0, a1, a2, a3};
-            for (int64_t r = 0; r < R; r++) y[(m0 + r) * N + n] = hsum256(acc[r]) * scale[n];
+            if (k < K) { /* K % 16 == 8 */
+                const __m256 w0 = load8_i8(w + k);
+                for (int r = 0; r < R; r++) acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + r * K + k), acc[r][0]);
+            }
+            for (int64_t r = 0; r < R; r++) y[(m0 + r) * N + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) * scale[n];
         }
     }
     return 0;
