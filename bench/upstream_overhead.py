@@ -6,14 +6,15 @@ in this one run, side by side, with the same requests:
 - `kvgate`:  `kvgate serve` with one `backend: openai` deployment pointing at the upstream;
 - `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
   the upstream as an OpenAI-compatible text-completion model.
-Async httpx clients (one per worker: see `drive`) drive each at concurrency 1, 32 and 128, streaming
-and not (/v1/completions, max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
+An async httpx client (or one per worker: see `drive`) drives each at concurrency 1, 32 and 128,
+streaming and not (/v1/completions, max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
 Reported: requests/s, client-side latency p50/p99 (streams: until [DONE]), the latency each
 gateway adds over `direct`, and the CPU time the server process (with its children) spent per
 request: on a shared 2-core machine that last column is the steadiest measure of a gateway's cost
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
-    .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--baseline TREE]
+    .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--concurrency 32,128]
+        [--client-per-worker] [--baseline TREE]
 """
 
 from __future__ import annotations
@@ -150,13 +151,15 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()  # fields after the command name: state, ppid, ...
 
 
-async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int, shared: bool = False) -> dict:
-    """`concurrency` workers send `total` requests between them, each worker on its own client
-    (one keep-alive connection each). One client shared by all workers was the bottleneck it
-    meant to avoid: httpcore's pool rescans every connection (a socket poll per idle one) twice
-    per request, so at concurrency 128 the client spent 35-50 % of its CPU there, more the
-    burstier the answers, and held some requests for seconds (a gateway's own time per request
-    stayed under 0.25 s while the client saw 5 s). `shared` brings that client back."""
+async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int, shared: bool = True) -> dict:
+    """`concurrency` workers send `total` requests between them, on one shared httpx client (the
+    default: how the issue-18 figures were taken) or, with shared=False, each on its own client
+    (one keep-alive connection each). The shared client is a bottleneck of its own: httpcore's
+    pool rescans every connection (a socket poll per idle one) twice per request, 35-50 % of the
+    client's CPU at concurrency 128, more the burstier the answers, and it holds some requests
+    for seconds (a gateway's own time per request stayed under 0.25 s while the client saw 5 s):
+    the p99 stalls at c=128 are the client's. Per-worker clients do not stall, and send each
+    target ~2x the requests/s, so a gateway's own cost weighs more in its share of `direct`."""
     headers = {"authorization": f"Bearer {BENCH_KEY}"}
     if shared:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -198,10 +201,11 @@ def median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = False) -> list[dict]:
+def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = True,
+            concurrencies=CONCURRENCY) -> list[dict]:
     rows = []
     for stream in streams:
-        for concurrency in CONCURRENCY:
+        for concurrency in concurrencies:
             total = {1: 60 if quick else 200, 32: 300 if quick else 800, 128: 400 if quick else 1000}[concurrency]
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             for _ in range(repeats):  # interleaved, so drift hits every target alike
@@ -249,8 +253,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per cell (default 3, quick 1)")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install)")
     parser.add_argument("--stream", choices=("both", "yes", "no"), default="both", help="which requests to send")
-    parser.add_argument("--shared-client", action="store_true",
-                        help="all workers on one httpx client, as before December (see drive)")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                        help="comma-separated, from " + ", ".join(map(str, CONCURRENCY)))
+    parser.add_argument("--client-per-worker", action="store_true",
+                        help="one httpx client per worker instead of one shared client (see drive)")
     parser.add_argument("--baseline", default=None,
                         help="also run this checkout's gateway (e.g. a git worktree of an older commit) as 'baseline'")
     parser.add_argument("--out", default=str(ROOT / "bench/results/upstream_overhead.json"))
@@ -261,7 +267,8 @@ def main() -> None:
         servers = start_servers(Path(tmp), with_litellm=not args.no_litellm,
                                 baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
-            rows = measure(servers, repeats, args.quick, streams, args.shared_client)
+            rows = measure(servers, repeats, args.quick, streams, not args.client_per_worker,
+                           [int(c) for c in args.concurrency.split(",")])
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -272,7 +279,7 @@ def main() -> None:
     summary = verdict(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
-                                          "shared_client": args.shared_client, "baseline": args.baseline,
+                                          "shared_client": not args.client_per_worker, "baseline": args.baseline,
                                           "rows": rows, "verdict": summary}, indent=2))
     print(f"wrote {args.out}")
 
