@@ -69,12 +69,21 @@ def _check(args) -> int:
     return 0
 
 
-def _freeze_startup_objects() -> None:
+# Container allocations between two young-generation collections (Python's default: 700). A
+# request allocates ~100 that outlive it by a little (tasks, dicts, events), so at 700 the young
+# generation was collected every ~7 requests: ~640 collections for 5,000 non-streamed requests at
+# c=32, 0.21 s of the loop's time; at 10,000, 18 collections and 0.04 s. Garbage cycles wait for
+# at most 10,000 allocations.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def _tune_gc() -> None:
     """Keep what start-up made (modules, config, plugins: ~90,000 objects for one openai
-    deployment) out of the garbage collector's full passes; one such pass over them paused the
-    event loop for ~75 ms under load. Garbage collection of everything made later is unchanged."""
+    deployment) out of the collector's full passes (one such pass paused the loop for ~75 ms
+    under load), and collect the young generation less often (GC_YOUNG_THRESHOLD)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _serve(args) -> int:
@@ -88,7 +97,7 @@ def _serve(args) -> int:
     server = state.config.server
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(state)
-    _freeze_startup_objects()
+    _tune_gc()
     uvicorn.run(
         app,
         host=args.host or server.host,
