@@ -43,10 +43,10 @@ class AWQLinearMethod(LinearMethod):
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         g = self.group_size
         if in_features % g:
-            raise ValueError(f"int4 AWQ: group size {g} does not divide a layer's input width {in_features} "
+            raise ValueError(f"{self.label}: group size {g} does not divide a layer's input width {in_features} "
                              f"(group sizes that do: {valid_group_sizes(in_features)})")
         if out_features % PACK:
-            raise ValueError(f"int4 AWQ: {out_features} output features is not a multiple of {PACK}")
+            raise ValueError(f"{self.label}: {out_features} output features is not a multiple of {PACK}")
         if self.triton and (g < 16 or g & (g - 1)):  # refused at load, not mid-request
             raise ValueError(f"{self.label} on CUDA: group size {g} is not a power of two >= 16 "
                              "(the Triton kernel's tiles)")

@@ -207,3 +207,13 @@ def test_fused_decode_steps_of_the_q4_model_equal_its_per_layer_steps(models):
     fused = logits(q4, prompt, decodes)
     assert q4.fused_decode is not None and q4.fused_decode.layers[0].q.offsets
     assert torch.equal(fused, logits(q4, prompt, decodes, fused=False))
+
+
+def test_offset_method_load_errors_name_the_gguf_format():
+    method = Int4OffsetMethod(32, kernel=False, source="GGUF Q4_1")
+    with pytest.raises(ValueError, match="int4 GGUF Q4_1: group size 32 does not divide a layer's input width 48"):
+        ColumnParallelLinear(48, 16, bias=False, method=method, shard=ShardSpec(0, 1), dtype=torch.float32,
+                            device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="int4 GGUF Q4_1: 12 output features is not a multiple of 8"):
+        ColumnParallelLinear(64, 12, bias=False, method=method, shard=ShardSpec(0, 1), dtype=torch.float32,
+                            device=torch.device("cpu"))
