@@ -230,7 +230,8 @@ static int run(float *y, const float *x, const int32_t *qweight, const int32_t *
                const uint16_t *offsets, const float *bias, int64_t M, int64_t K, int64_t N, int64_t G) {
     if (M < 1 || G < 8 || G % 8 || K % G || N % 8) return -1;
     if (!kvgate_int4_supported()) return -3;
-    float *xsum = (float *)malloc(sizeof(float) * M * (K / G));
+    float small[256]; /* decode's group sums (M * K / G of them) fit here: no malloc per call */
+    float *xsum = M * (K / G) <= 256 ? small : (float *)malloc(sizeof(float) * M * (K / G));
     if (!xsum) return -2;
     group_sums(x, xsum, M, K, G);
     const int4_args a = {x, xsum, bias, qweight, qzeros, scales, offsets, y, M, K, N, G};
@@ -249,7 +250,7 @@ static int run(float *y, const float *x, const int32_t *qweight, const int32_t *
             else band(&a, c_rest + b * 16, 1);
         }
     }
-    free(xsum);
+    if (xsum != small) free(xsum);
     return 0;
 }
 
