@@ -158,7 +158,8 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         _finish_failed(recorder, exc)
         raise
     finally:
-        await asyncio.shield(_release(recorder, choices))  # also when _collect never got to start
+        if not (recorder.done and all(c.closed for c in choices)):  # else a no-op: no task for it
+            await asyncio.shield(_release(recorder, choices))  # also when _collect never got to start
     return FastJSONResponse(body) if finished else JSONResponse({}, status_code=CLIENT_CLOSED)
 
 
