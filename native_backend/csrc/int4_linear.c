@@ -52,6 +52,15 @@ static inline __m256 unpack8(int32_t word) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low));
 }
 
+/* Group g's scale s and correction sz of the 8 columns from c (a multiple of 8), so that the
+ * group adds s * sum(x q) - sz * xsum: sz = s z (zero points) or -o (the offset variant). */
+static inline void group_scale(const int4_args *a, int64_t g, int64_t c, __m256 *s, __m256 *sz) {
+    *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->scales + g * a->N + c)));
+    *sz = a->qzeros ? _mm256_mul_ps(*s, unpack8(a->qzeros[g * (a->N / 8) + c / 8]))
+                    : _mm256_sub_ps(_mm256_setzero_ps(),
+                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->offsets + g * a->N + c))));
+}
+
 /* Rows m0 .. m0+R-1 (R <= TILE_ROWS) by columns c0 .. c0+8*V-1 (V = 1 or 2), the whole of K.
  * Constant R and V at each call site: the compiler unrolls the loops and keeps acc in registers.
  * The band's first row tile asks for the qweight row PREFETCH_ROWS ahead at every step: walking
@@ -80,10 +89,8 @@ static inline __attribute__((always_inline)) void tile(const int4_args *a, int64
             }
         }
         for (int v = 0; v < V; v++) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->scales + g * a->N + c0 + 8 * v)));
-            const __m256 sz = a->qzeros ? _mm256_mul_ps(s, unpack8(a->qzeros[g * words + w0 + v]))
-                                        : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(
-                                              (const __m128i *)(a->offsets + g * a->N + c0 + 8 * v))));
+            __m256 s, sz;
+            group_scale(a, g, c0 + 8 * v, &s, &sz);
             for (int r = 0; r < R; r++) {
                 const __m256 xs = _mm256_broadcast_ss(a->xsum + (m0 + r) * groups + g);
                 out[r][v] = _mm256_fnmadd_ps(sz, xs, _mm256_fmadd_ps(s, acc[r][v], out[r][v]));
@@ -195,10 +202,8 @@ static void wide_bands(const int4_args *a, int64_t b0, int64_t b1) {
             }
             for (int64_t r = 0; r < a->M; r++) transpose8(part[r]);
             for (int w = 0; w < 8; w++) {
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->scales + g * a->N + c0 + 8 * w)));
-                const __m256 sz = a->qzeros ? _mm256_mul_ps(s, unpack8(a->qzeros[g * words + w0 + w]))
-                                            : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(
-                                                  (const __m128i *)(a->offsets + g * a->N + c0 + 8 * w))));
+                __m256 s, sz;
+                group_scale(a, g, c0 + 8 * w, &s, &sz);
                 for (int64_t r = 0; r < a->M; r++) {
                     float *out = a->y + r * a->N + c0 + 8 * w;
                     const __m256 xs = _mm256_broadcast_ss(a->xsum + r * groups + g);

@@ -79,7 +79,7 @@ class TensorParallelExecutor:
         self.model_config = self.rank.model_config
         self.max_model_len = self.rank.max_model_len
         self.plan = self.rank.plan
-        self.weights = getattr(self.rank, "weights", None)  # the decoder linears' format, as every rank has it
+        self.weights = self.rank.weights  # the decoder linears' format, as every rank has it
 
     def _start(self) -> None:
         from native_backend.executor import InProcessExecutor

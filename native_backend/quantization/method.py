@@ -157,7 +157,7 @@ def weights_format(model) -> str:
     "int4 GGUF Q4_1 g32"), for the engine's stats (the gateway's /v1/models)."""
     method = model.model.layers[0].self_attn.q_proj.method
     if isinstance(method, AWQLinearMethod):
-        return method.name.split(" (")[0]
+        return f"{method.label} g{method.group_size}"
     return str(model.ctx.dtype).replace("torch.", "")
 
 
