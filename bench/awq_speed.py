@@ -17,9 +17,11 @@ the models' ratios fair, and every measurement records the 1-minute load average
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,23 +68,17 @@ class _LlamaCpp:
     """bench/llamacpp_b1.py in llama.cpp's venv, answering the "b1" command as the workers do."""
 
     def __init__(self, python: str, gguf: str, threads: int):
-        import subprocess
-
         self.proc = subprocess.Popen([python, str(ROOT / "bench" / "llamacpp_b1.py"), gguf, str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._read()
 
     def _read(self) -> dict:
-        import json
-
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"llama.cpp's worker exited ({self.proc.wait()})")
         return json.loads(line)
 
     def send(self, cmd) -> None:
-        import json
-
         if cmd[0] == "b1":
             self.proc.stdin.write(json.dumps({"cmd": "b1", "prompt": list(cmd[1]), "new": cmd[2]}) + "\n")
         elif cmd[0] == "stop":
@@ -98,8 +94,6 @@ class _LlamaCpp:
 
 def llama_cpp_python() -> str | None:
     """The python of llama.cpp's venv (bench/llamacpp_server.sh install), or None when not built."""
-    import subprocess
-
     out = subprocess.run(["bash", str(ROOT / "bench" / "llamacpp_server.sh"), "python"], capture_output=True,
                          text=True)
     return out.stdout.strip() or None

@@ -231,27 +231,25 @@ def interleaved_batch1(args, configs: dict, workload: dict) -> dict[str, list[di
                    "chat": [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]}
     if args.quick:
         prompt_sets = {k: v[:4] for k, v in prompt_sets.items()}
-    for engine in engines.values():
-        run(engine, workload["warmup_prompts"], [8, 8], True, "warmup-")  # untimed
-    rounds = {name: [] for name in engines}
-    for i in range(args.rounds):
-        for name, engine in engines.items():
-            print(f"[batch 1, round {i + 1}] {name} ...", file=sys.stderr, flush=True)
-            rounds[name].append(timed(batch1, args, engine, prompt_sets))
-    return rounds
+    return warm_then_rounds(args, engines, workload, "batch 1", batch1, prompt_sets)
 
 
 def interleaved_c2(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
     """C2 with speculation off and on (n-gram, the load policy at its defaults): A B A B."""
     names = [n for n in ("off", "ngram") if n in configs]
     engines = {n: make_engine(args, configs[n], max_num_seqs=64) for n in names}
+    return warm_then_rounds(args, engines, workload, "C2", c2, workload)
+
+
+def warm_then_rounds(args, engines: dict, workload: dict, label: str, measure, measured_on) -> dict[str, list[dict]]:
+    """Warm every engine up (untimed), then `args.rounds` rounds of `measure` on each in turn."""
     for engine in engines.values():
         run(engine, workload["warmup_prompts"], [8, 8], True, "warmup-")
-    rounds = {n: [] for n in names}
+    rounds = {name: [] for name in engines}
     for i in range(args.rounds):
         for name, engine in engines.items():
-            print(f"[C2, round {i + 1}] {name} ...", file=sys.stderr, flush=True)
-            rounds[name].append(timed(c2, args, engine, workload))
+            print(f"[{label}, round {i + 1}] {name} ...", file=sys.stderr, flush=True)
+            rounds[name].append(timed(measure, args, engine, measured_on))
     return rounds
 
 
