@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import pstats
 import signal
 import subprocess
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 from gateway_overhead import MAX_TOKENS, one_request  # noqa: E402
 from servers import free_port  # noqa: E402
-from upstream_overhead import KVGATE_CONFIG, spawn  # noqa: E402
+from upstream_overhead import KVGATE_CONFIG, checkout_env, spawn  # noqa: E402
 
 # Runs `kvgate serve` with a profiler that SIGUSR1 starts and SIGUSR2 stops and writes out.
 SERVE_PROFILED = """
@@ -60,8 +59,7 @@ def measure(root: Path, requests: int, stream: bool, workdir: Path) -> pstats.St
     config, profile = workdir / "kvgate.yaml", workdir / "profile.out"
     config.write_text(KVGATE_CONFIG.format(upstream=upstream_url))
     kv_port = free_port()
-    paths = [root, *(root / "plugins" / p for p in ("echo", "openai", "native", "tensorrt_llm"))]
-    env = {"PYTHONPATH": os.pathsep.join(map(str, paths))}
+    env = checkout_env(root)
     gateway = spawn([sys.executable, "-c", SERVE_PROFILED, str(profile), str(config), str(kv_port)],
                     f"http://127.0.0.1:{kv_port}/health/ready", env=env, cwd=root)  # cwd: sys.path[0] under -c
     base = f"http://127.0.0.1:{kv_port}"

@@ -97,6 +97,13 @@ def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: floa
     raise RuntimeError(f"{cmd} did not become ready at {ready_url}")
 
 
+def checkout_env(root: Path) -> dict[str, str]:
+    """PYTHONPATH that runs the gateway and plugins of the checkout at `root` (run it with cwd=root:
+    the current directory comes first on the import path)."""
+    paths = [root, *(root / "plugins" / p for p in ("echo", "openai", "native", "tensorrt_llm"))]
+    return {"PYTHONPATH": os.pathsep.join(map(str, paths))}
+
+
 def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = None) -> dict[str, tuple[subprocess.Popen, str]]:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
@@ -109,10 +116,9 @@ def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = Non
                          f"http://127.0.0.1:{kv_port}")
     if baseline is not None:  # another checkout's gateway and plugins, e.g. a worktree of an older commit
         base_port = free_port()
-        paths = [baseline, *(baseline / "plugins" / p for p in ("echo", "openai", "native", "tensorrt_llm"))]
         servers["baseline"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
                                       "--port", str(base_port)], f"http://127.0.0.1:{base_port}/health/ready",
-                                     env={"PYTHONPATH": os.pathsep.join(map(str, paths))}, cwd=baseline),
+                                     env=checkout_env(baseline), cwd=baseline),
                                f"http://127.0.0.1:{base_port}")
     if with_litellm:
         exe = ensure_litellm()
