@@ -195,9 +195,11 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
                    choices: list[OpenChoice]) -> dict:
     states = [ChoiceState(c.index) for c in choices]
     try:
-        async for index, event in merged_events(choices):
-            recorder.token(index, event)
-            states[index].add(event)
+        async for index, batch in merged_events(choices):
+            recorder.tokens(index, batch)
+            state = states[index]
+            for event in batch:
+                state.add(event)
     finally:
         for c in choices:
             await c.close()
@@ -214,11 +216,15 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
         if parsed.chat:
             for c in choices:
                 yield sse(stream_chunk(shape, c.index, None, first=True))
-        async for index, event in merged_events(choices):
-            recorder.token(index, event)
-            states[index].add(event)
-            if event.text or event.finish_reason or event.logprobs:
-                yield sse(stream_chunk(shape, index, event, first=False))
+        async for index, batch in merged_events(choices):
+            recorder.tokens(index, batch)
+            state, chunks = states[index], []
+            for event in batch:
+                state.add(event)
+                if event.text or event.finish_reason or event.logprobs:
+                    chunks.append(sse(stream_chunk(shape, index, event, first=False)))
+            if chunks:  # the events that arrived together leave together
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
         usage = total_usage(states, _prompt_tokens(states, parsed.n))
         if parsed.include_usage:
             yield sse(usage_chunk(shape, usage))

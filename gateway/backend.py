@@ -127,6 +127,11 @@ class Backend(Protocol):
     a request (bad input, context too long, overloaded), and may raise `BackendError` later when it
     fails mid-stream. Cancelling the iteration (client went away) must free the request's
     resources; the gateway also calls `abort(request_id)`.
+
+    Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
+    the events that became ready together (one network read of an upstream stream). The gateway
+    then reads that instead, and passes each list through its layers once (every layer costs
+    Python calls per item it passes on); see `batched_events`.
     """
 
     async def start(self) -> None: ...
@@ -138,3 +143,11 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def load(self) -> LoadSnapshot: ...
+
+
+def batched_events(backend, request: GenerationRequest) -> tuple[AsyncIterator, bool]:
+    """(the backend's event iterator for `request`, whether it yields lists of events)."""
+    batches = getattr(backend, "generate_batches", None)
+    if batches is not None:
+        return batches(request), True
+    return backend.generate(request), False

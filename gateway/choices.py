@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from gateway.admission import Ticket
-from gateway.backend import GenerationRequest, TokenEvent
+from gateway.backend import GenerationRequest, TokenEvent, batched_events
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from gateway.models import Deployment, ModelPool, ModelRegistry
@@ -39,8 +39,9 @@ class OpenChoice:
     request: GenerationRequest
     pool: ModelPool
     deployment: Deployment
-    events: AsyncIterator[TokenEvent]
-    first: TokenEvent
+    events: AsyncIterator  # the backend's: TokenEvents, or lists of them when `batched`
+    first: list[TokenEvent]
+    batched: bool = False
     attempts: int = 1
     finished: bool = False
     closed: bool = False
@@ -48,15 +49,16 @@ class OpenChoice:
     recorder: object = None
     last_event: TokenEvent | None = None
 
-    async def stream(self) -> AsyncIterator[TokenEvent]:
-        """The first event, then the rest; each next event must come within the idle timeout."""
+    async def stream(self) -> AsyncIterator[list[TokenEvent]]:
+        """The events in lists (those that arrived together, or one each from a backend that does
+        not batch): the first, then the rest; each next must come within the idle timeout."""
         yield self._note(self.first)
         idle_s = self.pool.config.timeouts.idle_s
         idle = IdleWatch(idle_s)  # not wait_for (a task per token) nor asyncio.timeout (a timer per token)
         try:
             while not self.finished:
                 try:
-                    event = await idle.read(anext(self.events))
+                    item = await idle.read(anext(self.events))
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
@@ -69,15 +71,21 @@ class OpenChoice:
                 except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
                     self.deployment.breaker.record_failure()
                     raise _backend_failure(self.deployment, exc) from exc
-                yield self._note(event)
+                if not self.batched:
+                    yield self._note([item])
+                elif item:
+                    yield self._note(item)
         finally:
             idle.close()
 
-    def _note(self, event: TokenEvent) -> TokenEvent:
-        if event.finish_reason:
-            self.finished = True
-            self.last_event = event
-        return event
+    def _note(self, batch: list[TokenEvent]) -> list[TokenEvent]:
+        """The batch up to its finishing event, if it has one (nothing after it is read)."""
+        for i, event in enumerate(batch):
+            if event.finish_reason:
+                self.finished = True
+                self.last_event = event
+                return batch if i == len(batch) - 1 else batch[:i + 1]
+        return batch
 
     async def close(self) -> None:
         if self.closed:
@@ -213,11 +221,13 @@ def _pools_to_try(registry: ModelRegistry, pool: ModelPool):
 
 async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request: GenerationRequest) -> OpenChoice:
     request = replace(request, model=deployment.upstream_model)
-    events = deployment.backend.generate(request)
+    events, batched = batched_events(deployment.backend, request)
     timeout = pool.config.timeouts.first_token_s
     try:
         async with asyncio.timeout(timeout):
             first = await anext(events)
+            while batched and not first:  # an empty list is no output yet
+                first = await anext(events)
     except StopAsyncIteration:
         deployment.breaker.record_failure()
         raise BackendError(f"Backend '{deployment.name}' ended the request without output.") from None
@@ -240,7 +250,7 @@ async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request:
         await asyncio.shield(_give_up(deployment, events, request.request_id))
         raise
     deployment.breaker.record_success()
-    return OpenChoice(index, request, pool, deployment, events, first)
+    return OpenChoice(index, request, pool, deployment, events, first if batched else [first], batched)
 
 
 async def _give_up(deployment: Deployment, events, request_id: str) -> None:
@@ -268,19 +278,19 @@ async def _abort(deployment: Deployment, request_id: str) -> None:
         log.warning("abort of %s on %s failed", request_id, deployment.name)
 
 
-async def merged_events(choices: list[OpenChoice]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """Events of all choices as they come, tagged with the choice index."""
+async def merged_events(choices: list[OpenChoice]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """Lists of events of all choices as they come, each tagged with its choice's index."""
     if len(choices) == 1:  # the common case, without tasks and queues
-        async for event in choices[0].stream():
-            yield choices[0].index, event
+        async for batch in choices[0].stream():
+            yield choices[0].index, batch
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
     async def pump(choice: OpenChoice) -> None:
         try:
-            async for event in choice.stream():
-                await queue.put((choice.index, event))
+            async for batch in choice.stream():
+                await queue.put((choice.index, batch))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put((choice.index, exc))
             return

@@ -12,6 +12,8 @@ Gateway API Inference Extension and existing vLLM dashboards can read a kvgate e
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -20,6 +22,21 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                      0.75, 1.0, 2.5, 5.0, 10.0)
 TOKEN_COUNT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+def observe_times(histogram, amount: float, times: int) -> None:
+    """`histogram.observe(amount)`, `times` times over, in one step: one bucket increment by
+    `times` instead of `times` locked increments of the sum and a bucket scan each (the tokens of
+    one upstream read arrive together: `times` inter-token gaps of 0). On a prometheus_client
+    whose histogram children lack these internals, it observes one at a time."""
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:
+        for _ in range(times):
+            histogram.observe(amount)
+        return
+    total.inc(amount * times)
+    buckets[bisect_left(bounds, amount)].inc(times)  # the first bucket with amount <= its bound
+
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 

@@ -94,6 +94,19 @@ class OpenAIBackend:
     # -- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest):
+        """One token event at a time (the plugin contract); the gateway reads `generate_batches`."""
+        batches = self.generate_batches(request)
+        try:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(self, request: GenerationRequest):
+        """The events of each upstream read in one list: the tokens of a burst pass the gateway's
+        layers once, not once each (an upstream that writes faster than we read sends several
+        chunks per read)."""
         path, body = wire.request_body(request, self.settings.chat_max_tokens_field)
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
         pool = self._pool
@@ -107,10 +120,10 @@ class OpenAIBackend:
             response = await self._send(pool, path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
-                async for event in self._events(response, request, path == wire.CHAT, deadline, idle):
-                    yield event
+                async for batch in self._events(response, request, path == wire.CHAT, deadline, idle):
+                    yield batch
             else:
-                yield await self._whole(response, request, path == wire.CHAT, deadline)
+                yield [await self._whole(response, request, path == wire.CHAT, deadline)]
         finally:
             idle.close()
             pool.give_back()
@@ -160,7 +173,8 @@ class OpenAIBackend:
 
     async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float,
                       idle: IdleWatch):
-        """Token events as chunks arrive; the finishing event waits for the usage chunk."""
+        """Lists of token events, one per upstream read that held any; the finishing event waits
+        for the usage chunk, and ends the last list."""
         decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
         finish: TokenEvent | None = None
         usage: Usage | None = None
@@ -173,29 +187,42 @@ class OpenAIBackend:
                 if finish is not None:  # it said all it had to say, then misbehaved
                     break
                 if request.request_id in self._aborted:
-                    yield TokenEvent(finish_reason="abort", usage=usage)
+                    yield [TokenEvent(finish_reason="abort", usage=usage)]
                     return
                 raise
-            payloads = self._payloads(decoder, data)
-            for payload in payloads:
-                if payload == DONE:
-                    done = True
-                    break
-                chunk = self._decode(payload, sent)
-                usage = wire.usage_of(chunk) or usage
-                event = wire.chunk_event(chunk, chat)
-                if event is None:
-                    continue
-                if event.finish_reason:
-                    finish = event
-                    continue
-                sent += 1
-                yield event
+            batch = []
+            try:
+                for payload in self._payloads(decoder, data):
+                    if payload == DONE:
+                        done = True
+                        break
+                    chunk = self._decode(payload, sent)
+                    usage = wire.usage_of(chunk) or usage
+                    event = wire.chunk_event(chunk, chat)
+                    if event is None:
+                        continue
+                    if event.finish_reason:
+                        finish = event
+                        continue
+                    sent += 1
+                    batch.append(event)
+            except APIError:
+                if batch:  # the tokens before the error came first: they go out first
+                    yield batch
+                raise
+            if done:
+                if batch and not response.complete():  # the drain may wait: the text goes first
+                    yield batch
+                    batch = []
+                await self._drain(chunks)
+                batch.append(self._last(finish, usage, sent, request, ended_cleanly=True))
+                yield batch
+                return
+            if batch:
+                yield batch
             if data is None:
                 break
-        if done:
-            await self._drain(chunks)
-        yield self._last(finish, usage, sent, request, ended_cleanly=done)
+        yield [self._last(finish, usage, sent, request, ended_cleanly=False)]
 
     def _payloads(self, decoder: SSEDecoder, data: bytes | None) -> list[bytes]:
         try:
