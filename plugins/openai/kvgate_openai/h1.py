@@ -1,0 +1,539 @@
+"""A lean HTTP/1.1 client for plain-http upstreams: asyncio.Protocol + httptools' C parser.
+
+aiohttp was the largest single cost left on the gateway's hot path (~135 Python calls of the ~920
+per non-streamed request, ~270 of ~2,440 per streamed one: bench/request_cost.py), most of it
+generality we never use (cookies, redirects, payload registry, multidicts, compression, traces).
+This client does only what the `openai` backend needs: POST a body, read a streamed answer.
+`pool.ClientPool` sends plain `http://` requests without a proxy here and keeps aiohttp for
+https and proxies, so TLS and proxy behaviour stay aiohttp's.
+
+    H1Client.request ── slot (FIFO waiters) ── idle connection (LIFO) or a new one
+        │                                             │
+        └── H1Response <── _Connection(asyncio.Protocol) <── httptools.HttpResponseParser
+              aiter_bytes: every byte buffered so far in one piece
+
+Connections: at most `max_connections` in use (the rest wait, first come first served); idle ones
+are kept per (host, port), newest reused first, and closed after `keepalive_expiry_s` (0: one
+request per connection). A connection goes back to the pool only when its answer was read to the
+end and the answer allows reuse; an answer abandoned before its end closes its connection (that
+is how an upstream learns of an abort). A request sent on a reused connection that fails before
+any response byte (the upstream closed the idle connection as we reused it) is sent once more on
+a new one; a POST that never got a response byte was never run, so one retry is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+log = logging.getLogger("kvgate.openai")
+
+# Reading pauses when this much of an answer is buffered and unread, and resumes once the reader
+# takes it: an answer nobody reads cannot fill memory.
+HIGH_WATER = 256 * 1024
+# A host name's addresses are looked up (in a thread: getaddrinfo) at most this often.
+DNS_TTL_S = 10.0
+
+
+class UpstreamUnreachable(Exception):
+    """The request could not be sent or got no response: connect failed, connection dropped."""
+
+
+class StreamBroken(Exception):
+    """The response body broke off (reset, truncated, malformed framing)."""
+
+
+class _Dropped(Exception):
+    """The connection failed before any response byte: on a reused connection, the keep-alive race."""
+
+
+class Headers(dict):
+    """Response headers by lower-case name (the first of repeated ones); lookups ignore case."""
+
+    __slots__ = ()
+
+    def get(self, name: str, default=None):
+        return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name.lower())
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection; one request on it at a time. The parser calls back into it."""
+
+    __slots__ = ("client", "key", "transport", "parser", "reused", "once", "idle_since", "lost", "active",
+                 "headers", "status", "head_done", "framed", "done", "reusable", "error",
+                 "got_bytes", "buf", "size", "paused", "waiter")
+
+    def __init__(self, client: H1Client, key: tuple):
+        self.client = client
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.reused = False
+        self.once = False  # serves one request, then closes
+        self.idle_since = 0.0
+        self.lost = False
+        self.waiter: asyncio.Future | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """The state of one exchange."""
+        self.active = False  # a request is out and its answer not given back
+        self.headers = Headers()
+        self.status = 0
+        self.head_done = False  # the final (non-1xx) status line and headers are in
+        self.framed = False  # content-length or chunked: EOF before the end is a truncation
+        self.done = False  # the body ended: message complete, or EOF of a close-delimited body
+        self.reusable = False
+        self.error: str | None = None
+        self.got_bytes = False
+        self.buf: list[bytes] = []
+        self.size = 0
+        self.paused = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:  # bytes nobody asked for (an idle or abandoned connection)
+            self.close("unexpected data")
+            return
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except Exception as exc:  # httptools.HttpParserError, HttpParserUpgrade
+            self.close(f"bad response: {type(exc).__name__}")
+        if self.size > HIGH_WATER and not self.paused and not self.lost:
+            self.paused = True
+            self.transport.pause_reading()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def eof_received(self):
+        if self.active and self.head_done and not self.done and not self.framed:
+            self.done = True  # a close-delimited body (HTTP/1.0 style) ends here
+        return False  # close our side too
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self.active and not self.done and self.error is None:
+            self.error = type(exc).__name__ if exc is not None else (
+                "truncated body" if self.head_done else "ServerDisconnected")
+        self.client._forget(self)
+        self._wake()
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.done:  # a second answer to one request: never trust this connection again
+            self.reusable = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.head_done:  # after it: trailers, which we ignore
+            self.headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            self.headers = Headers()
+            return
+        self.status = status
+        self.head_done = True
+        headers = self.headers
+        self.framed = "content-length" in headers or "chunked" in dict.get(headers, "transfer-encoding", "").lower()
+
+    def on_body(self, body: bytes) -> None:
+        self.buf.append(body)
+        self.size += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done and not self.done:  # not the end of an interim answer
+            self.done = True
+            self.reusable = self.parser.should_keep_alive()
+
+    # -- the client's side -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until the next bytes, the end, or a failure."""
+        self.waiter = waiter = self.client._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def send(self, payload: bytes) -> None:
+        self.active = True
+        self.transport.write(payload)
+
+    async def read_head(self) -> None:
+        while not self.head_done:
+            if self.error is not None:
+                if not self.got_bytes:
+                    raise _Dropped(self.error)
+                raise UpstreamUnreachable(self.error)
+            await self.wait()
+
+    def take(self) -> bytes:
+        """Every byte buffered so far, in one piece."""
+        buf = self.buf
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        self.buf = []
+        self.size = 0
+        if self.paused:
+            self.paused = False
+            if not self.lost:
+                self.transport.resume_reading()
+        return data
+
+    def close(self, why: str = "closed") -> None:
+        if self.active and not self.done and self.error is None:
+            self.error = why
+        if not self.lost:
+            self.lost = True
+            self.transport.close()
+            self.client._forget(self)
+        self._wake()
+
+
+class H1Response:
+    """A streamed upstream answer: the interface of pool.UpstreamResponse."""
+
+    __slots__ = ("status_code", "headers", "_conn", "_client", "_ended")
+
+    def __init__(self, client: H1Client, conn: _Connection):
+        self._client = client
+        self._conn: _Connection | None = conn
+        self._ended = False
+        self.status_code = conn.status
+        self.headers = conn.headers
+
+    def complete(self) -> bool:
+        """The whole body has arrived (reading it cannot wait)."""
+        conn = self._conn
+        return conn is None or conn.done or conn.error is not None
+
+    async def aiter_bytes(self):
+        # `self._conn` is read anew at every step: once given back, the connection may carry
+        # another request, and an `aclose` from another task gives it back.
+        while True:
+            conn = self._conn
+            if conn is None:
+                if self._ended:
+                    return
+                raise StreamBroken("closed")
+            if conn.buf:
+                yield conn.take()
+            elif conn.done:
+                self._ended = True
+                self._give_back()
+                return
+            elif conn.error is not None:
+                self._give_back()
+                raise StreamBroken(conn.error)
+            else:
+                await conn.wait()
+
+    def _give_back(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._client._give_back(conn)
+
+    async def aclose(self) -> None:
+        """Give the connection back when the body was read to its end; otherwise close it, which
+        is also how an upstream learns that a request was aborted."""
+        self._give_back()
+
+
+class _Target:
+    """What a URL resolves to, worked out once per URL string."""
+
+    __slots__ = ("key", "host", "port", "heads", "_path", "_host_header")
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.username is not None or not parts.hostname:
+            raise ValueError(f"not a plain http URL: {url}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.key = (self.host, self.port)
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._host_header = host if self.port == 80 else f"{host}:{self.port}"
+        self.heads: dict[str, bytes] = {}
+
+    def head(self, method: str, fixed: bytes) -> bytes:
+        """The request line, Host and the pool's own headers (`fixed`), per method."""
+        head = self.heads.get(method)
+        if head is None:
+            head = self.heads[method] = (
+                f"{method} {self._path} HTTP/1.1\r\nhost: {self._host_header}\r\n".encode() + fixed)
+        return head
+
+
+def plain_http(url: str) -> bool:
+    """Whether `H1Client` can send to this URL (plain http, no credentials in it)."""
+    try:
+        _Target(url)
+    except ValueError:
+        return False
+    return True
+
+
+class H1Client:
+    """A keep-alive pool of HTTP/1.1 connections to plain-http upstreams."""
+
+    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict):
+        self.max_connections = max_connections
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self.connect_s = connect_s
+        self.reuse_retries = 0
+        self.new_connections = 0
+        fixed = "".join(f"{_valid(k)}: {_valid(v)}\r\n" for k, v in headers.items())
+        if keepalive_expiry_s <= 0:
+            fixed += "connection: close\r\n"  # the upstream closes first: no idle sockets either side
+        self._fixed = fixed.encode()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._targets: dict[str, _Target] = {}
+        self._in_use = 0  # slots taken: requests with a connection (or about to open one)
+        self._waiters: deque[asyncio.Future] = deque()
+        self._idle: dict[tuple, list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._addresses: dict[tuple, tuple[float, list]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def request(self, method: str, url: str, content: bytes, headers: dict) -> H1Response:
+        """Send and wait for the answer's status and headers. Not for HEAD requests (the
+        parser, not knowing the method, would wait for a body)."""
+        if self._closed:
+            raise UpstreamUnreachable("the client is closed")
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = _Target(url)
+        payload = target.head(method, self._fixed)
+        if headers:
+            payload += "".join(f"{_valid(k)}: {_valid(v)}\r\n" for k, v in headers.items()).encode()
+        payload += b"content-length: %d\r\n\r\n%b" % (len(content), content)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        await self._acquire()
+        try:
+            reused = self._reuse(target.key)
+            if reused is not None:
+                try:
+                    return await self._exchange(reused, payload)
+                except _Dropped as exc:
+                    self.reuse_retries += 1
+                    log.info("%s: a reused connection closed under a request (%s); retrying on a new connection",
+                             url, exc)
+            conn = await self._connect(target)
+            # A retry's connection serves that request only (as aiohttp's retry session did): the
+            # upstream that closed one idle connection under us may be closing the others.
+            conn.once = reused is not None
+            try:
+                return await self._exchange(conn, payload)
+            except _Dropped as exc:  # a new connection failed: that is the upstream's doing
+                raise UpstreamUnreachable(str(exc)) from None
+        except BaseException:
+            self._release_slot()
+            raise
+
+    async def _exchange(self, conn: _Connection, payload: bytes) -> H1Response:
+        if conn.lost:
+            raise _Dropped("closed")
+        conn.send(payload)
+        try:
+            await conn.read_head()
+        except BaseException:  # failed, or cancelled (the caller's deadline): never reused
+            conn.close()
+            raise
+        return H1Response(self, conn)
+
+    # -- slots: at most max_connections requests hold a connection -------------------------
+
+    async def _acquire(self) -> None:
+        if self._in_use < self.max_connections and not self._waiters:
+            self._in_use += 1
+            return
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            # True: `_release_slot` handed its slot over (_in_use stays as it is); False: closed.
+            if not await waiter:
+                raise UpstreamUnreachable("the client is closed")
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self._release_slot()  # handed a slot just as it was cancelled: pass it on
+            else:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+            raise
+
+    def _release_slot(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self._in_use -= 1
+
+    def _give_back(self, conn: _Connection) -> None:
+        """The answer on `conn` is finished with: keep the connection for the next request when
+        it was read to its end and allows reuse, else close it; the slot goes to the next waiter."""
+        if (conn.done and conn.reusable and not conn.buf and not conn.lost and not conn.once
+                and not self._closed and self.keepalive_expiry_s > 0):
+            conn.reset()
+            conn.reused = True
+            conn.idle_since = self._loop.time()
+            idle = self._idle.get(conn.key)
+            if idle is None:
+                idle = self._idle[conn.key] = []
+            idle.append(conn)
+            if self._sweeper is None:
+                self._sweeper = self._loop.call_at(conn.idle_since + self.keepalive_expiry_s, self._sweep)
+        else:
+            conn.close()
+        self._release_slot()
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _reuse(self, key: tuple) -> _Connection | None:
+        """The newest idle connection to `key` that is still open and not expired."""
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        oldest = self._loop.time() - self.keepalive_expiry_s
+        while idle:
+            conn = idle.pop()
+            if conn.lost:
+                continue
+            if conn.idle_since < oldest:  # the rest are older still
+                conn.close()
+                for older in idle:
+                    older.close()
+                idle.clear()
+                return None
+            return conn
+        return None
+
+    def _sweep(self) -> None:
+        """Close the idle connections past their expiry, even when no request comes to reuse them."""
+        self._sweeper = None
+        oldest = self._loop.time() - self.keepalive_expiry_s
+        next_expiry = None
+        for idle in self._idle.values():
+            keep = [conn for conn in idle if not conn.lost and conn.idle_since >= oldest]
+            for conn in idle:
+                if conn.idle_since < oldest:
+                    conn.close()
+            idle[:] = keep
+            if keep:
+                first = keep[0].idle_since + self.keepalive_expiry_s
+                next_expiry = first if next_expiry is None else min(next_expiry, first)
+        if next_expiry is not None and not self._closed:
+            self._sweeper = self._loop.call_at(next_expiry, self._sweep)
+
+    async def _connect(self, target: _Target) -> _Connection:
+        self._make_room()
+        conn = _Connection(self, target.key)
+        try:
+            async with asyncio.timeout(self.connect_s):
+                await self._open_socket(conn, target)
+        except TimeoutError:
+            raise UpstreamUnreachable("ConnectionTimeoutError") from None
+        except OSError as exc:
+            raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from None
+        self._open.add(conn)
+        self.new_connections += 1
+        return conn
+
+    async def _open_socket(self, conn: _Connection, target: _Target) -> None:
+        error: OSError | None = None
+        for address in await self._resolve(target):
+            try:
+                await self._loop.create_connection(lambda: conn, address, target.port)
+                return
+            except OSError as exc:
+                error = exc
+        raise error or OSError(f"no address for {target.host}")
+
+    async def _resolve(self, target: _Target) -> list[str]:
+        """The host's addresses, from a cache: a host name costs a thread's getaddrinfo per
+        DNS_TTL_S, not per connection (aiohttp's DNS cache did the same)."""
+        now = self._loop.time()
+        cached = self._addresses.get(target.key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            ipaddress.ip_address(target.host)
+            addresses, expires = [target.host], float("inf")
+        except ValueError:
+            infos = await self._loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+            addresses = list(dict.fromkeys(info[4][0] for info in infos))
+            expires = now + DNS_TTL_S
+        self._addresses[target.key] = (expires, addresses)
+        return addresses
+
+    def _make_room(self) -> None:
+        """At most max_connections open in all: an idle connection to another host gives way."""
+        if len(self._open) < self.max_connections:
+            return
+        for idle in self._idle.values():
+            while idle:
+                idle.pop(0).close()
+                if len(self._open) < self.max_connections:
+                    return
+
+    def _forget(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    async def aclose(self) -> None:
+        """Close every connection; requests waiting for one fail."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for conn in list(self._open):
+            conn.close()
+        self._idle.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(False)
+        await asyncio.sleep(0)  # the transports close their sockets on the next loop pass
+
+
+def _valid(text: str) -> str:
+    """A header name or value as given; one that could split the request head is refused (as
+    aiohttp refuses it)."""
+    if "\n" in text or "\r" in text:
+        raise ValueError("Newline or carriage return character detected in HTTP header")
+    return text

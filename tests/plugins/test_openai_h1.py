@@ -1,0 +1,635 @@
+"""The `openai` backend's own HTTP/1.1 client (kvgate_openai/h1.py) against real servers on loopback.
+
+`Upstream` is an asyncio server in the test's own event loop, scripted per request: each test
+says what goes on the wire, byte for byte (framings, splits, interim answers, broken bodies,
+silence), and the server records what it received and when the client closed its connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+
+from kvgate_openai import h1
+from kvgate_openai.h1 import H1Client, StreamBroken, UpstreamUnreachable
+
+
+class Connection:
+    """What the server saw on one accepted connection."""
+
+    def __init__(self):
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
+        self.eof = asyncio.Event()  # the client closed it
+
+
+class Upstream:
+    """HTTP/1.1 on loopback. `answer(conn, head, body, reader, writer)` writes the answer and
+    returns whether to read another request from this connection."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.connections: list[Connection] = []
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1/completions"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _serve(self, reader, writer):
+        conn = Connection()
+        self.connections.append(conn)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    body = await reader.readexactly(_content_length(head))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    conn.eof.set()
+                    return
+                conn.requests.append((head, body))
+                if not await self.answer(conn, head, body, reader, writer):
+                    return
+        finally:
+            writer.close()
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def _headers(head: bytes) -> dict[str, str]:
+    lines = head.decode().split("\r\n")[1:]
+    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+
+
+def fixed(body: bytes, extra: bytes = b""):
+    """An answer with a content-length body (echoing nothing)."""
+    async def answer(conn, head, request_body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+                     + b"content-length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+        return True
+    return answer
+
+
+def client(**kw) -> H1Client:
+    kw = {"max_connections": 4, "keepalive_expiry_s": 4.0, "connect_s": 2.0,
+          "headers": {"content-type": "application/json"}, **kw}
+    return H1Client(kw.pop("max_connections"), kw.pop("keepalive_expiry_s"), **kw)
+
+
+async def read_all(response) -> bytes:
+    return b"".join([part async for part in response.aiter_bytes()])
+
+
+async def fetch(c: H1Client, url: str, body: bytes = b"{}", headers: dict | None = None) -> tuple[int, bytes]:
+    response = await c.request("POST", url, body, headers or {})
+    try:
+        return response.status_code, await read_all(response)
+    finally:
+        await response.aclose()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+# -- framings ----------------------------------------------------------------------------------
+
+def test_content_length_body_and_the_request_on_the_wire():
+    async def main():
+        async with Upstream(fixed(b'{"ok": true}', b"X-Thing: Yes\r\n")) as up:
+            c = client(headers={"content-type": "application/json", "authorization": "Bearer k"})
+            response = await c.request("POST", up.url, b'{"a": 1}', {"traceparent": "00-abc-01"})
+            assert response.status_code == 200
+            assert response.headers.get("X-THING") == "Yes" and response.headers["content-type"] == "application/json"
+            assert await read_all(response) == b'{"ok": true}' and response.complete()
+            await response.aclose()
+            [conn] = up.connections
+            [(head, body)] = conn.requests
+            assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n") and body == b'{"a": 1}'
+            assert _headers(head) == {"host": f"127.0.0.1:{up.port}", "content-type": "application/json",
+                                      "authorization": "Bearer k", "traceparent": "00-abc-01",
+                                      "content-length": "8"}
+            await c.aclose()
+    run(main())
+
+
+def test_chunked_body_with_an_extension_and_trailers():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n"
+                     b"5;name=value\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nx-checksum: 42\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            for _ in range(2):  # the second on the same connection: the trailers were consumed
+                assert await fetch(c, up.url) == (200, b"hello world")
+            assert len(up.connections) == 1
+            response = await c.request("POST", up.url, b"", {})
+            await read_all(response)
+            assert "x-checksum" not in response.headers  # a trailer is not a header
+            await response.aclose()
+            await c.aclose()
+    run(main())
+
+
+def test_a_close_delimited_body_ends_at_eof_and_its_connection_is_not_reused():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the ")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"end")
+        return False  # _serve closes the connection
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            assert await fetch(c, up.url) == (200, b"until the end")
+            assert await fetch(c, up.url) == (200, b"until the end")
+            assert len(up.connections) == 2 and c.open_connections == 0
+            await c.aclose()
+    run(main())
+
+
+def test_a_chunked_answer_split_at_every_byte_boundary():
+    wire = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"7\r\ndata: 1\r\n8\r\n\n\ndata: \r\n3\r\n2\n\n\r\n0\r\n\r\n")
+    splits = iter(range(1, len(wire)))
+
+    async def answer(conn, head, body, reader, writer):
+        at = next(splits)
+        writer.write(wire[:at])
+        await writer.drain()
+        await asyncio.sleep(0.002)  # two segments on the wire
+        writer.write(wire[at:])
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            for _ in range(len(wire) - 1):
+                assert await fetch(c, up.url) == (200, b"data: 1\n\ndata: 2\n\n")
+            assert len(up.connections) == 1  # every answer was read to its end and reused
+            await c.aclose()
+    run(main())
+
+
+def test_interim_answers_are_skipped():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n"
+                     b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            assert response.status_code == 201 and "link" not in response.headers
+            assert await read_all(response) == b"ok"
+            await response.aclose()
+            assert await fetch(c, up.url) == (201, b"ok")
+            assert len(up.connections) == 1
+            await c.aclose()
+    run(main())
+
+
+def test_an_error_status_is_an_answer_like_any_other():
+    async def main():
+        async with Upstream(fixed(b'{"error": "nope"}')) as up:
+            async def answer(conn, head, body, reader, writer):
+                writer.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\ncontent-length: 4\r\n\r\nslow")
+                return True
+            up.answer = answer
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            assert response.status_code == 429 and response.headers.get("retry-after") == "3"
+            await response.aclose()
+            await c.aclose()
+    run(main())
+
+
+# -- keep-alive --------------------------------------------------------------------------------
+
+def test_sequential_requests_share_one_connection():
+    async def main():
+        async with Upstream(fixed(b"x" * 100)) as up:
+            c = client()
+            for _ in range(20):
+                assert await fetch(c, up.url) == (200, b"x" * 100)
+            assert len(up.connections) == 1 and len(up.connections[0].requests) == 20
+            assert c.new_connections == 1 and c.reuse_retries == 0
+            await c.aclose()
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # aclose closed it
+    run(main())
+
+
+def test_idle_connections_expire_even_without_another_request():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(keepalive_expiry_s=0.1)
+            await fetch(c, up.url)
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed by the sweep
+            await fetch(c, up.url)
+            assert len(up.connections) == 2 and c.reuse_retries == 0
+            await c.aclose()
+    run(main())
+
+
+def test_no_keep_alive_asks_the_upstream_to_close():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(keepalive_expiry_s=0)
+            for _ in range(3):
+                assert await fetch(c, up.url) == (200, b"ok")
+            assert len(up.connections) == 3
+            assert all(_headers(conn.requests[0][0])["connection"] == "close" for conn in up.connections)
+            await c.aclose()
+    run(main())
+
+
+def test_connection_close_from_the_upstream_is_honoured():
+    async def main():
+        # The server says `connection: close` but keeps the socket open: we must close it.
+        async with Upstream(fixed(b"ok", b"Connection: close\r\n")) as up:
+            c = client()
+            assert await fetch(c, up.url) == (200, b"ok")
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+            assert await fetch(c, up.url) == (200, b"ok")
+            assert len(up.connections) == 2
+            await c.aclose()
+    run(main())
+
+
+def test_http_1_0_without_keep_alive_is_not_reused():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            await fetch(c, up.url)
+            await fetch(c, up.url)
+            assert len(up.connections) == 2
+            await c.aclose()
+    run(main())
+
+
+def _drop_reused(how: str):
+    """Serve the first request of each connection; close the connection when another arrives."""
+    async def answer(conn, head, body, reader, writer):
+        if len(conn.requests) > 1:
+            if how == "rst":
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return False
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+    return answer
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+def test_a_request_a_reused_connection_dropped_is_sent_once_more_on_a_new_one(how):
+    async def main():
+        async with Upstream(_drop_reused(how)) as up:
+            c = client()
+            for _ in range(3):
+                assert await fetch(c, up.url) == (200, b"ok")
+            # 1 on A; 2 dropped by A, sent again on B, which serves that one request only (the
+            # upstream may be closing its other idle connections too); 3 on a new C.
+            assert c.reuse_retries == 1 and len(up.connections) == 3
+            assert len(up.connections[1].requests) == 1 and up.connections[1].eof.is_set()
+            await c.aclose()
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+def test_a_new_connection_that_drops_the_request_is_not_retried(how):
+    async def answer(conn, head, body, reader, writer):
+        if how == "rst":
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return False
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            with pytest.raises(UpstreamUnreachable):
+                await c.request("POST", up.url, b"", {})
+            assert len(up.connections) == 1 and c.reuse_retries == 0
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+async def _slots_free(c: H1Client) -> bool:
+    await asyncio.sleep(0)
+    return c._in_use == 0 and not c._waiters
+
+
+# -- the pool's limit --------------------------------------------------------------------------
+
+def test_requests_beyond_the_limit_wait_in_order_and_a_cancelled_waiter_takes_no_slot():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(max_connections=2)
+            held = [await c.request("POST", up.url, b"", {}) for _ in range(2)]
+            order = []
+
+            async def wait_turn(name):
+                response = await c.request("POST", up.url, b"", {})
+                order.append(name)
+                return response
+
+            tasks = {name: asyncio.create_task(wait_turn(name)) for name in "abcd"}
+            await asyncio.sleep(0.05)
+            assert not order and len(c._waiters) == 4
+            tasks["b"].cancel()
+            await asyncio.sleep(0)
+            assert len(c._waiters) == 3  # the cancelled one is gone from the queue
+            for response in held:
+                await read_all(response)
+                await response.aclose()
+            await asyncio.sleep(0.05)
+            assert order == ["a", "c"]  # first come, first served; b never got a slot
+            await read_all(tasks["a"].result())
+            await tasks["a"].result().aclose()
+            await asyncio.sleep(0.05)
+            assert order == ["a", "c", "d"]
+            for name in "cd":
+                await tasks[name].result().aclose()
+            assert len(up.connections) == 2  # never more than the limit
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_a_waiter_handed_a_slot_as_it_is_cancelled_passes_the_slot_on():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(max_connections=1)
+            held = await c.request("POST", up.url, b"", {})
+            first = asyncio.create_task(c.request("POST", up.url, b"", {}))
+            second = asyncio.create_task(c.request("POST", up.url, b"", {}))
+            await asyncio.sleep(0.01)
+            await read_all(held)
+            await held.aclose()  # hands the slot to `first`, which has not run yet
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            response = await asyncio.wait_for(second, 2)  # so the slot went on to `second`
+            await read_all(response)
+            await response.aclose()
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_the_limit_counts_idle_connections_to_other_hosts():
+    async def main():
+        async with Upstream(fixed(b"one")) as one, Upstream(fixed(b"two")) as two:
+            c = client(max_connections=1)
+            assert await fetch(c, one.url) == (200, b"one")
+            assert await fetch(c, two.url) == (200, b"two")
+            await asyncio.wait_for(one.connections[0].eof.wait(), 2)  # made room for `two`
+            assert c.open_connections == 1
+            await c.aclose()
+    run(main())
+
+
+# -- aborts and failures -----------------------------------------------------------------------
+
+def _partial(sent: bytes, promised: int, then: str):
+    """Headers promising `promised` bytes, `sent` of them, then: "wait" (for the client to close),
+    "close" (a truncation), or "rst"."""
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (promised, sent))
+        await writer.drain()
+        if then == "wait":
+            if await reader.read() == b"":
+                conn.eof.set()
+        elif then == "rst":
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return False
+    return answer
+
+
+def test_closing_an_answer_before_its_end_closes_the_connection():
+    async def main():
+        async with Upstream(_partial(b"part", 1000, "wait")) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            chunks = response.aiter_bytes()
+            assert await anext(chunks) == b"part"
+            await response.aclose()
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # the upstream sees the abort
+            with pytest.raises(StreamBroken):
+                await anext(chunks)
+            assert await _slots_free(c) and c.open_connections == 0
+            await c.aclose()
+    run(main())
+
+
+def test_closing_from_another_task_wakes_the_reader():
+    async def main():
+        async with Upstream(_partial(b"part", 1000, "wait")) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+
+            async def reader():
+                return [part async for part in response.aiter_bytes()]
+            task = asyncio.create_task(reader())
+            await asyncio.sleep(0.05)
+            await response.aclose()
+            with pytest.raises(StreamBroken):
+                await asyncio.wait_for(task, 2)
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+            await c.aclose()
+    run(main())
+
+
+@pytest.mark.parametrize("then", ["close", "rst"])
+def test_a_body_cut_short_is_a_broken_stream(then):
+    async def main():
+        async with Upstream(_partial(b"part", 1000, then)) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            with pytest.raises(StreamBroken):
+                await read_all(response)
+            await response.aclose()
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_bad_chunked_framing_is_a_broken_stream_and_the_connection_is_not_reused():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            with pytest.raises(StreamBroken):
+                await read_all(response)
+            await response.aclose()
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+            await c.aclose()
+    run(main())
+
+
+def test_a_garbled_status_line_is_unreachable():
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"SPDY/9 what\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            with pytest.raises(UpstreamUnreachable):
+                await c.request("POST", up.url, b"", {})
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_the_callers_deadline_ends_a_silent_upstream_and_its_connection_is_not_reused():
+    async def answer(conn, head, body, reader, writer):
+        if len(up.connections) == 1:
+            if await reader.read() == b"":  # silence, until the client gives up
+                conn.eof.set()
+            return False
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        return True
+
+    async def main():
+        nonlocal up
+        async with Upstream(answer) as up:
+            c = client(max_connections=1)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await c.request("POST", up.url, b"", {})
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+            assert await fetch(c, up.url) == (200, b"ok")  # the slot came back; a new connection
+            assert len(up.connections) == 2
+            await c.aclose()
+    up = None
+    run(main())
+
+
+def test_a_refused_connection_is_unreachable():
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # bound, not listening: connections are refused
+            c = client()
+            with pytest.raises(UpstreamUnreachable, match="ConnectionRefused"):
+                await c.request("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_a_host_name_is_resolved_and_sent_in_the_host_header():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client()
+            url = up.url.replace("127.0.0.1", "localhost")
+            assert await fetch(c, url) == (200, b"ok")
+            assert _headers(up.connections[-1].requests[0][0])["host"] == f"localhost:{up.port}"
+            await c.aclose()
+    run(main())
+
+
+def test_a_header_that_could_split_the_request_is_refused():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client()
+            with pytest.raises(ValueError):
+                await c.request("POST", up.url, b"", {"tracestate": "a\r\nx-injected: 1"})
+            assert up.connections == [] and await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+# -- back-pressure -----------------------------------------------------------------------------
+
+def test_an_answer_nobody_reads_is_not_buffered_without_bound():
+    size = 16 * 1024 * 1024
+
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        block = b"z" * (1024 * 1024)
+        for _ in range(size // len(block)):
+            writer.write(block)
+            await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"", {})
+            await asyncio.sleep(0.5)  # the server writes as fast as we let it
+            conn = response._conn
+            assert conn.paused and not conn.transport.is_reading()
+            assert conn.size < h1.HIGH_WATER + 1024 * 1024
+            total = 0
+            async for part in response.aiter_bytes():
+                total += len(part)
+            assert total == size
+            await response.aclose()
+            assert await fetch(c, up.url, b"") and len(up.connections) == 1  # read to the end: reused
+            await c.aclose()
+    run(main())
+
+
+# -- the client's end --------------------------------------------------------------------------
+
+def test_closing_the_client_closes_every_connection_and_fails_waiters():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(max_connections=3)
+            responses = [await c.request("POST", up.url, b"", {}) for _ in range(3)]
+            for response in responses[:2]:  # two idle, one in use
+                await read_all(response)
+                await response.aclose()
+            await c.aclose()
+            for conn in up.connections:
+                await asyncio.wait_for(conn.eof.wait(), 2)
+            assert len(up.connections) == 3
+            assert await read_all(responses[2]) == b"ok"  # it had arrived whole before the close
+            await responses[2].aclose()
+            with pytest.raises(UpstreamUnreachable):
+                await c.request("POST", up.url, b"", {})
+
+            c = client(max_connections=1)
+            held = await c.request("POST", up.url, b"", {})
+            waiter = asyncio.create_task(c.request("POST", up.url, b"", {}))
+            await asyncio.sleep(0.01)
+            await c.aclose()
+            with pytest.raises(UpstreamUnreachable):
+                await waiter
+            await held.aclose()
+    run(main())
