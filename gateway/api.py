@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from gateway import fastjson
 from gateway.admission import Ticket
-from gateway.asgi import EventStreamResponse, run_until_disconnect
+from gateway.asgi import EventStreamResponse, run_until_disconnect, watch_disconnect
 from gateway.auth import ApiKey
 from gateway.choices import OpenChoice, choice_requests, merged_events, open_choices
 from gateway.config import SlaClass
@@ -121,19 +121,23 @@ async def _serve(request: Request, parse, id_prefix: str):
     opening = open_choices(registry, pool, requests, ticket, recorder)
     if not parsed.stream:
         return await _answer_whole(request, recorder, parsed, shape, opening)
+    # Watch the client from the start: one that leaves while queued, or before the first token,
+    # frees its queue slot and aborts its backend work now, not when a token comes. The same
+    # watcher then serves the stream.
+    watcher = watch_disconnect(request.receive)
     try:
-        # Watch the client from the start: one that leaves while queued, or before the first
-        # token, frees its queue slot and aborts its backend work now, not when a token comes.
         opened, choices = await run_until_disconnect(request.receive, opening,
-                                                     orphan=lambda late: _release(recorder, late))
+                                                     orphan=lambda late: _release(recorder, late), watcher=watcher)
     except BaseException as exc:
+        watcher.cancel()
         _finish_failed(recorder, exc)
         raise
     if not opened:
+        watcher.cancel()
         recorder.finish(CLIENT_CLOSED, None)
         return JSONResponse({}, status_code=CLIENT_CLOSED)
     return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
-                               finalizer=lambda: _release(recorder, choices))
+                               finalizer=lambda: _release_pending(recorder, choices), watcher=watcher)
 
 
 async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
@@ -158,8 +162,9 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         _finish_failed(recorder, exc)
         raise
     finally:
-        if not (recorder.done and all(c.closed for c in choices)):  # else a no-op: no task for it
-            await asyncio.shield(_release(recorder, choices))  # also when _collect never got to start
+        pending = _release_pending(recorder, choices)  # also when _collect never got to start
+        if pending is not None:
+            await asyncio.shield(pending)
     return FastJSONResponse(body) if finished else JSONResponse({}, status_code=CLIENT_CLOSED)
 
 
@@ -168,6 +173,13 @@ def _finish_failed(recorder: RequestRecorder, exc: BaseException) -> None:
         recorder.finish(exc.status, None, error=exc.message)
     else:
         recorder.finish(CLIENT_CLOSED, None)
+
+
+def _release_pending(recorder: RequestRecorder, choices: list[OpenChoice]):
+    """`_release(...)` when something is left to release, else None (the usual end: no task)."""
+    if recorder.done and all(c.closed for c in choices):
+        return None
+    return _release(recorder, choices)
 
 
 async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None:

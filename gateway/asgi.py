@@ -62,14 +62,25 @@ async def wait_for_disconnect(receive) -> None:
             return
 
 
-async def run_until_disconnect(receive, work: Awaitable, orphan: Callable[[object], Awaitable] | None = None):
+def watch_disconnect(receive) -> asyncio.Task:
+    """A task that ends when the client disconnects: one can serve several `run_until_disconnect`
+    calls of one request (a stream's opening, then its body), cancelled by whoever made it."""
+    return asyncio.create_task(wait_for_disconnect(receive))
+
+
+async def run_until_disconnect(receive, work: Awaitable, orphan: Callable[[object], Awaitable] | None = None,
+                               watcher: asyncio.Task | None = None):
     """Run `work`; if the client disconnects first, cancel it (its cleanup aborts backends).
+    `watcher`: a `watch_disconnect` task to reuse (the caller cancels it); by default one is
+    made and cancelled here.
 
     Cancelling does not always stop work: code that swallows the cancellation (asyncio.wait_for
     returning a result that was ready at that moment) can finish anyway. Such a result is handed
     to `orphan`, so what it holds is released. Returns (finished, result)."""
     work_task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(wait_for_disconnect(receive))
+    own_watcher = watcher is None
+    if own_watcher:
+        watcher = watch_disconnect(receive)
     try:
         await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -78,7 +89,8 @@ async def run_until_disconnect(receive, work: Awaitable, orphan: Callable[[objec
         await _stop(work_task, orphan)
         raise
     finally:
-        watcher.cancel()
+        if own_watcher:
+            watcher.cancel()
     if work_task.done():
         return True, work_task.result()
     await _stop(work_task, orphan)
@@ -100,13 +112,16 @@ class EventStreamResponse:
     """
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 tracker: set | None = None, finalizer: Callable[[], Awaitable] | None = None):
+                 tracker: set | None = None, finalizer: Callable[[], Awaitable | None] | None = None,
+                 watcher: asyncio.Task | None = None):
         self.chunks = chunks
         self.headers = {"content-type": "text/event-stream", "cache-control": "no-cache", **(headers or {})}
         self.tracker = tracker  # the tasks serving streams: shutdown waits for their last words
         # Runs whatever happened: a producer cancelled before its first step never runs its own
-        # `finally`, so what it holds (backend slots) must be freed from here too.
+        # `finally`, so what it holds (backend slots) must be freed from here too. It returns
+        # None when nothing is left to free (no shielded task for that, the usual case).
         self.finalizer = finalizer
+        self.watcher = watcher  # the request's disconnect watcher, if it has one already: ours now
 
     async def __call__(self, scope, receive, send):
         task = asyncio.current_task()
@@ -115,27 +130,32 @@ class EventStreamResponse:
         try:
             await self._serve(receive, send)
         finally:
+            if self.watcher is not None:
+                self.watcher.cancel()
             if self.tracker is not None:
                 self.tracker.discard(task)
-            if self.finalizer is not None:
-                await asyncio.shield(self.finalizer())
+            pending = self.finalizer() if self.finalizer is not None else None
+            if pending is not None:
+                await asyncio.shield(pending)
 
     async def _serve(self, receive, send):
         raw_headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
 
         async def pump():
-            writes = coalesced(self.chunks)
+            writes = coalesced_until_end(self.chunks)
             try:
-                async for body in writes:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                last = False
+                async for body, last in writes:  # the last write ends the body: one send less
+                    await send({"type": "http.response.body", "body": body, "more_body": not last})
+                if not last:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 await writes.aclose()  # stops its producer now, not when the generator is collected
                 await self.chunks.aclose()
 
         try:
-            finished, _ = await run_until_disconnect(receive, pump())
+            finished, _ = await run_until_disconnect(receive, pump(), watcher=self.watcher)
         except OSError:
             finished = False  # the socket died under a write: the same as a disconnect
         except asyncio.CancelledError:
@@ -150,7 +170,21 @@ COALESCE_MAX_BYTES = 64 * 1024
 
 
 async def coalesced(chunks: AsyncIterator[bytes], max_bytes: int = COALESCE_MAX_BYTES) -> AsyncIterator[bytes]:
-    """The chunks, each write carrying every chunk made while the last one was being sent.
+    """The chunks, each write carrying every chunk made while the last one was being sent
+    (`coalesced_until_end` without its marks)."""
+    writes = coalesced_until_end(chunks, max_bytes)
+    try:
+        async for body, _ in writes:
+            yield body
+    finally:
+        await writes.aclose()
+
+
+async def coalesced_until_end(chunks: AsyncIterator[bytes],
+                              max_bytes: int = COALESCE_MAX_BYTES) -> AsyncIterator[tuple[bytes, bool]]:
+    """(write, whether it is the last) pairs: each write carries every chunk made while the last
+    one was being sent. A write is known to be the last when the producer had ended before it
+    was handed on; otherwise the stream ends with no last-marked write.
 
     A producer task reads `chunks` into a buffer; this generator hands the buffer on, joined,
     whenever it is not empty. When one read from a backend holds several events, or the
@@ -188,7 +222,8 @@ async def coalesced(chunks: AsyncIterator[bytes], max_bytes: int = COALESCE_MAX_
                 buffer.clear()
                 buffered = 0
                 room.set()
-                yield body
+                last = finished and producer.done() and not producer.cancelled() and producer.exception() is None
+                yield body, last
         await producer  # raises what the producer raised
     finally:
         if not producer.done():

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from gateway.asgi import coalesced
+from gateway.asgi import EventStreamResponse, coalesced, coalesced_until_end
 
 
 async def collect(chunks, **kwargs):
@@ -95,3 +95,77 @@ def test_closing_the_writes_stops_the_producer_and_runs_its_cleanup():
         return cleaned.is_set()
 
     assert asyncio.run(main())
+
+
+# -- the last write ends the body (coalesced_until_end, EventStreamResponse) ---------------------
+
+async def marked(chunks):
+    return [pair async for pair in coalesced_until_end(chunks)]
+
+
+def test_a_write_made_after_the_producer_ended_is_marked_last():
+    assert asyncio.run(marked(ready_at_once(3))) == [(b"0,1,2,", True)]
+
+
+def test_a_write_the_producer_may_still_follow_is_not_marked_last():
+    async def main():
+        release = asyncio.Event()
+
+        async def slow():
+            yield b"first"
+            await release.wait()
+            yield b"second"
+
+        writes = coalesced_until_end(slow())
+        first = await anext(writes)
+        release.set()
+        return [first] + [pair async for pair in writes]
+
+    assert asyncio.run(main()) == [(b"first", False), (b"second", True)]
+
+
+def test_no_write_is_marked_last_when_the_producer_fails():
+    async def failing():
+        yield b"a"
+        raise RuntimeError("upstream broke")
+
+    async def main():
+        got = []
+        with pytest.raises(RuntimeError):
+            async for pair in coalesced_until_end(failing()):
+                got.append(pair)
+        return got
+
+    assert asyncio.run(main()) == [(b"a", False)]
+
+
+def _asgi_messages(chunks) -> list[dict]:
+    """What an EventStreamResponse sends, through the ASGI interface alone."""
+    sent: list[dict] = []
+
+    async def main():
+        async def receive():
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        await EventStreamResponse(chunks)({"type": "http"}, receive, send)
+
+    asyncio.run(main())
+    return sent
+
+
+def test_a_stream_ready_at_its_end_ends_with_its_last_write():
+    sent = _asgi_messages(ready_at_once(3))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1] == {"type": "http.response.body", "body": b"0,1,2,", "more_body": False}
+
+
+def test_a_stream_that_ends_after_its_last_write_ends_with_an_empty_one():
+    async def then_nothing():
+        yield b"data"
+        await asyncio.sleep(0.01)  # the write went out before the end was known
+
+    sent = _asgi_messages(then_nothing())
+    assert [(m.get("body"), m.get("more_body")) for m in sent[1:]] == [(b"data", True), (b"", False)]
