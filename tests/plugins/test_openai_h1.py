@@ -3,6 +3,8 @@
 `Upstream` is an asyncio server in the test's own event loop, scripted per request: each test
 says what goes on the wire, byte for byte (framings, splits, interim answers, broken bodies,
 silence), and the server records what it received and when the client closed its connections.
+The last tests check that `ClientPool` sends plain http here and keeps aiohttp for https and
+for proxies.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from kvgate_openai import h1
 from kvgate_openai.h1 import H1Client, StreamBroken, UpstreamUnreachable
+from kvgate_openai.pool import ClientPool
 
 
 class Connection:
@@ -632,4 +635,66 @@ def test_closing_the_client_closes_every_connection_and_fails_waiters():
             with pytest.raises(UpstreamUnreachable):
                 await waiter
             await held.aclose()
+    run(main())
+
+
+# -- which client ClientPool uses --------------------------------------------------------------
+
+def _pool(**kw) -> ClientPool:
+    return ClientPool(4, 4.0, headers={"content-type": "application/json"}, connect_s=2.0, **kw)
+
+
+def test_the_pool_sends_plain_http_through_h1():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            pool = _pool()
+            response = await pool.send("POST", up.url, content=b"{}", headers={})
+            assert isinstance(response, h1.H1Response)
+            assert [p async for p in response.aiter_bytes()] == [b"ok"]
+            await response.aclose()
+            assert pool._session is None  # aiohttp never started
+            await pool.aclose()
+    run(main())
+
+
+def test_the_pool_keeps_aiohttp_for_https():
+    """The 'https' upstream is a plain TCP server: what it receives first is a TLS ClientHello
+    (record type 0x16), which only the aiohttp path sends."""
+    async def main():
+        hello = asyncio.get_running_loop().create_future()
+
+        async def tls_listener(reader, writer):
+            hello.set_result(await reader.read(3))
+            writer.close()
+
+        server = await asyncio.start_server(tls_listener, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = _pool()
+        with pytest.raises(Exception):
+            await pool.send("POST", f"https://127.0.0.1:{port}/v1/completions", content=b"{}", headers={})
+        assert (await hello)[:2] == b"\x16\x03"
+        assert pool._h1 is None or pool._h1.new_connections == 0
+        await pool.aclose()
+        server.close()
+    run(main())
+
+
+def test_the_pool_keeps_aiohttp_when_a_proxy_applies(monkeypatch):
+    """HTTP_PROXY names a server that records the request line: a proxy receives the absolute
+    URL (aiohttp's proxy path); the h1 client would have tried to resolve the name."""
+    async def main():
+        async with Upstream(fixed(b"via proxy")) as proxy:
+            monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+            monkeypatch.delenv("NO_PROXY", raising=False)
+            monkeypatch.delenv("no_proxy", raising=False)
+            pool = _pool()
+            response = await pool.send("POST", "http://upstream.invalid:9/v1/completions", content=b"{}",
+                                       headers={})
+            assert not isinstance(response, h1.H1Response)
+            assert b"".join([p async for p in response.aiter_bytes()]) == b"via proxy"
+            await response.aclose()
+            head = proxy.connections[0].requests[0][0]
+            assert head.startswith(b"POST http://upstream.invalid:9/v1/completions HTTP/1.1")
+            assert pool._h1 is None or pool._h1.new_connections == 0
+            await pool.aclose()
     run(main())

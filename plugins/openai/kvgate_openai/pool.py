@@ -1,17 +1,21 @@
-"""The upstream connection pool: aiohttp for generation requests, httpx for metrics scrapes.
+"""The upstream connection pool: our own HTTP/1.1 client (h1.py) for generation requests to
+plain-http upstreams, aiohttp for https and proxied ones, httpx for metrics scrapes.
 
 Generation requests are the gateway's hot path, and the HTTP client was its largest cost: httpx
 (with httpcore, h11 and anyio under it) ran ~3,500 Python calls per 16-chunk streamed request,
 aiohttp (C HTTP parser) ~600, and spent a third of the CPU time (`bench/upstream_overhead.py`,
-measured in the closing note of issue 18). Scrapes of the upstream's /metrics are rare and stay
-on httpx, whose API the load tracker was written against.
+measured in the closing note of issue 18); aiohttp was then still the largest single cost, and
+h1.py does the same work in a fraction of the calls. https and proxies (HTTP(S)_PROXY) stay on
+aiohttp, whose TLS and proxy handling h1.py does not repeat; the choice is made once per URL.
+Scrapes of the upstream's /metrics are rare and stay on httpx, whose API the load tracker was
+written against.
 
 Idle connections expire after `keepalive_expiry_s`, set below the keep-alive timeouts of common
 upstreams (uvicorn, which serves vLLM, SGLang and trtllm-serve, closes idle connections after
 5 s): a connection the upstream is about to close is rarely reused. The rare one that is still
 reused at the very moment the upstream closes it fails before any response byte; such a request
 is sent once more on `fresh`, a session that keeps no idle connections, so the retry always opens
-a new one. (aiohttp retries a dropped reused connection only for idempotent methods; our
+a new one (h1.py does the same on its own). (aiohttp retries a dropped reused connection only for idempotent methods; our
 requests are POSTs, and a POST that never got a response byte was never run, so one retry is safe.)
 """
 
@@ -26,15 +30,12 @@ import httpx
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
+from kvgate_openai import h1
+from kvgate_openai.h1 import StreamBroken, UpstreamUnreachable  # what both clients raise
+
+__all__ = ["ClientPool", "StreamBroken", "UpstreamResponse", "UpstreamUnreachable"]
+
 log = logging.getLogger("kvgate.openai")
-
-
-class UpstreamUnreachable(Exception):
-    """The request could not be sent or got no response: connect failed, connection dropped."""
-
-
-class StreamBroken(Exception):
-    """The response body broke off (reset, truncated, malformed framing)."""
 
 
 # How a connection that the upstream closed under our request fails before any response byte:
@@ -59,7 +60,8 @@ class _Connector(aiohttp.TCPConnector):
 
 
 class UpstreamResponse:
-    """A streamed upstream response, with the few parts the backend reads."""
+    """A streamed upstream response from aiohttp, with the few parts the backend reads
+    (h1.H1Response has the same)."""
 
     __slots__ = ("_raw", "status_code", "headers")
 
@@ -93,7 +95,7 @@ class ClientPool:
                  connect_s: float, scrape_timeout_s: float = 5.0):
         self.max_connections = max_connections
         self.in_flight = 0
-        self.reuse_retries = 0
+        self._aiohttp_retries = 0
         self._tls = _tls_context()
         self._headers = headers
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
@@ -101,6 +103,8 @@ class ClientPool:
         self._session: aiohttp.ClientSession | None = None
         self._proxies: dict[str, str | None] = {}
         self._fresh: aiohttp.ClientSession | None = None
+        self._h1 = h1.H1Client(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers)
+        self._plain: dict[str, bool] = {}  # by URL: whether h1 sends it
         self._scrapes = httpx.AsyncClient(headers=headers, verify=self._tls,
                                           timeout=httpx.Timeout(scrape_timeout_s, connect=connect_s))
 
@@ -135,6 +139,18 @@ class ClientPool:
                 self._proxies[url] = None
         return self._proxies[url]
 
+    def _by_h1(self, url: str) -> bool:
+        """Plain http without a proxy goes through h1; decided the first time a URL is sent to."""
+        plain = self._plain.get(url)
+        if plain is None:
+            plain = self._plain[url] = h1.plain_http(url) and self._proxy(url) is None
+        return plain
+
+    @property
+    def reuse_retries(self) -> int:
+        """Requests sent once more because a reused connection dropped them (both clients)."""
+        return self._aiohttp_retries + self._h1.reuse_retries
+
     @property
     def saturated(self) -> bool:
         """Every connection is taken: a new request waits for one."""
@@ -148,9 +164,11 @@ class ClientPool:
         self.in_flight -= 1
 
     async def send(self, method: str, url: str, *, content: bytes,
-                   headers: dict) -> UpstreamResponse:
+                   headers: dict) -> UpstreamResponse | h1.H1Response:
         """Send; a request that a reused connection dropped before its response began is sent
         once more, on a new connection."""
+        if self._by_h1(url):
+            return await self._h1.request(method, url, content, headers)
         session, fresh = self._sessions()
         new_connection: list = []
         mark = _NEW_CONNECTION.set(new_connection)
@@ -160,7 +178,7 @@ class ClientPool:
         except DROPPED as exc:
             if new_connection:  # a new connection failed: that is the upstream's doing
                 raise UpstreamUnreachable(type(exc).__name__) from exc
-            self.reuse_retries += 1
+            self._aiohttp_retries += 1
             log.info("%s: a reused connection closed under a request (%s); retrying on a new connection",
                      url, type(exc).__name__)
         except (aiohttp.ClientError, ConnectionError) as exc:
@@ -178,6 +196,7 @@ class ClientPool:
         return self._scrapes
 
     async def aclose(self) -> None:
+        await self._h1.aclose()
         for session in (self._session, self._fresh):
             if session is not None:
                 await session.close()
