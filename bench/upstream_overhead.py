@@ -8,8 +8,9 @@ in this one run, side by side, with the same requests:
   the upstream as an OpenAI-compatible text-completion model.
 An async httpx client (or one per worker: see `drive`) drives each at concurrency 1, 32 and 128,
 streaming and not (/v1/completions, max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
-Reported: requests/s, client-side latency p50/p99 (streams: until [DONE]), the latency each
-gateway adds over `direct`, and the CPU time the server process (with its children) spent per
+Reported: requests/s (and as a share of direct's), client-side latency p50/p99 (streams: until
+[DONE]), the latency each gateway adds over `direct` (as a difference of the cells' medians, and
+paired: the median of each repeat's difference, steadier when the machine's speed drifts), and the CPU time the server process (with its children) spent per
 request: on a shared 2-core machine that last column is the steadiest measure of a gateway's cost
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
@@ -221,16 +222,26 @@ def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), sha
             for name, result in cell.items():
                 row = {"target": name, "stream": stream, "concurrency": concurrency, "requests": total, **result,
                        "added_p50_ms": result["p50_ms"] - cell["direct"]["p50_ms"],
-                       "added_p99_ms": result["p99_ms"] - cell["direct"]["p99_ms"]}
+                       "added_p99_ms": result["p99_ms"] - cell["direct"]["p99_ms"],
+                       "added_p50_paired_ms": paired_added_p50(runs[name], runs["direct"]),
+                       "rps_share": result["rps"] / cell["direct"]["rps"]}
                 rows.append(row)
                 print_row(row)
     return rows
 
 
+def paired_added_p50(target_runs: list[dict], direct_runs: list[dict]) -> float:
+    """The median over repeats of (target p50 - direct p50) of the same repeat: each pair ran back to
+    back, so the machine's drift between repeats (its speed swings ~2x on a shared 2-core VM)
+    cancels out, which a difference of medians does not."""
+    return statistics.median(t["p50_ms"] - d["p50_ms"] for t, d in zip(target_runs, direct_runs))
+
+
 def print_row(r: dict) -> None:
     print(f"{r['target']:>8} stream={str(r['stream']):5} c={r['concurrency']:>3}  {r['rps']:8.1f} req/s  "
           f"p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  added p50 {r['added_p50_ms']:+8.2f} ms  "
-          f"p99 {r['added_p99_ms']:+8.2f} ms  cpu {r['cpu_ms_per_req']:6.2f} ms/req"
+          f"p99 {r['added_p99_ms']:+8.2f} ms  paired p50 {r['added_p50_paired_ms']:+6.2f} ms  "
+          f"{r['rps_share']:5.0%} of direct's req/s  cpu {r['cpu_ms_per_req']:6.2f} ms/req"
           + (f"  errors {r['errors']:.0f}" if r["errors"] else ""), flush=True)
 
 
