@@ -120,8 +120,10 @@ class _Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def eof_received(self):
         if self.active and self.head_done and not self.done and not self.framed:
@@ -154,7 +156,8 @@ class _Connection(asyncio.Protocol):
         self.status = status
         self.head_done = True
         headers = self.headers
-        self.framed = "content-length" in headers or "chunked" in dict.get(headers, "transfer-encoding", "").lower()
+        self.framed = (dict.__contains__(headers, "content-length")
+                       or "chunked" in dict.get(headers, "transfer-encoding", "").lower())
 
     def on_body(self, body: bytes) -> None:
         self.buf.append(body)
@@ -169,40 +172,16 @@ class _Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self) -> None:
-        """Until the next bytes, the end, or a failure."""
-        self.waiter = waiter = self.client._loop.create_future()
-        try:
-            await waiter
-        finally:
+        if waiter is not None:
             self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
-    def send(self, payload: bytes) -> None:
-        self.active = True
-        self.transport.write(payload)
-
-    async def read_head(self) -> None:
-        while not self.head_done:
-            if self.error is not None:
-                if not self.got_bytes:
-                    raise _Dropped(self.error)
-                raise UpstreamUnreachable(self.error)
-            await self.wait()
-
-    def take(self) -> bytes:
-        """Every byte buffered so far, in one piece."""
-        buf = self.buf
-        data = buf[0] if len(buf) == 1 else b"".join(buf)
-        self.buf = []
-        self.size = 0
-        if self.paused:
-            self.paused = False
-            if not self.lost:
-                self.transport.resume_reading()
-        return data
+    def wait(self) -> asyncio.Future:
+        """A future done at the next bytes, the end, or a failure (a plain future, not a
+        coroutine: one call less per wait, and there is one wait per upstream read)."""
+        self.waiter = waiter = self.client._loop.create_future()
+        return waiter
 
     def close(self, why: str = "closed") -> None:
         if self.active and not self.done and self.error is None:
@@ -240,8 +219,15 @@ class H1Response:
                 if self._ended:
                     return
                 raise StreamBroken("closed")
-            if conn.buf:
-                yield conn.take()
+            buf = conn.buf
+            if buf:  # every byte buffered so far, in one piece (inline: this runs per read)
+                conn.buf = []
+                conn.size = 0
+                if conn.paused:
+                    conn.paused = False
+                    if not conn.lost:
+                        conn.transport.resume_reading()
+                yield buf[0] if len(buf) == 1 else b"".join(buf)
             elif conn.done:
                 self._ended = True
                 self._give_back()
@@ -362,9 +348,15 @@ class H1Client:
     async def _exchange(self, conn: _Connection, payload: bytes) -> H1Response:
         if conn.lost:
             raise _Dropped("closed")
-        conn.send(payload)
+        conn.active = True
+        conn.transport.write(payload)
         try:
-            await conn.read_head()
+            while not conn.head_done:
+                if conn.error is not None:
+                    if not conn.got_bytes:
+                        raise _Dropped(conn.error)
+                    raise UpstreamUnreachable(conn.error)
+                await conn.wait()
         except BaseException:  # failed, or cancelled (the caller's deadline): never reused
             conn.close()
             raise
@@ -479,6 +471,7 @@ class H1Client:
                 return
             except OSError as exc:
                 error = exc
+        self._addresses.pop(target.key, None)  # none answered: look the name up again next time
         raise error or OSError(f"no address for {target.host}")
 
     async def _resolve(self, target: _Target) -> list[str]:
