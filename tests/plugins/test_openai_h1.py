@@ -10,8 +10,10 @@ for proxies.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import struct
+import time
 
 import pytest
 
@@ -253,6 +255,38 @@ def test_idle_connections_expire_even_without_another_request():
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed by the sweep
             await fetch(c, up.url)
             assert len(up.connections) == 2 and c.reuse_retries == 0
+            await c.aclose()
+    run(main())
+
+
+def test_an_expired_connection_is_not_reused_even_before_the_sweep_runs():
+    async def main():
+        async with Upstream(fixed(b"ok")) as up:
+            c = client(keepalive_expiry_s=0.1)
+            await fetch(c, up.url)
+            time.sleep(0.2)  # the loop is blocked: the sweep's timer cannot have fired
+            await fetch(c, up.url)
+            assert len(up.connections) == 2
+            await c.aclose()
+    run(main())
+
+
+def test_bytes_after_the_answer_make_the_connection_unusable():
+    """An upstream that sends more than one answer (here the start of a second one, in the same
+    segment) leaves its connection in an unknown state: it is closed, not reused."""
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + b"HTTP/1.1 200 OK\r\ncontent-le"
+                     if len(conn.requests) == 1 else b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def main():
+        async with Upstream(answer) as up:
+            c = client()
+            assert await fetch(c, up.url) == (200, b"ok")
+            assert await fetch(c, up.url) == (200, b"ok")
+            assert len(up.connections) == 2
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
             await c.aclose()
     run(main())
 
@@ -550,6 +584,47 @@ def test_a_refused_connection_is_unreachable():
             c = client()
             with pytest.raises(UpstreamUnreachable, match="ConnectionRefused"):
                 await c.request("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
+            assert await _slots_free(c)
+            await c.aclose()
+    run(main())
+
+
+def test_a_connection_that_is_never_accepted_times_out_as_unreachable():
+    """A listener whose accept queue is full (backlog 0, never accepting) drops further SYNs:
+    connect waits until `connect_s`."""
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            port = listener.getsockname()[1]
+            fillers = [socket.socket() for _ in range(3)]
+            for filler in fillers:
+                filler.setblocking(False)
+                try:
+                    filler.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+            try:
+                c = client(connect_s=0.3)
+                with pytest.raises(UpstreamUnreachable, match="ConnectionTimeout"):
+                    async with asyncio.timeout(5):  # the caller's deadline is not what ends it
+                        await c.request("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
+                assert await _slots_free(c)
+                await c.aclose()
+            finally:
+                for filler in fillers:
+                    filler.close()
+    run(main())
+
+
+def test_a_response_dropped_without_aclose_gives_its_slot_back():
+    async def main():
+        async with Upstream(_partial(b"part", 1000, "wait")) as up:
+            c = client(max_connections=1)
+            response = await c.request("POST", up.url, b"", {})
+            del response
+            gc.collect()
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed: it was not read to its end
             assert await _slots_free(c)
             await c.aclose()
     run(main())

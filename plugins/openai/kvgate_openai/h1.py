@@ -248,6 +248,11 @@ class H1Response:
         is also how an upstream learns that a request was aborted."""
         self._give_back()
 
+    def __del__(self) -> None:
+        # A response dropped without aclose must not keep its slot: the pool would run dry.
+        if self._conn is not None:
+            self._give_back()
+
 
 class _Target:
     """What a URL resolves to, worked out once per URL string."""
