@@ -34,12 +34,13 @@ class Upstream:
     """HTTP/1.1 on loopback. `answer(conn, head, body, reader, writer)` writes the answer and
     returns whether to read another request from this connection."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, host: str = "127.0.0.1"):
         self.answer = answer
+        self.host = host
         self.connections: list[Connection] = []
 
     async def __aenter__(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._serve, self.host, 0)
         self.port = self.server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1/completions"
         return self
@@ -641,6 +642,27 @@ def test_a_host_name_is_resolved_and_sent_in_the_host_header():
     run(main())
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_an_ipv6_literal_is_connected_to_and_bracketed_in_the_host_header():
+    async def main():
+        async with Upstream(fixed(b"ok"), host="::1") as up:
+            c = client()
+            url = f"http://[::1]:{up.port}/v1/completions"
+            assert await fetch(c, url) == (200, b"ok")
+            assert _headers(up.connections[0].requests[0][0])["host"] == f"[::1]:{up.port}"
+            await c.aclose()
+    run(main())
+
+
 def test_a_header_that_could_split_the_request_is_refused():
     async def main():
         async with Upstream(fixed(b"ok")) as up:
@@ -773,3 +795,16 @@ def test_the_pool_keeps_aiohttp_when_a_proxy_applies(monkeypatch):
             assert pool._h1 is None or pool._h1.new_connections == 0
             await pool.aclose()
     run(main())
+
+
+@pytest.mark.parametrize("url, plain", [
+    ("http://127.0.0.1:8000/v1/completions", True),
+    ("http://[::1]:8000/v1/chat/completions", True),
+    ("http://engine.default.svc/v1/completions", True),
+    ("https://api.example.com/v1/completions", False),  # TLS: aiohttp
+    ("http://user:secret@engine:8000/v1/completions", False),  # credentials in the URL: aiohttp's basic auth
+    ("http://bücher.example/v1/completions", False),  # IDNA: aiohttp
+    ("http://engine:8000/a path/v1", False),  # needs escaping: aiohttp
+])
+def test_which_urls_h1_takes(url, plain):
+    assert h1.plain_http(url) is plain

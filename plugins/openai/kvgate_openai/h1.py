@@ -246,7 +246,10 @@ class H1Response:
     async def aclose(self) -> None:
         """Give the connection back when the body was read to its end; otherwise close it, which
         is also how an upstream learns that a request was aborted."""
-        self._give_back()
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            self._client._give_back(conn)
 
     def __del__(self) -> None:
         # A response dropped without aclose must not keep its slot: the pool would run dry.
@@ -261,7 +264,8 @@ class _Target:
 
     def __init__(self, url: str):
         parts = urlsplit(url)
-        if parts.scheme != "http" or parts.username is not None or not parts.hostname:
+        if (parts.scheme != "http" or parts.username is not None or not parts.hostname
+                or not url.isascii() or " " in url):  # IDNA and escaping: left to aiohttp
             raise ValueError(f"not a plain http URL: {url}")
         self.host = parts.hostname
         self.port = parts.port or 80
@@ -281,7 +285,8 @@ class _Target:
 
 
 def plain_http(url: str) -> bool:
-    """Whether `H1Client` can send to this URL (plain http, no credentials in it)."""
+    """Whether `H1Client` can send to this URL (plain http, no credentials in it, nothing that
+    needs encoding)."""
     try:
         _Target(url)
     except ValueError:
