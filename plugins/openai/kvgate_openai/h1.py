@@ -12,13 +12,14 @@ https and proxies, so TLS and proxy behaviour stay aiohttp's.
         └── H1Response <── _Connection(asyncio.Protocol) <── httptools.HttpResponseParser
               aiter_bytes: every byte buffered so far in one piece
 
-Connections: at most `max_connections` in use (the rest wait, first come first served); idle ones
-are kept per (host, port), newest reused first, and closed after `keepalive_expiry_s` (0: one
-request per connection). A connection goes back to the pool only when its answer was read to the
+Connections: at most `max_connections` in use (the rest wait, first come first served) and open
+(an idle one to another host gives way); idle ones are kept per (host, port), newest reused
+first, and closed after `keepalive_expiry_s` (0: one request per connection). A connection goes back to the pool only when its answer was read to the
 end and the answer allows reuse; an answer abandoned before its end closes its connection (that
 is how an upstream learns of an abort). A request sent on a reused connection that fails before
 any response byte (the upstream closed the idle connection as we reused it) is sent once more on
-a new one; a POST that never got a response byte was never run, so one retry is safe.
+a new one, which serves that request only; a POST that never got a response byte was never run,
+so one retry is safe.
 """
 
 from __future__ import annotations
