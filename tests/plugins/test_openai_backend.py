@@ -387,6 +387,23 @@ def test_trace_context_is_sent_upstream(upstream):
     assert "other" not in seen
 
 
+def test_requests_name_kvgate_and_ask_for_no_compression(upstream, monkeypatch):
+    """Plain http goes over h1.py, a proxied URL over aiohttp: both say who sends; h1.py asks
+    for no compressed answer (it would not decompress one; aiohttp does)."""
+    import gateway
+
+    run(lambda b: _collect(b, _request("ok")), _backend(upstream))
+    direct = upstream.seen_headers[-1]
+    monkeypatch.setenv("HTTP_PROXY", upstream.base_url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    proxied = make_openai_backend({"base_url": "http://upstream.invalid:9/v1", "metrics": "none"}, "up-0")
+    run(lambda b: _collect(b, _request("ok")), proxied)
+    for seen in (direct, upstream.seen_headers[-1]):
+        assert seen["user-agent"] == f"kvgate/{gateway.__version__}"
+    assert "accept-encoding" not in direct
+
+
 def test_a_cookie_one_answer_sets_never_rides_on_another_request(upstream):
     async def go(b):
         await _collect(b, _request("set-cookie"))

@@ -18,6 +18,7 @@ import logging
 import os
 from dataclasses import replace
 
+import gateway
 from gateway import fastjson
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
@@ -52,7 +53,8 @@ class OpenAIBackend:
         key = self._api_key()
         self._scrub = upstream_errors.Scrubber(key)
         s = self.settings
-        headers = {"content-type": "application/json"}
+        # Named, as aiohttp named itself before h1.py (some upstreams and their proxies log it).
+        headers = {"content-type": "application/json", "user-agent": f"kvgate/{gateway.__version__}"}
         if key:
             headers["authorization"] = f"Bearer {key}"
         # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
