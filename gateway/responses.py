@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 from gateway import fastjson
 from gateway.backend import TokenEvent, TokenLogprob, Usage
 
@@ -84,11 +86,15 @@ def _full_choice(shape: ResponseShape, c: ChoiceState) -> dict:
 
 
 def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, first: bool) -> dict:
-    """One SSE chunk for one choice. `event` None with `first` sends the chat role opener."""
-    body = shape.head("chat.completion.chunk" if shape.chat else "text_completion")
+    """One SSE chunk for one choice. `event` None with `first` sends the chat role opener.
+    (Runs per token: the head and finish_reason are written out here, not called.)"""
+    body = {"id": shape.id, "object": "chat.completion.chunk" if shape.chat else "text_completion",
+            "created": shape.created, "model": shape.model}
     text = event.text if event else ""
     logprobs = _logprobs(shape, event.logprobs) if (shape.want_logprobs and event) else None
-    reason = finish_reason(event.finish_reason) if event else None
+    reason = event.finish_reason if event else None
+    if reason == "abort":
+        reason = "stop"  # as finish_reason(): "abort" is internal
     if shape.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -106,7 +112,10 @@ def usage_chunk(shape: ResponseShape, usage: dict) -> dict:
 
 
 def sse(data: dict) -> bytes:
-    return b"data: " + fastjson.dumps(data) + b"\n\n"
+    try:  # orjson inline (this runs per token); what it refuses goes through fastjson's fallback
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+    except (TypeError, orjson.JSONEncodeError):
+        return b"data: " + fastjson.dumps(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

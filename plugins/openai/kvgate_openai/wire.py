@@ -70,14 +70,24 @@ def _vllm_extensions(body: dict, s: SamplingParams) -> None:
 
 
 def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
-    """The token event in one stream chunk, or None when it carries nothing (role opener, usage)."""
+    """The token event in one stream chunk, or None when it carries nothing (role opener, usage).
+    (Runs per token: what `_text_and_logprobs` and `finish_reason` do is written out here.)"""
     choices = chunk.get("choices")
     if not choices:
         return None
     c = choices[0]
-    text, logprobs = _text_and_logprobs(c, chat, "delta")
-    token_ids = tuple(c.get("token_ids") or ())  # vLLM sends them when asked (return_token_ids)
-    reason = finish_reason(c.get("finish_reason"))
+    lp = c.get("logprobs")
+    if chat:
+        text = (c.get("delta") or {}).get("content") or ""
+        logprobs = chat_logprobs(lp) if lp else ()
+    else:
+        text = c.get("text") or ""
+        logprobs = completion_logprobs(lp) if lp else ()
+    ids = c.get("token_ids")  # vLLM sends them when asked (return_token_ids)
+    token_ids = tuple(ids) if ids else ()
+    reason = c.get("finish_reason")
+    if reason is not None and reason not in KNOWN_REASONS:
+        reason = "stop"
     if not (text or logprobs or reason or token_ids):
         return None
     return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
@@ -101,9 +111,12 @@ def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, 
     return choice.get("text") or "", completion_logprobs(choice.get("logprobs"))
 
 
+KNOWN_REASONS = ("stop", "length", "abort")
+
+
 def finish_reason(reason: str | None) -> str | None:
     # Our protocol knows stop, length and abort; tool calls and content filters end like a stop.
-    if reason is None or reason in ("stop", "length", "abort"):
+    if reason is None or reason in KNOWN_REASONS:
         return reason
     return "stop"
 

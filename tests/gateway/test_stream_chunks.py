@@ -1,0 +1,86 @@
+"""The per-token pieces written out inline for speed mean what their general forms mean.
+
+`responses.stream_chunk` and `responses.sse` (gateway side) and `wire.chunk_event` and the
+backend's chunk decoding (openai adapter side) run once per token; their inlined steps must give
+exactly what `ResponseShape.head`, `finish_reason`, `fastjson` and `_text_and_logprobs` give."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway import fastjson
+from gateway.backend import TokenEvent, TokenLogprob, TopLogprob
+from gateway.responses import ResponseShape, finish_reason, sse, stream_chunk
+from kvgate_openai import wire
+
+EVENTS = [
+    TokenEvent(text="hello"),
+    TokenEvent(text="", finish_reason="length"),
+    TokenEvent(text=" bye", finish_reason="abort"),  # internal: the client sees "stop"
+    TokenEvent(text="a\ud800b"),  # a lone surrogate: orjson refuses it, the fallback escapes it
+    TokenEvent(text="x", logprobs=(TokenLogprob("x", -0.5, (TopLogprob("x", -0.5), TopLogprob("y", -1.5))),)),
+]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("event", EVENTS)
+def test_a_stream_chunk_is_the_head_plus_one_choice(chat, event):
+    shape = ResponseShape(chat=chat, id="cmpl-1", model="m", created=7, want_logprobs=bool(event.logprobs))
+    chunk = stream_chunk(shape, 3, event, first=False)
+    assert {k: chunk[k] for k in ("id", "object", "created", "model")} == shape.head(
+        "chat.completion.chunk" if chat else "text_completion")
+    choice = chunk["choices"][0]
+    assert choice["index"] == 3 and choice["finish_reason"] == finish_reason(event.finish_reason)
+    assert (choice["delta"].get("content", "") if chat else choice["text"]) == event.text
+    raw = sse(chunk)
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert raw == b"data: " + fastjson.dumps(chunk) + b"\n\n"
+    assert json.loads(raw[6:]) == chunk
+
+
+def _general(chunk: dict, chat: bool):
+    """chunk_event as it was written before it was inlined."""
+    choices = chunk.get("choices")
+    if not choices:
+        return None
+    c = choices[0]
+    text, logprobs = wire._text_and_logprobs(c, chat, "delta")
+    token_ids = tuple(c.get("token_ids") or ())
+    reason = wire.finish_reason(c.get("finish_reason"))
+    if not (text or logprobs or reason or token_ids):
+        return None
+    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+CHUNKS = [
+    ({"choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None}]}, False),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, False),
+    ({"choices": [{"index": 0, "text": "!", "finish_reason": "content_filter"}]}, False),
+    ({"choices": [{"index": 0, "text": "a", "token_ids": [5, 6],
+                   "logprobs": {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}]}}]}, False),
+    ({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, False),
+    ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, True),
+    ({"choices": [{"index": 0, "delta": {"content": " yo"}, "finish_reason": None}]}, True),
+    ({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}, True),
+    ({"choices": [{"index": 0, "delta": {"content": "z"},
+                   "logprobs": {"content": [{"token": "z", "logprob": None, "top_logprobs": []}]}}]}, True),
+]
+
+
+@pytest.mark.parametrize("chunk,chat", CHUNKS)
+def test_chunk_event_means_what_its_general_form_means(chunk, chat):
+    assert wire.chunk_event(chunk, chat) == _general(chunk, chat)
+
+
+def test_the_adapter_decodes_what_orjson_refuses_and_names_what_nobody_can():
+    from gateway.errors import BackendError
+    from kvgate_openai import make_openai_backend
+
+    backend = make_openai_backend({"base_url": "http://127.0.0.1:9/v1", "metrics": "none"}, "up")
+    assert backend._decode(b'{"choices": [{"text": "a\\ud800"}]}', 0) == {"choices": [{"text": "a\ud800"}]}
+    with pytest.raises(BackendError, match="not JSON"):
+        backend._decode(b"{nope", 0)
+    with pytest.raises(BackendError, match="not an object"):
+        backend._decode(b"[1, 2]", 0)
