@@ -111,6 +111,43 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+
+# -- an answer compressed although we asked for none ---------------------------------------------
+
+@pytest.mark.parametrize("encoding,compress", [
+    ("gzip", lambda b: __import__("gzip").compress(b)),
+    ("deflate", lambda b: __import__("zlib").compress(b)),
+])
+def test_a_compressed_answer_is_decoded_and_the_request_asked_for_none(encoding, compress):
+    text = b'{"choices": [{"text": "' + b"word " * 2000 + b'"}]}'
+
+    async def main():
+        async with Upstream(fixed(compress(text), b"content-encoding: %s\r\n" % encoding.encode())) as up:
+            c = client()
+            status, body = await fetch(c, up.url)
+            await c.aclose()
+            return status, body, _headers(up.connections[0].requests[0][0])
+
+    status, body, sent = run(main())
+    assert status == 200 and body == text
+    assert "accept-encoding" not in sent
+
+
+def test_a_corrupt_compressed_answer_breaks_the_stream():
+    async def main():
+        async with Upstream(fixed(b"not gzip at all", b"content-encoding: gzip\r\n")) as up:
+            c = client()
+            response = await c.request("POST", up.url, b"{}", {})
+            try:
+                with pytest.raises(StreamBroken, match="bad compressed body"):
+                    await read_all(response)
+            finally:
+                await response.aclose()
+                await c.aclose()
+
+    run(main())
+
+
 # -- framings ----------------------------------------------------------------------------------
 
 def test_content_length_body_and_the_request_on_the_wire():

@@ -28,6 +28,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
+import zlib
 from collections import deque
 from urllib.parse import urlsplit
 
@@ -38,6 +39,8 @@ log = logging.getLogger("kvgate.openai")
 # Reading pauses when this much of an answer is buffered and unread, and resumes once the reader
 # takes it: an answer nobody reads cannot fill memory.
 HIGH_WATER = 256 * 1024
+# Content encodings an answer we did not ask to be compressed may still come in (zlib reads both).
+COMPRESSED = ("gzip", "x-gzip", "deflate")
 # A host name's addresses are looked up (in a thread: getaddrinfo) at most this often.
 DNS_TTL_S = 10.0
 
@@ -197,7 +200,7 @@ class _Connection(asyncio.Protocol):
 class H1Response:
     """A streamed upstream answer: the interface of pool.UpstreamResponse."""
 
-    __slots__ = ("status_code", "headers", "_conn", "_client", "_ended")
+    __slots__ = ("status_code", "headers", "_conn", "_client", "_ended", "compressed")
 
     def __init__(self, client: H1Client, conn: _Connection):
         self._client = client
@@ -205,13 +208,32 @@ class H1Response:
         self._ended = False
         self.status_code = conn.status
         self.headers = conn.headers
+        # We ask for no compression; an upstream (or a proxy before it) that compresses anyway
+        # gets decoded as aiohttp would have, not handed on as bytes no parser can read.
+        self.compressed = conn.headers.get("content-encoding", "identity").strip().lower() in COMPRESSED
 
     def complete(self) -> bool:
         """The whole body has arrived (reading it cannot wait)."""
         conn = self._conn
         return conn is None or conn.done or conn.error is not None
 
-    async def aiter_bytes(self):
+    def aiter_bytes(self):
+        return self._inflated() if self.compressed else self._raw_bytes()
+
+    async def _inflated(self):
+        inflate = zlib.decompressobj(wbits=zlib.MAX_WBITS | 32)  # gzip or zlib, told by the header
+        try:
+            async for part in self._raw_bytes():
+                data = inflate.decompress(part)
+                if data:
+                    yield data
+            rest = inflate.flush()
+        except zlib.error as exc:
+            raise StreamBroken(f"bad compressed body: {exc}") from None
+        if rest:
+            yield rest
+
+    async def _raw_bytes(self):
         # `self._conn` is read anew at every step: once given back, the connection may carry
         # another request, and an `aclose` from another task gives it back.
         while True:
