@@ -103,3 +103,13 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60) -> No
             pass
         time.sleep(0.1)
     raise AssertionError("server did not become ready")
+
+
+def content_length(head: bytes) -> int:
+    """The Content-Length of a raw HTTP/1.1 request head (0 without one): for the tests' own
+    scripted servers, which read bodies byte for byte."""
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0

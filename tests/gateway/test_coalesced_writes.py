@@ -23,21 +23,24 @@ def test_chunks_made_together_leave_in_one_write_in_order():
     assert len(writes) == 1
 
 
+async def first_then_second(writer):
+    """What `writer` (coalesced or coalesced_until_end) makes of a producer that yields its first
+    chunk, then waits until that chunk has been taken before it yields the second."""
+    release = asyncio.Event()
+
+    async def slow():
+        yield b"first"
+        await release.wait()
+        yield b"second"
+
+    writes = writer(slow())
+    first = await asyncio.wait_for(anext(writes), 5)  # the producer is still waiting
+    release.set()
+    return [first] + [w async for w in writes]
+
+
 def test_a_chunk_is_not_held_back_waiting_for_the_next():
-    async def main():
-        release = asyncio.Event()
-
-        async def slow():
-            yield b"first"
-            await release.wait()
-            yield b"second"
-
-        writes = coalesced(slow())
-        first = await asyncio.wait_for(anext(writes), 5)  # the producer is still waiting
-        release.set()
-        return first, [b async for b in writes]
-
-    assert asyncio.run(main()) == (b"first", [b"second"])
+    assert asyncio.run(first_then_second(coalesced)) == [b"first", b"second"]
 
 
 def test_a_slow_reader_holds_at_most_max_bytes_before_the_producer_waits():
@@ -108,20 +111,7 @@ def test_a_write_made_after_the_producer_ended_is_marked_last():
 
 
 def test_a_write_the_producer_may_still_follow_is_not_marked_last():
-    async def main():
-        release = asyncio.Event()
-
-        async def slow():
-            yield b"first"
-            await release.wait()
-            yield b"second"
-
-        writes = coalesced_until_end(slow())
-        first = await anext(writes)
-        release.set()
-        return [first] + [pair async for pair in writes]
-
-    assert asyncio.run(main()) == [(b"first", False), (b"second", True)]
+    assert asyncio.run(first_then_second(coalesced_until_end)) == [(b"first", False), (b"second", True)]
 
 
 def test_no_write_is_marked_last_when_the_producer_fails():

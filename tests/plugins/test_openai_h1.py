@@ -20,6 +20,7 @@ import pytest
 from kvgate_openai import h1
 from kvgate_openai.h1 import H1Client, StreamBroken, UpstreamUnreachable
 from kvgate_openai.pool import ClientPool
+from servers import content_length
 
 
 class Connection:
@@ -55,7 +56,7 @@ class Upstream:
             while True:
                 try:
                     head = await reader.readuntil(b"\r\n\r\n")
-                    body = await reader.readexactly(_content_length(head))
+                    body = await reader.readexactly(content_length(head))
                 except (asyncio.IncompleteReadError, ConnectionError):
                     conn.eof.set()
                     return
@@ -64,14 +65,6 @@ class Upstream:
                     return
         finally:
             writer.close()
-
-
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    return 0
 
 
 def _headers(head: bytes) -> dict[str, str]:
@@ -84,6 +77,15 @@ def fixed(body: bytes, extra: bytes = b""):
     async def answer(conn, head, request_body, reader, writer):
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
                      + b"content-length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+        return True
+    return answer
+
+
+def raw(data: bytes):
+    """An answer written as these bytes, whatever they are."""
+    async def answer(conn, head, request_body, reader, writer):
+        writer.write(data)
         await writer.drain()
         return True
     return answer
@@ -355,10 +357,7 @@ def test_connection_close_from_the_upstream_is_honoured():
 
 
 def test_http_1_0_without_keep_alive_is_not_reused():
-    async def answer(conn, head, body, reader, writer):
-        writer.write(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
-        await writer.drain()
-        return True
+    answer = raw(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
 
     async def main():
         async with Upstream(answer) as up:
@@ -557,10 +556,7 @@ def test_a_body_cut_short_is_a_broken_stream(then):
 
 
 def test_bad_chunked_framing_is_a_broken_stream_and_the_connection_is_not_reused():
-    async def answer(conn, head, body, reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
-        await writer.drain()
-        return True
+    answer = raw(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
 
     async def main():
         async with Upstream(answer) as up:
@@ -575,10 +571,7 @@ def test_bad_chunked_framing_is_a_broken_stream_and_the_connection_is_not_reused
 
 
 def test_a_garbled_status_line_is_unreachable():
-    async def answer(conn, head, body, reader, writer):
-        writer.write(b"SPDY/9 what\r\n\r\n")
-        await writer.drain()
-        return True
+    answer = raw(b"SPDY/9 what\r\n\r\n")
 
     async def main():
         async with Upstream(answer) as up:

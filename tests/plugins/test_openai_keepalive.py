@@ -21,7 +21,7 @@ import pytest
 from gateway.backend import GenerationRequest, SamplingParams
 from gateway.errors import BackendError
 from kvgate_openai import make_openai_backend
-from servers import GatewayServer
+from servers import GatewayServer, content_length
 
 WORDS = ["one", " two", " three"]
 
@@ -74,7 +74,7 @@ class RacingUpstream:
                     self.dropped += 1
                     self._abandon(writer)
                     return
-                body = await reader.readexactly(_content_length(head))
+                body = await reader.readexactly(content_length(head))
                 writer.write(_sse_response(json.loads(body)))
                 await writer.drain()
                 self.served += 1
@@ -90,14 +90,6 @@ class RacingUpstream:
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.close()
-
-
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    return 0
 
 
 def _sse_response(request: dict) -> bytes:
