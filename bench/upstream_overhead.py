@@ -15,7 +15,7 @@ request: on a shared 2-core machine that last column is the steadiest measure of
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
     .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--concurrency 32,128]
-        [--client-per-worker] [--baseline TREE]
+        [--client-per-worker] [--baseline TREE] [--placement free|split]
 """
 
 from __future__ import annotations
@@ -96,6 +96,31 @@ def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: floa
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{cmd} did not become ready at {ready_url}")
+
+
+def place(servers: dict, placement: str) -> None:
+    """`split`: this client alone on CPU 0, every server (with its threads and children) on CPU 1.
+    On a shared 2-vCPU machine the scheduler's free placement makes a streamed request's c=1
+    latency swing by ~1 ms between runs (cross-vCPU wake-ups of three busy processes); pinned, the
+    servers hand off on one core and the client never competes with them."""
+    if placement == "free":
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--placement split needs two CPUs")
+    client_cpu, server_cpu = sorted(os.sched_getaffinity(0))[:2]
+    _pin_tree(os.getpid(), {client_cpu})
+    for proc, _ in servers.values():
+        _pin_tree(proc.pid, {server_cpu})
+
+
+def _pin_tree(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and of its descendants (Linux /proc)."""
+    children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+    for child in children:
+        _pin_tree(child, cpus)
 
 
 def checkout_env(root: Path) -> dict[str, str]:
@@ -276,6 +301,9 @@ def main() -> None:
                         help="one httpx client per worker instead of one shared client (see drive)")
     parser.add_argument("--baseline", default=None,
                         help="also run this checkout's gateway (e.g. a git worktree of an older commit) as 'baseline'")
+    parser.add_argument("--placement", choices=("free", "split"), default="free",
+                        help="free: the scheduler places the processes; split: this client on one CPU, "
+                             "every server on another (see place)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/upstream_overhead.json"))
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -284,6 +312,7 @@ def main() -> None:
         servers = start_servers(Path(tmp), with_litellm=not args.no_litellm,
                                 baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
+            place(servers, args.placement)
             rows = measure(servers, repeats, args.quick, streams, not args.client_per_worker,
                            [int(c) for c in args.concurrency.split(",")])
         finally:
@@ -297,6 +326,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
                                           "shared_client": not args.client_per_worker, "baseline": args.baseline,
+                                          "placement": args.placement,
                                           "rows": rows, "verdict": summary}, indent=2))
     print(f"wrote {args.out}")
 
