@@ -108,17 +108,21 @@ def place(servers: dict, placement: str) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--placement split needs two CPUs")
     client_cpu, server_cpu = sorted(os.sched_getaffinity(0))[:2]
-    _pin_tree(os.getpid(), {client_cpu})
+    _pin_threads(os.getpid(), {client_cpu})  # not its children: the servers go elsewhere
     for proc, _ in servers.values():
         _pin_tree(proc.pid, {server_cpu})
+
+
+def _pin_threads(pid: int, cpus: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
 
 
 def _pin_tree(pid: int, cpus: set[int]) -> None:
     """Every thread of `pid` and of its descendants (Linux /proc)."""
     children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
                 for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+    _pin_threads(pid, cpus)
     for child in children:
         _pin_tree(child, cpus)
 

@@ -169,17 +169,6 @@ class EventStreamResponse:
 COALESCE_MAX_BYTES = 64 * 1024
 
 
-async def coalesced(chunks: AsyncIterator[bytes], max_bytes: int = COALESCE_MAX_BYTES) -> AsyncIterator[bytes]:
-    """The chunks, each write carrying every chunk made while the last one was being sent
-    (`coalesced_until_end` without its marks)."""
-    writes = coalesced_until_end(chunks, max_bytes)
-    try:
-        async for body, _ in writes:
-            yield body
-    finally:
-        await writes.aclose()
-
-
 async def coalesced_until_end(chunks: AsyncIterator[bytes],
                               max_bytes: int = COALESCE_MAX_BYTES) -> AsyncIterator[tuple[bytes, bool]]:
     """(write, whether it is the last) pairs: each write carries every chunk made while the last
@@ -222,7 +211,7 @@ async def coalesced_until_end(chunks: AsyncIterator[bytes],
                 buffer.clear()
                 buffered = 0
                 room.set()
-                last = finished and producer.done() and not producer.cancelled() and producer.exception() is None
+                last = producer.done() and not producer.cancelled() and producer.exception() is None
                 yield body, last
         await producer  # raises what the producer raised
     finally:

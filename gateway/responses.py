@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import orjson
+from functools import cached_property
 
 from gateway import fastjson
 from gateway.backend import TokenEvent, TokenLogprob, Usage
@@ -48,6 +47,11 @@ class ResponseShape:
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    @cached_property
+    def chunk_head(self) -> dict:
+        """The head of every stream chunk of this response (copied per chunk, made once)."""
+        return self.head("chat.completion.chunk" if self.chat else "text_completion")
+
 
 def finish_reason(reason: str | None) -> str | None:
     # "abort" is internal; a client only sees a choice end as stop or length.
@@ -87,14 +91,11 @@ def _full_choice(shape: ResponseShape, c: ChoiceState) -> dict:
 
 def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, first: bool) -> dict:
     """One SSE chunk for one choice. `event` None with `first` sends the chat role opener.
-    (Runs per token: the head and finish_reason are written out here, not called.)"""
-    body = {"id": shape.id, "object": "chat.completion.chunk" if shape.chat else "text_completion",
-            "created": shape.created, "model": shape.model}
+    (Runs per token: the head is copied from the shape, finish_reason() runs only at the end.)"""
+    body = dict(shape.chunk_head)
     text = event.text if event else ""
     logprobs = _logprobs(shape, event.logprobs) if (shape.want_logprobs and event) else None
-    reason = event.finish_reason if event else None
-    if reason == "abort":
-        reason = "stop"  # as finish_reason(): "abort" is internal
+    reason = finish_reason(event.finish_reason) if event and event.finish_reason else None
     if shape.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -105,17 +106,14 @@ def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, fir
 
 
 def usage_chunk(shape: ResponseShape, usage: dict) -> dict:
-    body = shape.head("chat.completion.chunk" if shape.chat else "text_completion")
+    body = dict(shape.chunk_head)
     body["choices"] = []
     body["usage"] = usage
     return body
 
 
 def sse(data: dict) -> bytes:
-    try:  # orjson inline (this runs per token); what it refuses goes through fastjson's fallback
-        return b"data: " + orjson.dumps(data) + b"\n\n"
-    except (TypeError, orjson.JSONEncodeError):
-        return b"data: " + fastjson.dumps(data) + b"\n\n"
+    return b"data: " + fastjson.dumps(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -1,11 +1,21 @@
-"""A stream's writes carry what its producer made while the last write was out (gateway.asgi.coalesced):
+"""A stream's writes carry what its producer made while the last write was out (gateway.asgi.coalesced_until_end):
 nothing lost or reordered, nothing held back, errors and cancellation still reach both ends."""
 
 import asyncio
 
 import pytest
 
-from gateway.asgi import EventStreamResponse, coalesced, coalesced_until_end
+from gateway.asgi import EventStreamResponse, coalesced_until_end
+
+
+async def coalesced(chunks, **kwargs):
+    """The writes without their last-write marks."""
+    writes = coalesced_until_end(chunks, **kwargs)
+    try:
+        async for body, _ in writes:
+            yield body
+    finally:
+        await writes.aclose()
 
 
 async def collect(chunks, **kwargs):

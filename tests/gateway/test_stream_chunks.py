@@ -1,8 +1,9 @@
-"""The per-token pieces written out inline for speed mean what their general forms mean.
+"""The per-token pieces, trimmed for speed, mean what their general forms mean.
 
-`responses.stream_chunk` and `responses.sse` (gateway side) and `wire.chunk_event` and the
-backend's chunk decoding (openai adapter side) run once per token; their inlined steps must give
-exactly what `ResponseShape.head`, `finish_reason`, `fastjson` and `_text_and_logprobs` give."""
+`responses.stream_chunk` (a head copied from the shape, finish_reason() only at the end) and
+`wire.chunk_event` (finish_reason() only when a chunk has one, logprobs parsed only when present)
+run once per token; they must give exactly what `ResponseShape.head`, `finish_reason` and
+`_text_and_logprobs` give, and the adapter's chunk decoding keeps fastjson's fallback."""
 
 from __future__ import annotations
 

@@ -18,8 +18,6 @@ import logging
 import os
 from dataclasses import replace
 
-import orjson
-
 import gateway
 from gateway import fastjson
 from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
@@ -297,13 +295,10 @@ class OpenAIBackend:
             raise BackendError(f"The backend '{self.name}' dropped the stream.") from None
 
     def _decode(self, payload: bytes, sent: int) -> dict:
-        try:  # orjson inline (this runs per token); what it refuses goes through fastjson's fallback
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            try:
-                chunk = fastjson.loads(payload)
-            except ValueError:
-                raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not JSON.") from None
+        try:
+            chunk = fastjson.loads(payload)
+        except ValueError:
+            raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not JSON.") from None
         if not isinstance(chunk, dict):
             raise BackendError(f"The backend '{self.name}' sent a stream chunk that is not an object.")
         if "error" in chunk or chunk.get("object") == "error":

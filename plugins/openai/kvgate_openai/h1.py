@@ -123,11 +123,7 @@ class _Connection(asyncio.Protocol):
         if self.size > HIGH_WATER and not self.paused and not self.lost:
             self.paused = True
             self.transport.pause_reading()
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
 
     def eof_received(self):
         if self.active and self.head_done and not self.done and not self.framed:
@@ -269,10 +265,7 @@ class H1Response:
     async def aclose(self) -> None:
         """Give the connection back when the body was read to its end; otherwise close it, which
         is also how an upstream learns that a request was aborted."""
-        conn = self._conn
-        if conn is not None:
-            self._conn = None
-            self._client._give_back(conn)
+        self._give_back()
 
     def __del__(self) -> None:
         # A response dropped without aclose must not keep its slot: the pool would run dry.

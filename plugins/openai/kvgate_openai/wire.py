@@ -70,24 +70,17 @@ def _vllm_extensions(body: dict, s: SamplingParams) -> None:
 
 
 def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
-    """The token event in one stream chunk, or None when it carries nothing (role opener, usage).
-    (Runs per token: what `_text_and_logprobs` and `finish_reason` do is written out here.)"""
+    """The token event in one stream chunk, or None when it carries nothing (role opener, usage)."""
     choices = chunk.get("choices")
     if not choices:
         return None
     c = choices[0]
-    lp = c.get("logprobs")
-    if chat:
-        text = (c.get("delta") or {}).get("content") or ""
-        logprobs = chat_logprobs(lp) if lp else ()
-    else:
-        text = c.get("text") or ""
-        logprobs = completion_logprobs(lp) if lp else ()
+    text, logprobs = _text_and_logprobs(c, chat, "delta")
     ids = c.get("token_ids")  # vLLM sends them when asked (return_token_ids)
     token_ids = tuple(ids) if ids else ()
     reason = c.get("finish_reason")
-    if reason is not None and reason not in KNOWN_REASONS:
-        reason = "stop"
+    if reason is not None:  # only the last chunk has one: no call per token
+        reason = finish_reason(reason)
     if not (text or logprobs or reason or token_ids):
         return None
     return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
@@ -106,17 +99,15 @@ def whole_event(body: dict, chat: bool) -> TokenEvent:
 
 def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, tuple[TokenLogprob, ...]]:
     """A choice's text and logprobs; chat text sits in `delta` (stream) or `message` (whole)."""
+    lp = choice.get("logprobs")  # usually absent: no call to parse nothing
     if chat:
-        return (choice.get(chat_field) or {}).get("content") or "", chat_logprobs(choice.get("logprobs"))
-    return choice.get("text") or "", completion_logprobs(choice.get("logprobs"))
-
-
-KNOWN_REASONS = ("stop", "length", "abort")
+        return (choice.get(chat_field) or {}).get("content") or "", chat_logprobs(lp) if lp else ()
+    return choice.get("text") or "", completion_logprobs(lp) if lp else ()
 
 
 def finish_reason(reason: str | None) -> str | None:
     # Our protocol knows stop, length and abort; tool calls and content filters end like a stop.
-    if reason is None or reason in KNOWN_REASONS:
+    if reason is None or reason in ("stop", "length", "abort"):
         return reason
     return "stop"
 
