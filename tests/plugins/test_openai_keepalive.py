@@ -57,9 +57,19 @@ class RacingUpstream:
         self.loop.run_forever()
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        asyncio.run_coroutine_threadsafe(self._shut_down(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
+
+    async def _shut_down(self) -> None:
+        """Stop listening and end the connections still served (a coroutine left suspended when
+        the loop stops is reported as an unraisable exception when it is collected)."""
+        self.server.close()
+        served = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in served:
+            task.cancel()
+        await asyncio.gather(*served, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
