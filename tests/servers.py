@@ -113,3 +113,42 @@ def content_length(head: bytes) -> int:
         if name.strip().lower() == b"content-length":
             return int(value)
     return 0
+
+
+class ScriptedServer:
+    """A raw asyncio TCP server on loopback, in its own thread and event loop, for tests that say
+    byte for byte what an upstream sends: a subclass answers each connection in `serve`. Set what
+    `serve` reads before calling `__init__` (connections may come at once). `close()` ends the
+    connections still served, then stops and closes the loop (a coroutine left suspended when
+    the loop stops is reported as an unraisable exception when it is collected)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self.serve, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        started.set()
+        self.loop.run_forever()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._shut_down(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _shut_down(self) -> None:
+        self.server.close()
+        served = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in served:
+            task.cancel()
+        await asyncio.gather(*served, return_exceptions=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ from gateway.backend import GenerationRequest, LoadSnapshot, SamplingParams, Tok
 from gateway.hookspecs import hookimpl
 from gateway.metrics import observe_times
 from kvgate_openai import make_openai_backend
-from servers import GatewayServer
+from servers import GatewayServer, ScriptedServer, content_length
 
 WORDS = [" alpha", " beta", " gamma", " delta", " epsilon"]
 
@@ -46,39 +45,23 @@ def _burst(error_after: int | None = None) -> bytes:
     return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
 
 
-class BurstUpstream:
+class BurstUpstream(ScriptedServer):
     """Answers every POST with its whole SSE stream in ONE write (a fast upstream, a slow reader)."""
 
     def __init__(self, error_after: int | None = None):
         self.body = _burst(error_after)
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = self.server.sockets[0].getsockname()[1]
-        ready.set()
-        self.loop.run_forever()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
+                await reader.readexactly(content_length(head))
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n" + self.body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
 
 
 @pytest.fixture

@@ -14,19 +14,18 @@ import asyncio
 import json
 import socket
 import struct
-import threading
 
 import pytest
 
 from gateway.backend import GenerationRequest, SamplingParams
 from gateway.errors import BackendError
 from kvgate_openai import make_openai_backend
-from servers import GatewayServer, content_length
+from servers import GatewayServer, ScriptedServer, content_length
 
 WORDS = ["one", " two", " three"]
 
 
-class RacingUpstream:
+class RacingUpstream(ScriptedServer):
     """A minimal HTTP/1.1 OpenAI upstream on loopback, in its own thread and event loop.
 
     drop: which requests are answered by closing the connection instead:
@@ -42,36 +41,9 @@ class RacingUpstream:
         self.connections = 0
         self.served = 0
         self.dropped = 0
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
-        self.thread.start()
-        assert started.wait(10)
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = self.server.sockets[0].getsockname()[1]
-        started.set()
-        self.loop.run_forever()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._shut_down(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-    async def _shut_down(self) -> None:
-        """Stop listening and end the connections still served (a coroutine left suspended when
-        the loop stops is reported as an unraisable exception when it is collected)."""
-        self.server.close()
-        served = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in served:
-            task.cancel()
-        await asyncio.gather(*served, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         nth = 0
         try:
