@@ -10,6 +10,7 @@ entry point in the `kvgate` group (see this folder's pyproject.toml).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -73,8 +74,9 @@ class EchoBackend:
         max_tokens = self._check_lengths(request, len(words))
         self._running.add(request.request_id)
         try:
-            async for event in self._stream(request, words, max_tokens):
-                yield event
+            async with contextlib.aclosing(self._stream(request, words, max_tokens)) as events:
+                async for event in events:  # closed here when the gateway stops early, not by the GC
+                    yield event
         finally:
             self._running.discard(request.request_id)
             self._aborted.discard(request.request_id)

@@ -14,6 +14,7 @@ the gateway sends as one error event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import replace
@@ -122,8 +123,13 @@ class OpenAIBackend:
             response = await self._send(pool, path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
-                async for batch in self._events(response, request, path == wire.CHAT, deadline, idle):
-                    yield batch
+                # Closed here, not left to the garbage collector: a dropped async generator is
+                # closed through the loop's finalizer hook (an eventfd write, a wake-up and a task
+                # per stream, between the last tokens and their write to the client).
+                async with contextlib.aclosing(self._events(response, request, path == wire.CHAT,
+                                                            deadline, idle)) as events:
+                    async for batch in events:
+                        yield batch
             else:
                 yield [await self._whole(response, request, path == wire.CHAT, deadline)]
         finally:

@@ -14,6 +14,7 @@ when the installed version's signature has it, and 1.2.x relies on our admission
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -105,9 +106,10 @@ class TensorRtLlmBackend:
         try:
             result = self._submit(ids, sampling, request)
             self._results[request.request_id] = result
-            async for event in self._events(result, s.logprobs):
-                finished = event.finish_reason is not None
-                yield event
+            async with contextlib.aclosing(self._events(result, s.logprobs)) as events:
+                async for event in events:  # closed here when the gateway stops early, not by the GC
+                    finished = event.finish_reason is not None
+                    yield event
         finally:
             self._results.pop(request.request_id, None)
             self.admission.release()
