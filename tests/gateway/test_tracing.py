@@ -56,6 +56,7 @@ def test_span_tree_of_a_request_with_a_failover(traced):
     assert all(s.context.trace_id == root.context.trace_id for s in spans)
     attrs = root.attributes
     assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["url.path"] == "/v1/chat/completions" and attrs["http.request.method"] == "POST"
     assert attrs["gen_ai.provider.name"] == "kvgate"
     assert attrs["gen_ai.request.model"] == "flaky"
     assert attrs["gen_ai.request.max_tokens"] == 2 and attrs["gen_ai.request.seed"] == 3
