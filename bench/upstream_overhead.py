@@ -4,6 +4,7 @@ One fast fixed-response upstream (bench/bare_server.py: 16 chunks, no model) is 
 in this one run, side by side, with the same requests:
 - `direct`:  the upstream itself (the floor);
 - `kvgate`:  `kvgate serve` with one `backend: openai` deployment pointing at the upstream;
+- `relay`:   with --relay, bench/bare_relay.py: the same hop with no gateway logic (the floor);
 - `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
   the upstream as an OpenAI-compatible text-completion model.
 An async httpx client (or one per worker: see `drive`) drives each at concurrency 1, 32 and 128,
@@ -15,7 +16,7 @@ request: on a shared 2-core machine that last column is the steadiest measure of
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
     .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--concurrency 32,128]
-        [--client-per-worker] [--baseline TREE] [--placement free|split]
+        [--client-per-worker] [--baseline TREE] [--relay] [--placement free|split]
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def checkout_env(root: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(map(str, paths))}
 
 
-def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = None) -> dict[str, tuple[subprocess.Popen, str]]:
+def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = None,
+                  with_relay: bool = False) -> dict[str, tuple[subprocess.Popen, str]]:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
     servers = {"direct": (spawn([sys.executable, str(ROOT / "bench/bare_server.py"), str(port), str(MAX_TOKENS)],
@@ -144,6 +146,11 @@ def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = Non
     servers["kvgate"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
                                 "--port", str(kv_port)], f"http://127.0.0.1:{kv_port}/health/ready"),
                          f"http://127.0.0.1:{kv_port}")
+    if with_relay:  # the floor: the same hop with no gateway logic (bench/bare_relay.py)
+        relay_port = free_port()
+        servers["relay"] = (spawn([sys.executable, str(ROOT / "bench/bare_relay.py"), str(relay_port), upstream],
+                                  f"http://127.0.0.1:{relay_port}/health/ready"),
+                            f"http://127.0.0.1:{relay_port}")
     if baseline is not None:  # another checkout's gateway and plugins, e.g. a worktree of an older commit
         base_port = free_port()
         servers["baseline"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
@@ -305,6 +312,8 @@ def main() -> None:
                         help="one httpx client per worker instead of one shared client (see drive)")
     parser.add_argument("--baseline", default=None,
                         help="also run this checkout's gateway (e.g. a git worktree of an older commit) as 'baseline'")
+    parser.add_argument("--relay", action="store_true",
+                        help="also run bench/bare_relay.py (the hop with no gateway logic) as 'relay'")
     parser.add_argument("--placement", choices=("free", "split"), default="free",
                         help="free: the scheduler places the processes; split: this client on one CPU, "
                              "every server on another (see place)")
@@ -314,7 +323,8 @@ def main() -> None:
     streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp:
         servers = start_servers(Path(tmp), with_litellm=not args.no_litellm,
-                                baseline=Path(args.baseline).resolve() if args.baseline else None)
+                                baseline=Path(args.baseline).resolve() if args.baseline else None,
+                                with_relay=args.relay)
         try:
             place(servers, args.placement)
             rows = measure(servers, repeats, args.quick, streams, not args.client_per_worker,
@@ -330,6 +340,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
                                           "shared_client": not args.client_per_worker, "baseline": args.baseline,
+                                          "relay": args.relay,
                                           "placement": args.placement,
                                           "rows": rows, "verdict": summary}, indent=2))
     print(f"wrote {args.out}")
