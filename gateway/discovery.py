@@ -219,6 +219,7 @@ class DiscoveryGroup:
         draining = self.draining.pop(address, None)
         if draining is not None:  # it came back before its drain finished: route to it again
             self.routable[address] = draining
+            self._sort_routable()
             log.info("member %s of model %s is back in DNS: routable again", draining.name, self.model)
             self._changed()
             return
@@ -268,8 +269,13 @@ class DiscoveryGroup:
                 self.problems[address] = problem
                 log.warning("member %s of model %s is not routable yet: %s", member.name, self.model, problem)
         if admitted:
-            self.routable = dict(sorted(self.routable.items(), key=lambda kv: address_order(kv[0])))
+            self._sort_routable()
             self._changed()
+
+    def _sort_routable(self) -> None:
+        """Members in address order, however they arrived: every replica of the gateway then
+        routes over the same list (policies that hash a prefix onto it pick the same member)."""
+        self.routable = dict(sorted(self.routable.items(), key=lambda kv: address_order(kv[0])))
 
     async def _check(self, address: str, member) -> str | None:
         """None when the member may take requests, else why not."""

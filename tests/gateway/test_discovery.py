@@ -177,6 +177,25 @@ def test_members_follow_dns_while_streams_run(dns, port, stack):
     assert f"engines@{A}" not in metrics  # a member gone for good leaves no series behind
 
 
+def test_a_member_back_before_its_drain_ends_takes_its_place_in_address_order(dns, port, stack):
+    dns.set(NAME, [A, B])
+    for host in (A, B):
+        start_upstream(stack, host, port)
+    front = start_front(stack, dns, port)
+    group, client = group_of(front), front.openai()
+    wait_for(lambda: routed_names(front) == [f"engines@{A}", f"engines@{B}"], "A and B to be routable")
+    with front.openai() as other:  # a stream on A (the least loaded of two idle members: the first)
+        stream = iter(other.completions.create(model="echo", prompt=PROMPT, max_tokens=40, stream=True))
+        next(stream)
+        dns.set(NAME, [B])
+        wait_for(lambda: A in group.draining, "A to drain")
+        dns.set(NAME, [A, B])
+        wait_for(lambda: A not in group.draining, "A to come back")
+        assert routed_names(front) == [f"engines@{A}", f"engines@{B}"]  # not appended after B
+        assert complete(client) == "one two"
+        stream.close()
+
+
 def test_a_new_member_is_routable_only_once_healthy(dns, port, stack):
     dns.set(NAME, [A, C])  # nothing listens on C yet
     a = start_upstream(stack, A, port)
