@@ -202,6 +202,18 @@ def test_default_install_is_a_gateway_and_one_cpu_engine(rendered):
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-cpu")
 
 
+@pytest.mark.parametrize("sets,quantization", [
+    ([], "gguf"),  # the image's GGUF, its Q4_1 linears run as stored: what `make serve` runs
+    (["engineDefaults.modelFile=/models/llama"], None),  # another model: float unless told
+    (["engineDefaults.device=cuda"], None),
+    (["engineDefaults.quantization=awq", "engineDefaults.modelFile=/models/llama-awq"], "awq"),
+])
+def test_the_default_engine_runs_the_int4_weights_make_serve_runs(helm, sets, quantization):
+    docs = render(helm, [], sets)
+    cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
+    assert cfg["models"][0]["deployments"][0]["settings"].get("quantization") == quantization
+
+
 def test_gpu_engines_are_one_deployment_found_in_the_headless_services_dns(rendered):
     docs = rendered("gpu-engines")
     sts = find(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2-gpu")[0]

@@ -237,7 +237,9 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- if not (kindIs "invalid" $e.maxModelLen) }}{{ $_ := set $settings "max_model_len" (int $e.maxModelLen) }}{{ end -}}
 {{- if not (kindIs "invalid" $e.numThreads) }}{{ $_ := set $settings "num_threads" (int $e.numThreads) }}{{ end -}}
 {{- if gt (int $e.tensorParallelSize) 1 }}{{ $_ := set $settings "tensor_parallel_size" (int $e.tensorParallelSize) }}{{ end -}}
-{{- with $e.quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
+{{- /* The default model file (the image's GGUF) runs its Q4_1 linears as stored on cpu, as `make serve` does */ -}}
+{{- $quantization := $e.quantization | default (and (eq (default "default" $e.modelFile) "default") (ne $e.device "cuda") | ternary "gguf" "") -}}
+{{- with $quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
 {{- with $e.speculative }}{{ $_ := set $settings "speculative" (include "kvgate.speculativeSettings" . | fromYaml) }}{{ end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
