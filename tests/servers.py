@@ -15,6 +15,30 @@ from gateway.app import build_state, create_app
 from gateway.config import parse_config
 
 
+# kvgate in front of kvgate: an echo gateway, and a front gateway whose deployment is `backend:
+# openai` pointing at it (`.format(base=...)` with the echo gateway's base URL).
+ECHO_GATEWAY = """
+models:
+  - name: echo
+    deployments:
+      - name: echo-0
+        backend: echo
+"""
+
+OPENAI_FRONT = """
+models:
+  - name: echo
+    deployments:
+      - name: upstream-0
+        backend: openai
+        upstream_model: echo
+        settings:
+          base_url: {base}/v1
+          metrics: auto
+          metrics_poll_s: 0.2
+"""
+
+
 class GatewayServer:
     """Serves a YAML config on a free loopback port until `close()`.
 

@@ -21,26 +21,7 @@ import pytest
 import trtllm_standin as standin
 from gateway.backend import GenerationRequest, SamplingParams
 from kvgate_tensorrt_llm import make_tensorrt_llm_backend
-from servers import GatewayServer
-
-ECHO = """
-models:
-  - name: echo
-    deployments:
-      - name: echo-0
-        backend: echo
-"""
-
-FRONT = """
-models:
-  - name: echo
-    deployments:
-      - name: upstream-0
-        backend: openai
-        settings:
-          base_url: {base}/v1
-          metrics: none
-"""
+from servers import ECHO_GATEWAY, OPENAI_FRONT, GatewayServer
 
 PROMPT = "the quick brown fox jumps"
 
@@ -73,7 +54,7 @@ class DroppedGenerators:
 
 @pytest.fixture(scope="module")
 def pair():
-    with GatewayServer(ECHO) as echo, GatewayServer(FRONT.format(base=echo.base_url)) as front:
+    with GatewayServer(ECHO_GATEWAY) as echo, GatewayServer(OPENAI_FRONT.format(base=echo.base_url)) as front:
         yield echo, front
 
 

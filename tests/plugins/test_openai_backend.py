@@ -34,7 +34,7 @@ from gateway.errors import (
     RequestTooLarge,
 )
 from kvgate_openai import make_openai_backend, metrics
-from servers import GatewayServer
+from servers import ECHO_GATEWAY, OPENAI_FRONT, GatewayServer
 
 PROMPT = "the quick brown fox jumps"
 SECRET = "sk-test-5ecret-value-0042"
@@ -43,31 +43,9 @@ KEY_ENV = "KVGATE_TEST_UPSTREAM_KEY"
 
 # -- (a) kvgate -> kvgate(echo) ----------------------------------------------------------------
 
-ECHO = """
-models:
-  - name: echo
-    deployments:
-      - name: echo-0
-        backend: echo
-"""
-
-FRONT = """
-models:
-  - name: echo
-    deployments:
-      - name: upstream-0
-        backend: openai
-        upstream_model: echo
-        settings:
-          base_url: {base}/v1
-          metrics: auto
-          metrics_poll_s: 0.2
-"""
-
-
 @pytest.fixture(scope="module")
 def echo_pair():
-    with GatewayServer(ECHO) as direct, GatewayServer(FRONT.format(base=direct.base_url)) as front:
+    with GatewayServer(ECHO_GATEWAY) as direct, GatewayServer(OPENAI_FRONT.format(base=direct.base_url)) as front:
         yield direct.openai(), front.openai()
 
 
