@@ -3,8 +3,8 @@
 It forwards each POST's body to the upstream and the upstream's answer back, bytes in and bytes
 out (one ASGI send per upstream read), over kvgate's own HTTP/1.1 client (kvgate_openai/h1.py)
 under uvicorn, as `kvgate serve` runs: no parsing, validation, routing, admission, metrics or
-tracing. What it adds over `direct` is what the extra hop itself costs here (two more processes
-hand-offs per request on shared cores); what kvgate adds beyond it is kvgate's own work.
+tracing. What it adds over `direct` is what the extra hop itself costs here (two more hand-offs
+between processes per request, on shared cores); what kvgate adds beyond it is its own work.
 
     python bench/bare_relay.py PORT UPSTREAM_BASE_URL      (e.g. http://127.0.0.1:8001)
 """
