@@ -75,7 +75,7 @@ def load_hf_model(model_dir: str, ctx: LayerContext | None = None) -> LlamaForCa
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     ctx = (ctx or LayerContext.for_device("cpu", torch.float32)).with_quantization(quant)
-    lazy = ctx.shard.size > 1 and quant is None  # a tensor-parallel rank reads its slices only
+    lazy = ctx.shard.size > 1  # a tensor-parallel rank reads its slices only (packed int4 ones too)
     return build_model(config, safetensors_tensors(files, lazy=lazy), ctx)
 
 

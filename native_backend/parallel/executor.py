@@ -1,8 +1,9 @@
 """Rank 0's side of tensor parallelism: start the workers, step them with deltas, watch them, stop them.
 
     TensorParallelExecutor(config)
-      check      the model splits across N (else the valid sizes), no speculative decoding or
-                 AWQ int4 with N > 1 (not yet: refused with the reason)
+      check      the model splits across N (else the valid sizes; packed int4 linears, AWQ or
+                 GGUF Q4, in whole int32 words and groups), no speculative decoding with N > 1
+                 (not yet: refused with the reason)
       spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
       load       rank 0's shard here while the workers load theirs
       agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
@@ -19,7 +20,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
-import os
 import re
 import signal
 from dataclasses import dataclass
@@ -32,14 +32,13 @@ from native_backend.layers.sharding import CommStats, ShardSpec
 from native_backend.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
 from native_backend.parallel.group import backend_for, free_loopback_port, join_group, leave_group, rank_device
 from native_backend.parallel.report import describe_rank
-from native_backend.parallel.validate import check_tp_size
+from native_backend.parallel.validate import check_model_on_disk
 from native_backend.parallel.worker import run_worker
 
 log = logging.getLogger("kvgate.engine")
 
 START_TIMEOUT_S = 600.0  # a worker loading its shard: the engine client's own start-up timeout is the real bound
 STOP_TIMEOUT_S = 5.0  # a worker that has not exited this long after "stop" is killed
-GGUF_Q4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: the int4 method's group for quantization "gguf"
 
 
 STOPPED, DIED, LOST_PEER, TIMED_OUT = "stopped", "died", "lost a peer", "timed out"  # what a worker's state says
@@ -247,19 +246,11 @@ class TensorParallelExecutor:
 
 def check_supported(config: EngineConfig) -> None:
     """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
-    from native_backend.loader import read_model_config
-    from native_backend.quantization.format import read_quant_config_file
-
     size = config.parallel.tensor_parallel_size
     if config.speculative is not None:
         raise ValueError(f"parallel.tensor_parallel_size {size} with speculative decoding: not supported yet "
                          "(run speculative decoding with tensor_parallel_size 1, or drop speculative)")
-    path = config.model.path
-    if os.path.isdir(path) and read_quant_config_file(path) is not None:
-        raise ValueError(f"parallel.tensor_parallel_size {size} with an AWQ int4 checkpoint: not supported yet "
-                         "(serve AWQ with tensor_parallel_size 1, or the float checkpoint with tensor parallelism)")
-    group = GGUF_Q4_GROUP if config.model.quantization == "gguf" else None  # Q4_0 / Q4_1 blocks, run packed
-    check_tp_size(read_model_config(path), size, os.path.basename(path.rstrip("/")) or path, group)
+    check_model_on_disk(config.model.path, size, config.model.quantization)
 
 
 def _without_source_path(text: str) -> str:

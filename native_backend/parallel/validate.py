@@ -2,21 +2,51 @@
 
     query heads % N == 0;  KV heads % N == 0, or N % KV heads == 0 (each KV head replicated);
     MLP intermediate % N == 0;  vocabulary % N == 0 (embedding and LM head split by rows);
-    int4 weights (GGUF Q4 run packed): o_proj's and down_proj's inputs per rank % group == 0
+    int4 linears held packed (AWQ checkpoints; GGUF Q4 run as stored), with group size g:
+        column-parallel (q, k, v, gate, up): a rank's outputs % 8 == 0 (qweight and qzeros hold
+            8 columns an int32: a shard must not cut a word; the C kernel's bands of 16 columns
+            take a last band of 8 and the Triton kernel masks its tiles, so whole words are all
+            they need; scales split by outputs)
+        row-parallel (o, down): a rank's inputs % g == 0 (whole groups: qweight rows, and the
+            rows of qzeros and scales, K / (g N) each)
 
-SmolLM2-135M (9 heads, 3 KV heads, MLP 1536, vocab 49152): 1 and 3. A tiny Llama with 8 heads and
-2 KV heads: 1, 2, 4 and 8.
+SmolLM2-135M (9 heads, 3 KV heads, MLP 1536, vocab 49152): 1 and 3, float or int4 g32 / g64 (a
+rank's o_proj has 192 inputs, down_proj 512). A tiny Llama with 8 heads and 2 KV heads: 1, 2, 4
+and 8.
+
+Torch-free (config.json, GGUF metadata through `gguf`'s numpy reader): the engine checks at start,
+the gateway's settings check (`kvgate check-config`) runs the same rule without the engine.
 """
 
 from __future__ import annotations
 
+import os
+
 from native_backend.config import ModelConfig
+from native_backend.quantization.format import PACK, read_quant_config_file
+
+GGUF_Q4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: the int4 method's group for quantization "gguf"
+
+
+def check_model_on_disk(path: str, size: int, quantization: str = "none") -> None:
+    """`check_tp_size` for the model at `path` (an HF directory or a GGUF file) as the engine will
+    run it: packed int4 linears when the directory is an AWQ checkpoint (its group size) or the GGUF
+    runs its Q4 linears as stored (`quantization` gguf, blocks of 32)."""
+    if os.path.isdir(path):
+        config, quant = ModelConfig.from_hf_dir(path), read_quant_config_file(path)
+        group = quant.group_size if quant is not None else None
+    else:
+        import gguf  # numpy only, no torch
+
+        config = ModelConfig.from_gguf(gguf.GGUFReader(path))
+        group = GGUF_Q4_GROUP if quantization == "gguf" else None  # Q4_0 / Q4_1 blocks, run packed
+    check_tp_size(config, size, os.path.basename(path.rstrip("/")) or path, group)
 
 
 def split_problems(config: ModelConfig, size: int, group_size: int | None = None) -> list[str]:
-    """What does not split across `size` ranks; empty when everything does. `group_size`: int4
-    weights quantized in groups along the input dimension, which a row-parallel shard (o_proj,
-    down_proj) must not cut."""
+    """What does not split across `size` ranks; empty when everything does. `group_size`: the
+    linears are packed int4 weights quantized in groups along the input dimension, which a
+    column-parallel shard must not cut between int32 words nor a row-parallel one within a group."""
     c, problems = config, []
     if c.num_heads % size:
         problems.append(f"{c.num_heads} attention heads")
@@ -28,10 +58,22 @@ def split_problems(config: ModelConfig, size: int, group_size: int | None = None
     if c.vocab_size % size:
         problems.append(f"vocabulary of {c.vocab_size}")
     if group_size and not problems:
-        for what, n in (("o_proj", c.num_heads * c.head_dim), ("down_proj", c.intermediate_size)):
-            if (n // size) % group_size:
-                problems.append(f"{what}'s int4 groups of {group_size} (a shard of {n // size} inputs would cut one)")
+        problems += int4_problems(c, size, group_size)
     return problems
+
+
+def int4_problems(c: ModelConfig, size: int, group_size: int) -> list[str]:
+    """Packed int4 linears whose shard at `size` (heads, KV heads and MLP already split) would cut
+    an int32 of 8 output columns or a quantization group of inputs."""
+    kv_parts = min(size, c.num_kv_heads)  # fewer KV heads than ranks: each rank holds one whole
+    columns = (("q_proj", c.num_heads * c.head_dim // size),
+               ("k_proj/v_proj", c.num_kv_heads * c.head_dim // kv_parts),
+               ("gate_proj/up_proj", c.intermediate_size // size))
+    rows = (("o_proj", c.num_heads * c.head_dim // size), ("down_proj", c.intermediate_size // size))
+    return ([f"{what}'s packed int4 columns (a shard of {n} outputs would cut an int32 of {PACK})"
+             for what, n in columns if n % PACK] +
+            [f"{what}'s int4 groups of {group_size} (a shard of {n} inputs would cut one)"
+             for what, n in rows if n % group_size])
 
 
 def valid_tp_sizes(config: ModelConfig, group_size: int | None = None) -> list[int]:

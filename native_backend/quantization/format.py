@@ -22,9 +22,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the packing functions alone: the gateway's settings check
+    import torch  # reads QuantConfig (parallel.validate) in a process that never imports torch
 
 PACK = 8  # four-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column held by nibble n
@@ -34,6 +35,8 @@ AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(c) for c in range(PACK))
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """(rows, cols) integers in [0, 15] -> (rows, cols / 8) int32 in AWQ's nibble order."""
+    import torch
+
     rows, cols = values.shape
     if cols % PACK:
         raise ValueError(f"pack_int4: {cols} columns is not a multiple of {PACK}")
@@ -51,6 +54,8 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """(rows, cols / 8) int32 in AWQ's nibble order -> (rows, cols) int32 values in [0, 15]."""
+    import torch
+
     shifts = torch.tensor([4 * n for n in AWQ_NIBBLE_OF_COLUMN], dtype=torch.int32, device=packed.device)
     values = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the low nibble: sign-safe
     return values.reshape(packed.shape[0], -1)

@@ -2,7 +2,8 @@
 TP 4 (each KV head replicated on two ranks) give TP 1's logits within 1e-5 over prefill (chunked)
 and decode steps, through real worker processes and a gloo group; sizes that cannot split are
 refused naming the valid ones; each rank holds 1/N of the split weights and of the KV bytes per
-token; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables; a
+token; an AWQ int4 checkpoint whose shards would cut an int32 of packed columns or a quantization
+group is refused naming the sizes that keep them whole; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables; a
 worker killed or stopped fails the step naming its rank, within the collective timeout, and
 leaves no process behind."""
 
@@ -22,6 +23,7 @@ from native_backend.executor import make_executor
 from native_backend.parallel import report
 from native_backend.parallel.deltas import DeltaDecoder, DeltaEncoder
 from native_backend.parallel.executor import TensorParallelError, check_supported
+from native_backend.quantization.quantize import QuantizeOptions, quantize_model
 from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)
@@ -117,6 +119,21 @@ def test_sizes_that_cannot_split_are_refused_naming_the_valid_sizes(checkpoint, 
     with pytest.raises(ValueError, match=r"valid sizes for this model: 1, 2, 4, 8$") as info:
         check_supported(config)
     assert f"{tp} ranks cannot split" in str(info.value) and "attention heads" in str(info.value)
+
+
+@pytest.mark.parametrize("group, tp, cut, valid", [
+    (16, 2, "down_proj's int4 groups of 16 (a shard of 56 inputs would cut one)", "1"),
+    (8, 4, "gate_proj/up_proj's packed int4 columns (a shard of 28 outputs would cut an int32 of 8)", "1, 2")])
+def test_awq_sizes_that_would_cut_an_int32_or_a_group_are_refused_naming_the_valid_sizes(
+        checkpoint, tmp_path, group, tp, cut, valid):
+    """The heads and the MLP split at 2 and 4, but the int4 linears are packed 8 columns an int32
+    and quantized in groups of inputs: MLP 112 is 56 inputs of down_proj a rank at TP 2 (3.5 groups
+    of 16), 28 outputs of gate/up at TP 4 (3.5 int32s)."""
+    awq = str(tmp_path / f"int4-g{group}")
+    quantize_model(checkpoint, awq, QuantizeOptions(method="rtn", group_size=group))
+    with pytest.raises(ValueError, match=rf"valid sizes for this model: {valid}$") as info:
+        check_supported(EngineConfig.build(path=awq, tensor_parallel_size=tp))
+    assert f"{tp} ranks cannot split int4-g{group}: " in str(info.value) and cut in str(info.value)
 
 
 def test_speculative_decoding_with_tp_is_refused_at_start(checkpoint):

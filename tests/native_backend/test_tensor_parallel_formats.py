@@ -4,6 +4,11 @@ the fp32 tests: a process holds one tensor-parallel group at a time).
 - int4 weights: the GGUF Q4_1 linears run packed (quantization gguf) give TP 1's logits within
   1e-4 (the int4 groups of 32 split whole: 192 of o_proj's inputs and 512 of down_proj's a rank;
   the LM head's int8 copy splits by vocabulary rows).
+- int4 AWQ checkpoint (our AutoAWQ GEMM directory, made by the fast RTN path that
+  test_native_awq_http.py's docstring explains): q/k/v and gate/up split their packed columns
+  (whole int32 words), o and down their rows by whole groups of 64; greedy tokens at TP 3 equal
+  TP 1's token for token on the four prompts (checked identical when written: the all-reduce's
+  order of summation changes no argmax there).
 - fp8 KV cache with calibrated scales: every rank calibrates over its own KV heads and the group
   takes each layer's largest scale, which is the single rank's scale; the logits are as close to
   float32's as TP 1's fp8 logits are (largest error 1.90 against 1.85 when written).
@@ -14,9 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from native_backend.engine import LLMEngine
 from native_backend.engine_config import EngineConfig
 from native_backend.executor import make_executor
 from native_backend.loader import default_gguf_path
+from native_backend.protocol import EngineRequest
+from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+from native_backend.sampling_params import SamplingParams
 from native_backend.tokenizer import Tokenizer
 from tensor_parallel_checks import max_difference, run_script, smollm2_prompts
 
@@ -41,6 +50,44 @@ def test_gguf_int4_linears_split_across_three_ranks_match_one_rank(tmp_path):
     finally:
         three.close()
     assert max_difference(logits_3, logits_1) < 1e-4
+
+
+def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens, the prompts batched as the engine schedules them."""
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", prompt, sampling))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_awq_int4_checkpoint_on_three_ranks_gives_one_ranks_greedy_tokens(tmp_path):
+    torch.set_num_threads(1)
+    awq = str(tmp_path / "smollm2-int4-g64")
+    quantize_model(default_gguf_path(), awq, QuantizeOptions(method="rtn", group_size=64))  # the format, fast
+    prompts = smollm2_prompts(Tokenizer.from_pretrained(awq, cache_dir=tmp_path))
+
+    def engine(tp: int) -> LLMEngine:
+        return LLMEngine(EngineConfig.build(path=awq, tokenizer_cache_dir=str(tmp_path), num_threads=1,
+                                            tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8))
+
+    one = engine(1)
+    expected = greedy_tokens(one, prompts, 32)
+    one.executor.close()
+    three = engine(3)
+    try:
+        got = greedy_tokens(three, prompts, 32)
+        line, weights = three.describe(), three.stats().weights
+    finally:
+        three.executor.close()
+    assert got == expected
+    assert len({tuple(t) for t in got}) == len(prompts)  # four different continuations, not one stuck token
+    assert weights == "int4 AWQ g64" and "linears int4 AWQ g64" in line
+    assert "3 tensor-parallel ranks" in line
 
 
 def test_fp8_kv_scales_calibrated_on_three_ranks_equal_one_ranks(tmp_path):

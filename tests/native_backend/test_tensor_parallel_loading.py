@@ -2,7 +2,8 @@
 tensors (GGUF, safetensors) that weight loaders narrow before reading, and every slice read that
 way equals the same slice cut from the whole tensor, bit for bit, for every rank of TP 3 along
 both dimensions (rows: column-parallel; columns: row-parallel), across the file's formats (Q4_1
-and Q8_0 blocks, f32), q/k rows un-permuted per head after the cut."""
+and Q8_0 blocks, f32), q/k rows un-permuted per head after the cut; an AWQ checkpoint's packed
+tensors split so that its ranks hold, between them, exactly the checkpoint's int4 weights."""
 
 from __future__ import annotations
 
@@ -66,3 +67,28 @@ def test_a_rank_built_from_slices_holds_the_same_parameters(tmp_path, size):
         a = build_model(config, safetensors_tensors(files), ctx).state_dict()
         b = build_model(config, safetensors_tensors(files, lazy=True), ctx).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_awq_ranks_hold_the_checkpoints_int4_weights_between_them(tmp_path):
+    """TP 2 of an AWQ g8 checkpoint, each rank loaded from lazy slices of the packed tensors: the
+    weights an unpacker written from the format's rules reads from the ranks' qweight, qzeros and
+    scales, side by side (column-parallel: outputs; row-parallel: inputs), are the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from awq_rules import rules_dequantize
+    from native_backend.layers.context import LayerContext
+    from native_backend.loader import load_hf_model
+    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+
+    awq = str(tmp_path / "int4-g8")
+    quantize_model(tiny_gqa_llama(tmp_path / "float"), awq, QuantizeOptions(method="rtn", group_size=8))
+    whole = load_file(f"{awq}/model.safetensors")
+    ranks = [load_hf_model(awq, LayerContext.for_device("cpu", torch.float32, shard=ShardSpec(r, 2))).state_dict()
+             for r in range(2)]
+    linears = [name.removesuffix(".qweight") for name in whole if name.endswith(".qweight")]
+    assert len(linears) == 2 * 7
+    for prefix in linears:
+        dim = 1 if prefix.endswith(("o_proj", "down_proj")) else 0  # (out, in): row-parallel split inputs
+        parts = [rules_dequantize(r, prefix) for r in ranks]
+        assert all(p.shape[dim] * 2 == rules_dequantize(whole, prefix).shape[dim] for p in parts)
+        assert torch.equal(torch.cat(parts, dim), rules_dequantize(whole, prefix)), prefix
