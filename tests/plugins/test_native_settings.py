@@ -1,9 +1,13 @@
 """The native plugin's settings against the engine's config: every setting reaches the engine,
-field by field, and every engine field is a setting (or named here as the plugin's own)."""
+field by field, and every engine field is a setting (or named here as the plugin's own); the
+settings check (`kvgate check-config`) refuses a tensor-parallel size the model cannot split, as the
+engine would at start, without importing torch."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pydantic
 import pytest
@@ -86,3 +90,45 @@ def test_engine_config_parts_validate_themselves():
         EngineConfig.build(path="m.gguf", max_seqs=4)
     assert EngineConfig.build(path="m.gguf", dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert dataclasses.is_dataclass(EngineConfig.build(path="m.gguf").cache)
+
+
+@pytest.fixture(scope="module")
+def tiny_awq_g8(tmp_path_factory) -> str:
+    """An int4 AWQ g8 checkpoint of the tiny GQA Llama (8 heads, 2 KV heads, MLP 112): its heads and
+    MLP split at 2, 4 and 8, its packed linears at 2 only (28 gate/up columns a rank at 4: 3.5 int32s)."""
+    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+    from tensor_parallel_checks import tiny_gqa_llama
+
+    out = str(tmp_path_factory.mktemp("tiny-int4-g8"))
+    quantize_model(tiny_gqa_llama(tmp_path_factory.mktemp("tiny-gqa")), out, QuantizeOptions(method="rtn", group_size=8))
+    return out
+
+
+def test_check_config_refuses_an_awq_split_that_cuts_packed_columns_naming_the_sizes_that_work(
+        tiny_awq_g8, tmp_path, capsys):
+    from gateway import cli
+
+    def check(tp: int) -> tuple[int, str]:
+        path = tmp_path / f"tp{tp}.yaml"
+        path.write_text(f"models:\n  - name: m\n    deployments:\n      - name: d\n        backend: native\n"
+                        f"        settings: {{model: {tiny_awq_g8}, quantization: awq, tensor_parallel_size: {tp}}}\n")
+        code = cli.main(["check-config", str(path)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    assert check(2)[0] == 0
+    code, output = check(4)
+    assert code == 1, output
+    assert ("parallel.tensor_parallel_size: 4 ranks cannot split tiny-int4-g8" in output
+            and "gate_proj/up_proj's packed int4 columns (a shard of 28 outputs would cut an int32 of 8)" in output
+            and output.rstrip().endswith("valid sizes for this model: 1, 2")), output
+    assert "Traceback" not in output
+
+
+def test_the_split_check_of_the_settings_does_not_import_torch(tiny_awq_g8):
+    """The gateway process never imports torch: the settings check reads config.json alone."""
+    code = ("import sys; from kvgate_native.backend import NativeSettings; "
+            f"NativeSettings(model={tiny_awq_g8!r}, quantization='awq', tensor_parallel_size=2); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -34,6 +34,7 @@ from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
 from native_backend.engine_config import (
     CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions, SpeculativeOptions)
+from native_backend.parallel.validate import check_model_on_disk
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
 from native_backend.sampling_params import SamplingParams as EngineSampling
 from native_backend.tokenizer import Tokenizer, default_model_path
@@ -105,8 +106,9 @@ class NativeSettings(BaseModel):
     # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
     speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs on cuda) one engine shards the model "
-                                      "across; the model's heads, KV heads, MLP and vocabulary must split "
-                                      "(refused at start naming the sizes that would).")
+                                      "across; the model's heads, KV heads, MLP and vocabulary must split, "
+                                      "int4 linears in whole int32 words and groups (refused by this "
+                                      "check and at start, naming the sizes that would).")
     collective_timeout_s: float = Field(60.0, gt=0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
@@ -116,16 +118,30 @@ class NativeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _supported_so_far(self):
-        if self.tensor_parallel_size > 1 and (self.speculative is not None or self.quantization == "awq"):
-            what = "speculative decoding" if self.speculative is not None else "quantization awq"
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} with {what}: not supported yet "
-                             "(use tensor_parallel_size 1 for it)")
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} with speculative decoding: not "
+                             "supported yet (use tensor_parallel_size 1 for it)")
         if self.quantization not in ("none", "awq", "gguf"):  # GPTQ, FP8 weights, ...: no kernels for them yet
             raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float, "
                              "AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use none, awq or gguf")
         if self.quantization == "gguf" and not (self.model == "default" or self.model.endswith(".gguf")):
             raise ValueError(f"quantization: gguf needs a .gguf model file, got {self.model}")
+        if self.tensor_parallel_size > 1:
+            self._check_the_split()
         return self
+
+    def _check_the_split(self) -> None:
+        """The engine's own rule for the model as it is on disk (heads, KV heads, MLP, vocabulary;
+        packed int4 linears in whole int32 words and whole groups), so that check-config refuses
+        the sizes start-up would, naming the ones that work. Torch-free; a model that is not there
+        (yet) is start()'s error, one that cannot be read the engine's."""
+        path = default_model_path() if self.model == "default" else self.model
+        if not os.path.exists(path):
+            return
+        try:
+            check_model_on_disk(path, self.tensor_parallel_size, self.quantization)
+        except (OSError, KeyError, TypeError):  # an unreadable config.json / GGUF: the engine says what is wrong
+            return
 
     def engine_config(self) -> EngineConfig:
         """Field by field onto the engine's parts (tests/plugins holds the two field sets in step)."""
