@@ -121,14 +121,15 @@ def lookup(table: dict, name: str, what: str):
 # ------------------------------------------------------------------------------ tensor parallelism
 
 
-def check_tp(config: ModelConfig, tp: int, model_name: str) -> None:
+def check_tp(config: ModelConfig, tp: int, model_name: str, group_size: int | None = None) -> None:
     """The engine's own rule (parallel.validate: heads, KV heads split or replicated, MLP and
-    vocabulary), so the plan never calls a size valid that the engine refuses."""
-    problems = split_problems(config, tp) if tp >= 1 else ["a size below 1"]
+    vocabulary; with `group_size`, packed int4 linears cut in whole int32 words and groups), so
+    the plan never calls a size valid that the engine refuses."""
+    problems = split_problems(config, tp, group_size) if tp >= 1 else ["a size below 1"]
     if problems:
         raise PlanError(
             f"--tp {tp} does not split {model_name}: {'; '.join(problems)}; valid sizes: "
-            + ", ".join(map(str, valid_tp_sizes(config))))
+            + ", ".join(map(str, valid_tp_sizes(config, group_size))))
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
@@ -245,7 +246,7 @@ def make_plan(inputs: PlanInputs, config: ModelConfig) -> MemoryPlan:
     kv = lookup(KV_FORMATS, fmt.auto_kv_dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype,
                 "KV cache dtype")
     _check_numbers(inputs)
-    check_tp(config, inputs.tp, inputs.model)
+    check_tp(config, inputs.tp, inputs.model, fmt.group_size)
     weights = weights_bytes_per_rank(config, fmt, inputs.tp)
     memory = _gpu_memory(inputs)
     activations = activation_bytes(config, fmt, tp=inputs.tp, tokens=inputs.max_num_batched_tokens,
@@ -303,7 +304,8 @@ def _no_room(inputs: PlanInputs, config: ModelConfig, per_block: int, weights: i
 
 def _what_would_fit(inputs: PlanInputs, config: ModelConfig) -> str:
     """The smallest valid larger TP that leaves room for KV, if any does."""
-    for tp in (n for n in valid_tp_sizes(config) if n > inputs.tp):
+    group = lookup(WEIGHT_FORMATS, inputs.weights, "weight format").group_size
+    for tp in (n for n in valid_tp_sizes(config, group) if n > inputs.tp):
         try:
             make_plan(replace(inputs, tp=tp), config)
             return f"--tp {tp} fits"

@@ -118,6 +118,15 @@ def test_the_plan_refuses_what_the_engine_refuses():
         plan("SmolLM2-135M", tp=9, gpu="L4")
 
 
+def test_int4_weights_are_held_to_the_engines_packed_int4_rule():
+    """Llama-3-8B splits 32 ways in fp16, but AWQ int4 (groups of 128) at 32 ranks would give
+    down_proj 448 inputs a rank, cutting a group: the engine refuses it, so does the plan."""
+    assert plan("Llama-3-8B", tp=32, kv_cache_gib=1).weights_bytes > 0  # fp16: a valid size
+    with pytest.raises(PlanError, match=r"--tp 32 .*down_proj's int4 groups of 128 \(a shard of 448 inputs "
+                                        r"would cut one\); valid sizes: 1, 2, 4, 8, 16$"):
+        plan("Llama-3-8B", weights="awq-int4", tp=32, kv_cache_gib=1)
+
+
 # ------------------------------------------------------------------------------ the budget
 
 
