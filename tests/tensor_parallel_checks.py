@@ -1,6 +1,6 @@
-"""Shared by the tensor-parallel tests: a tiny GQA Llama checkpoint, and a fixed script of
-prefill and decode steps run through an executor's `compute_logits` (rank 0 gathers the whole
-vocabulary's logits from every rank)."""
+"""Shared by the tensor-parallel tests: a tiny GQA Llama checkpoint, a fixed script of prefill and
+decode steps run through an executor's `compute_logits` (rank 0 gathers the whole vocabulary's
+logits from every rank), and an engine's greedy tokens for a batch of prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import transformers
 from native_backend.batch import ScheduledChunk, SchedulerOutput
 from native_backend.engine_config import EngineConfig
 from native_backend.executor import make_executor
+from native_backend.protocol import EngineRequest
 from native_backend.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -63,6 +64,19 @@ def run_script(executor, prompts: list[list[int]], decode_steps: int, feed: list
         logits.append(out)
         last = {r: rows[-1] for r, rows in out.items()}
     return logits, fed
+
+
+def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens from an LLMEngine, the prompts batched as it schedules them."""
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", prompt, sampling))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 def smollm2_prompts(tokenizer) -> list[list[int]]:

@@ -10,6 +10,12 @@ table the worker already has (`keep`) and the new tail:
     (a shortened table, e.g. a rolled-back block: keep < old length, tail = the rest)
 
 Requests that ended or were preempted are listed once, and the workers forget their tables.
+
+Speculative decoding (n-gram drafts): a verifying chunk's tokens are its last known token and its
+drafts, [t, d1..dk] with num_logits k + 1, which the worker runs like any short chunk. Nothing
+about the outcome is sent: rank 0's scheduler rolls the rejected drafts back, and the next step's
+start_pos and block table (a released block: a shortened table) are all the worker needs; the
+rejected positions' KV slots are overwritten by later steps on every rank alike.
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ class DeltaEncoder:
             self.tables.pop(request_id, None)
         chunks = []
         for c in scheduled.chunks:
-            if c.draft_token_ids or c.num_spec_tokens:
-                raise ValueError("speculative decoding does not run with tensor parallelism yet")
+            if c.num_spec_tokens != len(c.draft_token_ids):  # slots a draft model would fill on rank 0 alone
+                raise ValueError("speculative method 'draft' does not run with tensor parallelism (ngram does)")
             old, table = self.tables.get(c.request_id, []), c.block_table
             keep = _common_prefix(old, table)
-            chunks.append((c.request_id, c.token_ids, c.start_pos, keep, table[keep:], c.sample, c.num_logits))
+            tokens = c.token_ids + c.draft_token_ids if c.draft_token_ids else c.token_ids  # model_runner.step_tokens
+            chunks.append((c.request_id, tokens, c.start_pos, keep, table[keep:], c.sample, c.num_logits))
             self.tables[c.request_id] = list(table)  # the scheduler's list keeps changing
         return StepDelta(mode, dropped, chunks)
 

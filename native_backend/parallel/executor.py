@@ -2,8 +2,8 @@
 
     TensorParallelExecutor(config)
       check      the model splits across N (else the valid sizes; packed int4 linears, AWQ or
-                 GGUF Q4, in whole int32 words and groups), no speculative decoding with N > 1
-                 (not yet: refused with the reason)
+                 GGUF Q4, in whole int32 words and groups); speculative decoding with N > 1:
+                 method ngram (every rank runs the verification), draft refused with the reason
       spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
       load       rank 0's shard here while the workers load theirs
       agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
@@ -32,7 +32,7 @@ from native_backend.layers.sharding import CommStats, ShardSpec
 from native_backend.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
 from native_backend.parallel.group import backend_for, free_loopback_port, join_group, leave_group, rank_device
 from native_backend.parallel.report import describe_rank
-from native_backend.parallel.validate import check_model_on_disk
+from native_backend.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.parallel.worker import run_worker
 
 log = logging.getLogger("kvgate.engine")
@@ -247,9 +247,7 @@ class TensorParallelExecutor:
 def check_supported(config: EngineConfig) -> None:
     """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
     size = config.parallel.tensor_parallel_size
-    if config.speculative is not None:
-        raise ValueError(f"parallel.tensor_parallel_size {size} with speculative decoding: not supported yet "
-                         "(run speculative decoding with tensor_parallel_size 1, or drop speculative)")
+    check_speculative_method(size, config.speculative.method if config.speculative is not None else None)
     check_model_on_disk(config.model.path, size, config.model.quantization)
 
 

@@ -14,6 +14,10 @@ SmolLM2-135M (9 heads, 3 KV heads, MLP 1536, vocab 49152): 1 and 3, float or int
 rank's o_proj has 192 inputs, down_proj 512). A tiny Llama with 8 heads and 2 KV heads: 1, 2, 4
 and 8.
 
+Speculative decoding: method ngram runs at any size (its drafts come from the token history on
+rank 0; every rank runs the verification's forward pass); method draft is refused (its draft
+passes sample on rank 0 between forward passes that would have to run on every rank).
+
 Torch-free (config.json, GGUF metadata through `gguf`'s numpy reader): the engine checks at start,
 the gateway's settings check (`kvgate check-config`) runs the same rule without the engine.
 """
@@ -41,6 +45,15 @@ def check_model_on_disk(path: str, size: int, quantization: str = "none") -> Non
         config = ModelConfig.from_gguf(gguf.GGUFReader(path))
         group = GGUF_Q4_GROUP if quantization == "gguf" else None  # Q4_0 / Q4_1 blocks, run packed
     check_tp_size(config, size, os.path.basename(path.rstrip("/")) or path, group)
+
+
+def check_speculative_method(size: int, method: str | None) -> None:
+    """Raise ValueError for speculative decoding that tensor parallelism does not run (method
+    draft), naming what does (ngram); None: speculation off."""
+    if size > 1 and method == "draft":
+        raise ValueError(f"parallel.tensor_parallel_size {size} with speculative method 'draft': not supported "
+                         "(a draft model runs at tensor_parallel_size 1 only); with tensor parallelism use "
+                         "speculative method 'ngram' (prompt lookup)")
 
 
 def split_problems(config: ModelConfig, size: int, group_size: int | None = None) -> list[str]:

@@ -539,10 +539,15 @@ def test_engine_config_with_tensor_parallelism_passes_the_config_check(helm, tmp
         "nvidia.com/gpu"] == 3
     code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
     assert code == 0, output
-    # What the engine cannot combine with it yet is refused by the same check, with the reason.
+    # n-gram speculation runs under it; a draft model does not, refused by the same check naming ngram.
     docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.speculative.method=ngram"])
     code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
-    assert code == 1 and "tensor_parallel_size 3 with speculative decoding: not supported yet" in output
+    assert code == 0, output
+    docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.speculative.method=draft",
+                             "engineDefaults.speculative.draftNumLayers=4"])
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    assert code == 1 and "tensor_parallel_size 3 with speculative method 'draft': not supported" in output
+    assert "use speculative method 'ngram'" in output
 
 
 # ------------------------------------------------------------------------------ served for real

@@ -5,7 +5,8 @@ refused naming the valid ones; each rank holds 1/N of the split weights and of t
 token; an AWQ int4 checkpoint whose shards would cut an int32 of packed columns or a quantization
 group is refused naming the sizes that keep them whole; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables; a
 worker killed or stopped fails the step naming its rank, within the collective timeout, and
-leaves no process behind."""
+leaves no process behind; a draft model under TP is refused naming ngram, and n-gram verification
+steps (drafts rejected, a block rolled back) sample what one rank samples."""
 
 from __future__ import annotations
 
@@ -136,10 +137,42 @@ def test_awq_sizes_that_would_cut_an_int32_or_a_group_are_refused_naming_the_val
     assert f"{tp} ranks cannot split int4-g{group}: " in str(info.value) and cut in str(info.value)
 
 
-def test_speculative_decoding_with_tp_is_refused_at_start(checkpoint):
-    config = EngineConfig.build(path=checkpoint, tensor_parallel_size=2, speculative={"method": "ngram"})
-    with pytest.raises(ValueError, match="speculative decoding: not supported yet"):
+def test_a_draft_model_with_tp_is_refused_at_start_naming_ngram(checkpoint):
+    config = EngineConfig.build(path=checkpoint, tensor_parallel_size=2,
+                                speculative={"method": "draft", "draft_num_layers": 1})
+    with pytest.raises(ValueError, match="size 2 with speculative method 'draft': not supported") as info:
         make_executor(config)
+    assert "use speculative method 'ngram'" in str(info.value)
+    check_supported(EngineConfig.build(path=checkpoint, tensor_parallel_size=2, speculative={"method": "ngram"}))
+
+
+def test_verification_steps_sample_and_roll_back_as_on_one_rank(checkpoint, single):
+    """n-gram drafts as the scheduler sends them: the last token and k drafts, one rejected; the
+    rollback releases the block the drafts had spilled into, and the next step (a new block there,
+    the rejected position rewritten) samples what one rank samples."""
+    one, prompt = single[0], PROMPTS[0][:14]
+    ahead = _greedy_continuation(one, prompt, 4, blocks=[100, 101])  # c0..c3, to draft from
+    wrong = (ahead[2] + 1) % 96
+    steps = [SchedulerOutput([ScheduledChunk("v", prompt, 0, [110], True, GREEDY)]),
+             SchedulerOutput([ScheduledChunk("v", [ahead[0]], 14, [110, 111], True, GREEDY, num_logits=4,
+                                             num_spec_tokens=3, draft_token_ids=[ahead[1], wrong, ahead[3]])]),
+             SchedulerOutput([ScheduledChunk("v", [ahead[2]], 16, [110, 112], True, GREEDY)])]
+    executor = executor_for(checkpoint, 2)
+    try:
+        got = [executor.execute(s).sampled_token_ids["v"] for s in steps]
+    finally:
+        executor.close()
+    want = [one.execute(s).sampled_token_ids["v"] for s in steps]
+    assert got == want == [[ahead[0]], [ahead[1], ahead[2]], [ahead[3]]]
+
+
+def _greedy_continuation(executor, prompt: list[int], n: int, blocks: list[int]) -> list[int]:
+    tokens = executor.execute(SchedulerOutput([ScheduledChunk("c", prompt, 0, blocks, True, GREEDY)])
+                              ).sampled_token_ids["c"]
+    for i in range(n - 1):
+        step = SchedulerOutput([ScheduledChunk("c", tokens[-1:], len(prompt) + i, blocks, True, GREEDY)])
+        tokens += executor.execute(step).sampled_token_ids["c"]
+    return tokens
 
 
 def test_deltas_rebuild_every_block_table_the_scheduler_sent():
@@ -166,6 +199,18 @@ def test_deltas_rebuild_every_block_table_the_scheduler_sent():
         rebuilt = decoder.decode(delta)
         assert [(c.request_id, c.block_table) for c in rebuilt.chunks] == [(c.request_id, c.block_table) for c in chunks]
         assert sum(len(c[4]) for c in delta.chunks) <= sum(len(c.block_table) for c in chunks)  # tails only
+
+
+def test_a_verifying_chunk_reaches_the_workers_as_its_tokens_and_drafts():
+    """The worker runs [last token, drafts] with k + 1 logits rows; slots a draft model would
+    fill on rank 0 (method draft) cannot be sent."""
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    verify = ScheduledChunk("a", [5], 20, [3, 4], True, GREEDY, num_logits=3, num_spec_tokens=2, draft_token_ids=[6, 7])
+    (chunk,) = decoder.decode(encoder.encode(SchedulerOutput([verify]))).chunks
+    assert (chunk.token_ids, chunk.start_pos, chunk.block_table, chunk.num_logits) == ([5, 6, 7], 20, [3, 4], 3)
+    slots = ScheduledChunk("b", [5], 20, [3, 4], True, GREEDY, num_logits=3, num_spec_tokens=2)
+    with pytest.raises(ValueError, match="speculative method 'draft' does not run with tensor parallelism"):
+        encoder.encode(SchedulerOutput([slots]))
 
 
 @pytest.mark.parametrize("sig, rank, message", [

@@ -23,11 +23,9 @@ from native_backend.engine import LLMEngine
 from native_backend.engine_config import EngineConfig
 from native_backend.executor import make_executor
 from native_backend.loader import default_gguf_path
-from native_backend.protocol import EngineRequest
 from native_backend.quantization.quantize import QuantizeOptions, quantize_model
-from native_backend.sampling_params import SamplingParams
 from native_backend.tokenizer import Tokenizer
-from tensor_parallel_checks import max_difference, run_script, smollm2_prompts
+from tensor_parallel_checks import greedy_tokens, max_difference, run_script, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -50,19 +48,6 @@ def test_gguf_int4_linears_split_across_three_ranks_match_one_rank(tmp_path):
     finally:
         three.close()
     assert max_difference(logits_3, logits_1) < 1e-4
-
-
-def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Every prompt's greedy tokens, the prompts batched as the engine schedules them."""
-    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", prompt, sampling))
-    tokens = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id].extend(out.new_token_ids)
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_awq_int4_checkpoint_on_three_ranks_gives_one_ranks_greedy_tokens(tmp_path):

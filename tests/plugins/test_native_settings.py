@@ -132,3 +132,26 @@ def test_the_split_check_of_the_settings_does_not_import_torch(tiny_awq_g8):
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("speculative, error", [
+    ("{method: ngram, num_speculative_tokens: 4}", None),
+    ("{method: draft, draft_num_layers: 4}",
+     "tensor_parallel_size 3 with speculative method 'draft': not supported (a draft model runs at "
+     "tensor_parallel_size 1 only); with tensor parallelism use speculative method 'ngram' (prompt lookup)"),
+])
+def test_check_config_passes_ngram_speculation_at_tp3_and_refuses_a_draft_model_naming_ngram(
+        tmp_path, capsys, speculative, error):
+    from gateway import cli
+
+    path = tmp_path / "tp3.yaml"
+    path.write_text("models:\n  - name: m\n    deployments:\n      - name: d\n        backend: native\n"
+                    f"        settings: {{tensor_parallel_size: 3, speculative: {speculative}}}\n")
+    code = cli.main(["check-config", str(path)])
+    out = capsys.readouterr()
+    output = out.out + out.err
+    if error is None:
+        assert code == 0, output
+    else:
+        assert code == 1 and error in output, output
+        assert "Traceback" not in output

@@ -34,7 +34,7 @@ from native_backend.cache_dir import tokenizer_cache_dir
 from native_backend.client import AsyncEngineClient
 from native_backend.engine_config import (
     CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions, SpeculativeOptions)
-from native_backend.parallel.validate import check_model_on_disk
+from native_backend.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
 from native_backend.sampling_params import SamplingParams as EngineSampling
 from native_backend.tokenizer import Tokenizer, default_model_path
@@ -118,9 +118,7 @@ class NativeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _supported_so_far(self):
-        if self.tensor_parallel_size > 1 and self.speculative is not None:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} with speculative decoding: not "
-                             "supported yet (use tensor_parallel_size 1 for it)")
+        check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None)
         if self.quantization not in ("none", "awq", "gguf"):  # GPTQ, FP8 weights, ...: no kernels for them yet
             raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float, "
                              "AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use none, awq or gguf")
