@@ -1,6 +1,6 @@
 """Shared by the tensor-parallel tests: a tiny GQA Llama checkpoint, a fixed script of prefill and
 decode steps run through an executor's `compute_logits` (rank 0 gathers the whole vocabulary's
-logits from every rank), and an engine's greedy tokens for a batch of prompts."""
+logits from every rank), and an engine's tokens (greedy, or as sampled) for a batch of prompts."""
 
 from __future__ import annotations
 
@@ -68,7 +68,11 @@ def run_script(executor, prompts: list[list[int]], decode_steps: int, feed: list
 
 def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Every prompt's greedy tokens from an LLMEngine, the prompts batched as it schedules them."""
-    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return engine_tokens(engine, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+
+
+def engine_tokens(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+    """Every prompt's tokens from an LLMEngine with these sampling settings, batched."""
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", prompt, sampling))
     tokens = {f"r{i}": [] for i in range(len(prompts))}
