@@ -241,7 +241,10 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int,
 
 
 def median_of(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Medians of the numbers; lists (the kinds of errors seen) are merged (an even number of
+    repeats would otherwise average two lists)."""
+    return {k: sorted({v for r in runs for v in r[k]}) if isinstance(runs[0][k], list)
+            else statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = True,
