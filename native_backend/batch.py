@@ -39,6 +39,11 @@ class ScheduledChunk:
     draft_token_ids: list[int] = field(default_factory=list)
 
 
+def step_tokens(chunk: ScheduledChunk) -> list[int]:
+    """The tokens a chunk runs: its known tokens, then its drafts (verification)."""
+    return chunk.token_ids + chunk.draft_token_ids if chunk.draft_token_ids else chunk.token_ids
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]

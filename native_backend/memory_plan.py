@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from native_backend.config import ModelConfig
-from native_backend.parallel.validate import split_problems, valid_tp_sizes
+from native_backend.parallel.validate import kv_heads_per_rank, split_problems, valid_tp_sizes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -130,10 +130,6 @@ def check_tp(config: ModelConfig, tp: int, model_name: str, group_size: int | No
         raise PlanError(
             f"--tp {tp} does not split {model_name}: {'; '.join(problems)}; valid sizes: "
             + ", ".join(map(str, valid_tp_sizes(config, group_size))))
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
-    return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
 # ------------------------------------------------------------------------------ the arithmetic

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from native_backend.attention.metadata import AttentionMetadata
-from native_backend.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
+from native_backend.batch import RunnerOutput, ScheduledChunk, SchedulerOutput, step_tokens
 from native_backend.kv_cache import KVCache
 from native_backend.sampler import Sampler, SamplingRow
 
@@ -141,11 +141,6 @@ class ModelRunner:
             attn_metadata=md,
             logits_indices=_logits_indices(chunks, query_lens).to(self.device),
         )
-
-
-def step_tokens(chunk: ScheduledChunk) -> list[int]:
-    """The tokens a chunk runs: its known tokens, then its drafts (verification)."""
-    return chunk.token_ids + chunk.draft_token_ids if chunk.draft_token_ids else chunk.token_ids
 
 
 def _logits_indices(chunks: list[ScheduledChunk], query_lens: list[int]) -> torch.Tensor:

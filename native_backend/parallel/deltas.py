@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput
+from native_backend.batch import ScheduledChunk, SchedulerOutput, step_tokens
 from native_backend.sampling_params import SamplingParams
 
 # (request_id, token_ids, start_pos, keep, tail, sample, num_logits)
@@ -54,8 +54,7 @@ class DeltaEncoder:
                 raise ValueError("speculative method 'draft' does not run with tensor parallelism (ngram does)")
             old, table = self.tables.get(c.request_id, []), c.block_table
             keep = _common_prefix(old, table)
-            tokens = c.token_ids + c.draft_token_ids if c.draft_token_ids else c.token_ids  # model_runner.step_tokens
-            chunks.append((c.request_id, tokens, c.start_pos, keep, table[keep:], c.sample, c.num_logits))
+            chunks.append((c.request_id, step_tokens(c), c.start_pos, keep, table[keep:], c.sample, c.num_logits))
             self.tables[c.request_id] = list(table)  # the scheduler's list keeps changing
         return StepDelta(mode, dropped, chunks)
 

@@ -78,15 +78,20 @@ def split_problems(config: ModelConfig, size: int, group_size: int | None = None
 def int4_problems(c: ModelConfig, size: int, group_size: int) -> list[str]:
     """Packed int4 linears whose shard at `size` (heads, KV heads and MLP already split) would cut
     an int32 of 8 output columns or a quantization group of inputs."""
-    kv_parts = min(size, c.num_kv_heads)  # fewer KV heads than ranks: each rank holds one whole
     columns = (("q_proj", c.num_heads * c.head_dim // size),
-               ("k_proj/v_proj", c.num_kv_heads * c.head_dim // kv_parts),
+               ("k_proj/v_proj", kv_heads_per_rank(c.num_kv_heads, size) * c.head_dim),
                ("gate_proj/up_proj", c.intermediate_size // size))
     rows = (("o_proj", c.num_heads * c.head_dim // size), ("down_proj", c.intermediate_size // size))
     return ([f"{what}'s packed int4 columns (a shard of {n} outputs would cut an int32 of {PACK})"
              for what, n in columns if n % PACK] +
             [f"{what}'s int4 groups of {group_size} (a shard of {n} inputs would cut one)"
              for what, n in rows if n % group_size])
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads a rank holds: its share while they split, one whole (replicated) when there are
+    fewer heads than ranks (layers/sharding.py: ShardSpec.kv_head_shard)."""
+    return num_kv_heads // size if num_kv_heads >= size else 1
 
 
 def valid_tp_sizes(config: ModelConfig, group_size: int | None = None) -> list[int]:
