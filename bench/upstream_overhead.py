@@ -4,7 +4,7 @@ One fast fixed-response upstream (bench/bare_server.py: 16 chunks, no model) is 
 in this one run, side by side, with the same requests:
 - `direct`:  the upstream itself (the floor);
 - `kvgate`:  `kvgate serve` with one `backend: openai` deployment pointing at the upstream;
-- `relay`:   with --relay, bench/bare_relay.py: the same hop with no gateway logic (the floor);
+- `relay`:   with --relay, bench/bare_relay.py: the same hop with no gateway logic (the hop's own cost);
 - `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
   the upstream as an OpenAI-compatible text-completion model.
 An async httpx client (or one per worker: see `drive`) drives each at concurrency 1, 32 and 128,
