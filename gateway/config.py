@@ -238,6 +238,8 @@ class LimitsStoreConfig(StrictModel):
     kind: Literal["memory", "redis"] = Field(
         "memory", description="memory: each gateway counts alone; redis: all gateways share one budget per key.")
     url_env: str | None = Field(None, description="Environment variable holding the Redis URL (redis://host:6379/0).")
+    password_env: str | None = Field(None, description="Environment variable holding the Redis password, "
+                                     "for a URL without one (the chart's Redis: the URL is not secret, this is).")
     key_prefix: str = Field("kvgate", description="Prefix of the Redis keys (gateways sharing budgets share it).")
     timeout_s: float = Field(0.5, gt=0, description="Seconds a Redis call may take before the gateway "
                              "falls back to local limits.")

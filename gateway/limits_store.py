@@ -136,16 +136,23 @@ def make_limiter(cfg: LimitsStoreConfig, env=None):
     url = env.get(cfg.url_env)
     if not url:
         raise ValueError(f"auth.limits_store.url_env: environment variable {cfg.url_env} is not set")
-    return RedisLimiter(cfg, url)
+    password = None
+    if cfg.password_env:
+        password = env.get(cfg.password_env)
+        if not password:
+            raise ValueError(f"auth.limits_store.password_env: environment variable {cfg.password_env} is not set")
+    return RedisLimiter(cfg, url, password=password)
 
 
 class RedisLimiter:
     """KeyLimiter's interface, counted in Redis; a local KeyLimiter while Redis is down."""
 
-    def __init__(self, cfg: LimitsStoreConfig, url: str, lease_s: float = LEASE_S):
+    def __init__(self, cfg: LimitsStoreConfig, url: str, lease_s: float = LEASE_S, password: str | None = None):
         self.cfg = cfg
         self.lease_s = lease_s
-        self.redis = Redis.from_url(url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+        # A password in the URL wins over `password` (redis-py's rule).
+        self.redis = Redis.from_url(url, password=password, socket_timeout=cfg.timeout_s,
+                                    socket_connect_timeout=cfg.timeout_s,
                                     retry=Retry(NoBackoff(), 0))  # fail fast: local limits are the retry
         self._admit = self.redis.register_script(ADMIT)  # EVALSHA, re-sent after a Redis restart
         self._finish = self.redis.register_script(FINISH)

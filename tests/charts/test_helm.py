@@ -10,6 +10,7 @@ helm comes from PyPI on first use (tests/charts/tools.py).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -27,6 +28,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.errors import RateLimited
 from gateway.hookspecs import hookimpl
 from tools import REPO, ToolUnavailable, tool_path
 
@@ -46,6 +48,7 @@ VALUE_SETS = {
 }
 SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+ENGINE_ENV = {"KVGATE_ENGINE_KEY": "generated-engine-key"}  # what an engine pod gets from its Secret
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -172,7 +175,7 @@ BAD_VALUES = [
     (["gateway.replicaz=3"], "additional properties 'replicaz' not allowed"),
     (["engines[0].name=x", "engines[0].model=gold"], "engines[0].model: 'gold' is not one of models[].name"),
     (["auth.keys[0].name=team-a"], "auth.keys[0] (team-a): no secret for it"),
-    (["engineAuth.enabled=true"], "engineAuth.enabled: set engineAuth.existingSecret, or engineAuth.value"),
+    (["networkPolicy.gatewayIngressFrom=null"], "networkPolicy.gatewayIngressFrom is empty, so no one could reach"),
     (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct"], "missing property 'discovery'"),
     (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct", "remoteModels[0].baseUrl=http://v:80/v1",
       "remoteModels[0].discovery.dns=v", "remoteModels[0].discovery.port=80"], "'oneOf' failed, subschemas 0, 1 matched"),
@@ -195,7 +198,7 @@ def test_default_install_is_a_gateway_and_one_cpu_engine(rendered):
     docs = rendered("default")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Deployment") == 1 and kinds.count("StatefulSet") == 1
-    assert not {"HorizontalPodAutoscaler", "Ingress", "HTTPRoute", "ServiceMonitor", "NetworkPolicy", "Secret"} & set(kinds)
+    assert not {"HorizontalPodAutoscaler", "Ingress", "HTTPRoute", "ServiceMonitor"} & set(kinds)
     sts = find(docs, "StatefulSet")[0]
     limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nvidia.com/gpu" not in limits
@@ -420,6 +423,135 @@ def test_existing_secrets_are_referenced_not_created(rendered):
     assert auth["keys"][1]["sla_classes"] == ["batch"]  # pinned: x-sla-class cannot lift it
 
 
+# ------------------------------------------------------------------------------ safe defaults
+
+ENGINE_KEY_REF = {"name": f"{RELEASE}-kvgate-engine-key", "key": "engine-key"}
+
+
+def test_by_default_the_engines_admit_the_gateway_pods_alone(rendered):
+    docs = rendered("default")
+    gateway_pod = find(docs, "Deployment", f"{RELEASE}-kvgate")[0]["spec"]["template"]["metadata"]["labels"]
+    engine_pod = find(docs, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
+    policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= engine_pod.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    [peer] = rule["from"]  # one peer: no namespaceSelector or ipBlock widens it
+    assert set(peer) == {"podSelector"}
+    assert peer["podSelector"]["matchLabels"].items() <= gateway_pod.items()
+    assert not peer["podSelector"]["matchLabels"].items() <= engine_pod.items()
+    # The gateway admits this namespace's pods, not every source.
+    gateway = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate")[0]["spec"]
+    assert gateway["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}], "from": [{"podSelector": {}}]}]
+
+
+def test_gateway_ingress_opens_to_all_only_when_values_say_so(helm):
+    policy = find(render(helm, [], ["networkPolicy.gatewayOpenToAll=true"]), "NetworkPolicy", f"{RELEASE}-kvgate")
+    assert policy[0]["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]  # no `from`: anyone
+
+
+def test_by_default_the_engines_need_a_generated_key_only_the_gateway_holds(helm, rendered):
+    docs = rendered("default")
+    key = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")["KVGATE_ENGINE_KEY"]
+    assert len(key) >= 32 and key.isalnum()
+    assert secret_env(render(helm), "StatefulSet", f"{RELEASE}-kvgate-smollm2")["KVGATE_ENGINE_KEY"] != key
+    for kind, name in (("Deployment", f"{RELEASE}-kvgate"), ("StatefulSet", f"{RELEASE}-kvgate-smollm2")):
+        env = {e["name"]: e for e in container_env(docs, kind, name)}
+        assert env["KVGATE_ENGINE_KEY"]["valueFrom"]["secretKeyRef"] == ENGINE_KEY_REF, name
+    engine_cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
+    assert engine_cfg["auth"]["keys"] == [{"name": "gateway", "key_env": "KVGATE_ENGINE_KEY", "scopes": ["metrics"]}]
+    [deployment] = gateway_config(docs)["models"][0]["deployments"]
+    assert deployment["settings"]["api_key_env"] == "KVGATE_ENGINE_KEY"
+
+
+def test_a_default_engine_pod_refuses_calls_without_the_gateways_key(rendered, monkeypatch):
+    """The rendered engine config served on loopback (echo in place of the native engine) with
+    the env its pod gets: a caller without the key (another pod, had the policy let it through)
+    gets a 401; the gateway's key is served."""
+    from servers import GatewayServer
+
+    docs = rendered("default")
+    env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
+    cfg["models"][0]["deployments"] = [{"name": "echo", "backend": "echo"}]
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with GatewayServer(yaml.safe_dump(cfg)) as pod:
+        url = pod.base_url + "/v1/chat/completions"
+        assert httpx.post(url, json=body).status_code == 401
+        assert httpx.post(url, json=body, headers={"authorization": "Bearer not-the-key"}).status_code == 401
+        ok = httpx.post(url, json=body, headers={"authorization": f"Bearer {env['KVGATE_ENGINE_KEY']}"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_each_safe_default_can_be_turned_off(helm):
+    docs = render(helm, [], ["networkPolicy.enabled=false", "engineAuth.enabled=false"])
+    assert not [d for d in docs if d["kind"] in ("NetworkPolicy", "Secret")]
+    assert "auth" not in yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"])
+    [deployment] = gateway_config(docs)["models"][0]["deployments"]
+    assert "api_key_env" not in deployment["settings"]
+
+
+def test_the_chart_redis_demands_a_password_the_gateways_read_from_a_secret(helm, tmp_path):
+    """The chart Redis's container command run here with the real redis-server: a client
+    without the password is refused; the gateway's limits store, built from the rendered config
+    and the env its pod gets, is admitted and counts in it."""
+    from gateway.auth import ApiKey
+    from gateway.config import parse_config
+    from gateway.limits_store import make_limiter
+    from redis.asyncio import Redis
+    from redis.exceptions import AuthenticationError, ConnectionError as NotListening
+    from redis_server import redis_or_skip
+    from servers import free_port
+
+    redis_or_skip().kill()  # only to skip without redis-server
+    docs = render(helm, [], ["auth.limitsStore.kind=redis"])
+    container = find(docs, "Deployment", f"{RELEASE}-kvgate-redis")[0]["spec"]["template"]["spec"]["containers"][0]
+    script = " ".join(container["command"] + container["args"])
+    redis_env = secret_env(docs, "Deployment", f"{RELEASE}-kvgate-redis")
+    assert "--protected-mode" not in script and redis_env["REDIS_PASSWORD"] not in yaml.safe_dump(container)
+    gateway_env = secret_env(docs, "Deployment", f"{RELEASE}-kvgate")
+    assert len(redis_env["REDIS_PASSWORD"]) >= 32 and gateway_env["KVGATE_REDIS_PASSWORD"] == redis_env["REDIS_PASSWORD"]
+
+    port = free_port()
+    [shell_script] = container["args"]
+    assert "--port 6379" in shell_script
+    shell_script = shell_script.replace("--port 6379", f"--port {port} --bind 127.0.0.1")
+    proc = subprocess.Popen(container["command"] + [shell_script], env={"PATH": os.environ["PATH"], **redis_env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    limits_cfg = parse_config(config_maps(docs)[f"{RELEASE}-kvgate-config"]).auth.limits_store
+
+    async def main():
+        anonymous = Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await anonymous.ping()
+                raise AssertionError("the chart's Redis answered a client without its password")
+            except AuthenticationError:
+                break
+            except (OSError, NotListening):  # not listening yet
+                assert time.monotonic() < deadline, "redis-server did not start"
+                await asyncio.sleep(0.05)
+        await anonymous.aclose()
+        limiter = make_limiter(limits_cfg, env={"KVGATE_REDIS_URL": url, **gateway_env})
+        await limiter.start()
+        assert limiter.status()["shared"], limiter.status()
+        key = ApiKey("team", b"", None, None, 1, None, None)
+        await limiter.acquire(key)
+        with pytest.raises(RateLimited):
+            await limiter.acquire(key)  # counted in the chart's Redis
+        await limiter.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ------------------------------------------------------------------------------ the routing config
 
 # ------------------------------------------------------------------------------ shared limits (Redis)
@@ -443,11 +575,13 @@ def test_chart_deploys_a_redis_for_the_gateways_shared_limits(helm, tmp_path, mo
     # Only the gateway pods may reach it.
     policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-redis")[0]["spec"]
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
-    assert gateway_config(docs)["auth"]["limits_store"] == {"kind": "redis", "url_env": "KVGATE_REDIS_URL"}
+    assert gateway_config(docs)["auth"]["limits_store"] == {
+        "kind": "redis", "url_env": "KVGATE_REDIS_URL", "password_env": "KVGATE_REDIS_PASSWORD"}
     env = {e["name"]: e for e in container_env(docs, "Deployment", f"{RELEASE}-kvgate")}
     assert env["KVGATE_REDIS_URL"]["value"] == f"redis://{RELEASE}-kvgate-redis:6379/0"
     code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-config"],
-                                {"KVGATE_REDIS_URL": env["KVGATE_REDIS_URL"]["value"]}, tmp_path, monkeypatch)
+                                {"KVGATE_REDIS_URL": env["KVGATE_REDIS_URL"]["value"],
+                                 **secret_env(docs, "Deployment", f"{RELEASE}-kvgate")}, tmp_path, monkeypatch)
     assert code == 0, output
 
 
@@ -509,7 +643,7 @@ def test_a_quantized_kv_cache_reaches_the_engine_and_a_bad_one_is_refused(helm, 
     docs = render(helm, [], ["engineDefaults.kvCacheDtype=int8"])
     text = config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"]
     assert "kv_cache_dtype: int8" in text
-    code, output = check_config(text, {}, tmp_path, monkeypatch)
+    code, output = check_config(text, ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 0, output
     proc = subprocess.run([helm, "template", RELEASE, str(CHART), "--set", "engineDefaults.kvCacheDtype=fp4"],
                           capture_output=True, text=True)
@@ -522,14 +656,14 @@ def test_speculative_settings_reach_the_engine_and_bad_ones_are_refused(helm, tm
     text = config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"]
     settings = yaml.safe_load(text)["models"][0]["deployments"][0]["settings"]
     assert settings["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "max_batch_size": 6}
-    code, output = check_config(text, {}, tmp_path, monkeypatch)
+    code, output = check_config(text, ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 0, output
     proc = subprocess.run([helm, "template", RELEASE, str(CHART), "--set", "engineDefaults.speculative.method=eagle"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "speculative" in proc.stderr
     # What the schema cannot see (a draft method without a draft) the engine's settings check refuses.
     docs = render(helm, [], ["engineDefaults.speculative.method=draft"])
-    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 1 and "needs exactly one of draft_model" in output
 
 
@@ -537,15 +671,15 @@ def test_engine_config_with_tensor_parallelism_passes_the_config_check(helm, tmp
     docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.device=cuda"])
     assert find(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
         "nvidia.com/gpu"] == 3
-    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 0, output
     # n-gram speculation runs under it; a draft model does not, refused by the same check naming ngram.
     docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.speculative.method=ngram"])
-    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 0, output
     docs = render(helm, [], ["engineDefaults.tensorParallelSize=3", "engineDefaults.speculative.method=draft",
                              "engineDefaults.speculative.draftNumLayers=4"])
-    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], {}, tmp_path, monkeypatch)
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"], ENGINE_ENV, tmp_path, monkeypatch)
     assert code == 1 and "tensor_parallel_size 3 with speculative method 'draft': not supported" in output
     assert "use speculative method 'ngram'" in output
 

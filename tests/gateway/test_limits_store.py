@@ -153,3 +153,9 @@ def test_config_needs_a_url_for_redis():
                      "models:\n  - name: m\n    deployments: [{name: d, backend: echo}]\n")
     with pytest.raises(ValueError, match="environment variable NOPE_UNSET is not set"):
         make_limiter(LimitsStoreConfig(kind="redis", url_env="NOPE_UNSET"), env={})
+
+
+def test_a_named_password_variable_must_be_set():
+    cfg = LimitsStoreConfig(kind="redis", url_env="URL", password_env="NOPE_UNSET")
+    with pytest.raises(ValueError, match="password_env: environment variable NOPE_UNSET is not set"):
+        make_limiter(cfg, env={"URL": "redis://127.0.0.1:1/0"})

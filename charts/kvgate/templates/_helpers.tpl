@@ -98,6 +98,59 @@ kvgate.io/engine: {{ .engine.name }}
 {{- default (printf "%s-engine-key" (include "kvgate.fullname" .)) .Values.engineAuth.existingSecret -}}
 {{- end -}}
 
+{{/* The Secret entry holding the chart Redis's password: name, key. */}}
+{{- define "kvgate.redisPasswordRef" -}}
+{{- $ref := .Values.auth.limitsStore.redis.existingPasswordSecret -}}
+name: {{ default (printf "%s-redis" (include "kvgate.fullname" .)) $ref.name }}
+key: {{ $ref.key }}
+{{- end -}}
+
+{{/* A generated secret value: the one the cluster already holds (so an upgrade keeps it), else a
+new random one. `helm template` sees no cluster, so it always generates. dict root name key */}}
+{{- define "kvgate.keptOrRandom" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- $data := default (dict) (get (default (dict) $existing) "data") -}}
+{{- if hasKey $data .key -}}
+{{- get $data .key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 48 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine key's Secret, when the chart makes it (engineAuth on, no existingSecret). */}}
+{{- define "kvgate.engineKeySecret" -}}
+{{- if and .Values.engineAuth.enabled (not .Values.engineAuth.existingSecret) -}}
+{{- $name := include "kvgate.engineSecret" . -}}
+{{- $value := .Values.engineAuth.value | default (include "kvgate.keptOrRandom" (dict "root" . "name" $name "key" .Values.engineAuth.secretKey)) -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "kvgate.labels" . | nindent 4 }}
+type: Opaque
+data:
+  {{ .Values.engineAuth.secretKey }}: {{ $value | toString | b64enc | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The chart Redis's password Secret, when the chart makes it. */}}
+{{- define "kvgate.redisPasswordSecret" -}}
+{{- if and (include "kvgate.chartRedis" .) (not .Values.auth.limitsStore.redis.existingPasswordSecret.name) -}}
+{{- $ref := include "kvgate.redisPasswordRef" . | fromYaml -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $ref.name }}
+  labels:
+    {{- include "kvgate.labels" . | nindent 4 }}
+    app.kubernetes.io/component: limits-store
+type: Opaque
+data:
+  {{ $ref.key }}: {{ include "kvgate.keptOrRandom" (dict "root" . "name" $ref.name "key" $ref.key) | b64enc | quote }}
+{{- end -}}
+{{- end -}}
+
 {{/* Writable directories under a read-only root filesystem. */}}
 {{- define "kvgate.cacheEnv" -}}
 - {name: KVGATE_CACHE_DIR, value: /cache/kvgate}
@@ -217,7 +270,11 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $_ := set $auth "admin_key_env" "KVGATE_ADMIN_KEY" -}}
 {{- end -}}
 {{- if .Values.auth.keysFile.existingSecret }}{{ $_ := set $auth "keys_file_env" "KVGATE_KEYS_FILE" }}{{ end -}}
-{{- if eq .Values.auth.limitsStore.kind "redis" }}{{ $_ := set $auth "limits_store" (dict "kind" "redis" "url_env" "KVGATE_REDIS_URL") }}{{ end -}}
+{{- if eq .Values.auth.limitsStore.kind "redis" -}}
+{{- $store := dict "kind" "redis" "url_env" "KVGATE_REDIS_URL" -}}
+{{- if include "kvgate.chartRedis" . }}{{ $_ := set $store "password_env" "KVGATE_REDIS_PASSWORD" }}{{ end -}}
+{{- $_ := set $auth "limits_store" $store -}}
+{{- end -}}
 {{- toYaml $auth -}}
 {{- end -}}
 
