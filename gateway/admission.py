@@ -62,7 +62,7 @@ class PoolAdmission:
             deployment = self.pool.take(request)
             if deployment is not None:
                 return deployment
-        if not self.pool.any_available():
+        if not self.pool.any_available(request.needs):
             # Nothing is busy, everything is down: waiting would only delay the same answer.
             raise _refusal(f"No backend of model '{self.pool.name}' is available right now.", "unavailable", 5)
         if ticket.sheddable:

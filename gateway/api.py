@@ -24,6 +24,7 @@ from gateway.responses import (
     ChoiceState,
     ResponseShape,
     full_body,
+    has_more,
     sse,
     stream_chunk,
     total_usage,
@@ -102,6 +103,7 @@ async def _serve(request: Request, parse, id_prefix: str):
     key = _api_key(request)
     parsed: ParsedRequest = parse(await _json_body(request, config.server.limits), config.server.limits)
     pool = _resolve_pool(state, key, parsed.model)
+    pool.check_servable(parsed.needs)
     sla = _sla_class(request, state, key)
     if key is not None:
         await _admit_key(state, key, parsed.num_choices)
@@ -233,7 +235,7 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
             state, chunks = states[index], []
             for event in batch:
                 state.add(event)
-                if event.text or event.finish_reason or event.logprobs:
+                if event.text or event.finish_reason or event.logprobs or has_more(event):
                     chunks.append(sse(stream_chunk(shape, index, event, first=False)))
             if chunks:  # the events that arrived together leave together
                 yield chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -9,7 +9,10 @@ plain data: the dataclasses below, and the exceptions in `gateway.errors`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+# Capabilities is re-exported: a plugin imports the whole seam from this module.
+from gateway.capabilities import PLAIN_CHAT, Capabilities, Needs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,14 @@ class GenerationRequest:
 
     Exactly one of `prompt` (text or token ids) and `messages` (chat) is set. Chat requests are
     templated by the backend, since only it knows the model's chat template.
+
+    Messages are OpenAI chat messages as plain dicts, validated: `role` (system, user, assistant,
+    tool), `content` (text; None on an assistant message that only calls tools), and where set
+    `name`, `tool_calls` (assistant: [{id, type: "function", function: {name, arguments}}]) and
+    `tool_call_id` (tool). The tool fields below are OpenAI's shapes, validated too. A request
+    only reaches a backend whose capabilities cover `needs` (tools, response_format kinds,
+    every `extra` field), so a backend never has to refuse one for lacking a feature it did not
+    declare.
     """
 
     request_id: str
@@ -50,6 +61,15 @@ class GenerationRequest:
     # Whether the client streams. A backend may answer a non-streaming request in one event
     # (a remote server asked once, without SSE); it may also stream it anyway.
     stream: bool = True
+    tools: list[dict] | None = None  # [{type: "function", function: {name, description?, parameters?, strict?}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {type: "function", function: {name}}
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None  # {type: "json_object"} | {type: "json_schema", json_schema: {...}}
+    reasoning_effort: str | None = None
+    # Vendor fields the client sent and the gateway does not interpret (chat_template_kwargs,
+    # structured_outputs, ...), forwarded verbatim by backends that declared them in `extras`.
+    extra: dict[str, Any] = field(default_factory=dict)
+    needs: Needs = PLAIN_CHAT  # what routing matched against the deployments' capabilities
 
 
 @dataclass(frozen=True)
@@ -77,11 +97,25 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of one tool call, as OpenAI streams them: the first fragment of call `index`
+    carries its `id` and `name`, later ones only more `arguments` text (a JSON string, in pieces).
+    A backend that has the whole call at once sends one fragment with everything."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """A step of output: new text, the token ids behind it, and, on the last event, why it ended.
 
-    `finish_reason` is None until the last event, then one of "stop", "length", "abort".
-    `usage` is set on the last event.
+    `finish_reason` is None until the last event, then one of "stop", "length", "abort",
+    "tool_calls" (the model called tools: `tool_calls` fragments came before or with it),
+    "content_filter". `usage` is set on the last event. `reasoning` is the model's reasoning
+    text (vLLM's and SGLang's `reasoning_content`), `refusal` a refusal message, both in pieces.
     """
 
     text: str = ""
@@ -89,6 +123,9 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""
+    refusal: str = ""
     # On the last event, optionally: the backend's own milestones of this request as unix times
     # in seconds ("arrived", "scheduled", "first_token", "finished") and counters
     # ("prefill_chunks", "preemptions", "cached_tokens"; with speculative decoding "spec_drafts",
@@ -119,6 +156,69 @@ class LoadSnapshot:
     incarnation: int = 0
 
 
+@dataclass
+class EmbeddingRequest:
+    """One /v1/embeddings request: each input is text or token ids; the answer has one vector
+    of floats per input, in order (the gateway encodes them as the client asked)."""
+
+    request_id: str
+    model: str
+    inputs: list[str | list[int]]
+    dimensions: int | None = None  # cut each vector to this size (Matryoshka models), where supported
+    user: str | None = None
+    priority: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # vendor fields, as for GenerationRequest
+    needs: Needs = Needs("embeddings")
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    embeddings: list[list[float]]
+    prompt_tokens: int
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize in vLLM's two forms: `prompt` (text), or `messages` (chat, templated with
+    the model's chat template). `add_special_tokens` None means the form's default (true for a
+    prompt, false for messages, whose template adds them)."""
+
+    request_id: str
+    model: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[dict] | None = None  # offered to the chat template, as in a chat request
+    priority: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    needs: Needs = Needs("tokenize")
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    tokens: list[int]
+    max_model_len: int | None = None  # None: the backend does not know it
+    token_strs: list[str] | None = None
+
+
+@dataclass
+class DetokenizeRequest:
+    request_id: str
+    model: str
+    tokens: list[int]
+    priority: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)
+    needs: Needs = Needs("tokenize")
+    stream: bool = False
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What every backend plugin provides.
@@ -127,6 +227,13 @@ class Backend(Protocol):
     a request (bad input, context too long, overloaded), and may raise `BackendError` later when it
     fails mid-stream. Cancelling the iteration (client went away) must free the request's
     resources; the gateway also calls `abort(request_id)`.
+
+    Optionally a backend has `capabilities() -> Capabilities` (gateway.capabilities): the
+    endpoints, request features and vendor fields it serves. Without it, it serves chat and
+    completions with logprobs and n. A backend that declares "embeddings" has
+    `async embed(EmbeddingRequest) -> EmbeddingResult`; one that declares "tokenize" has
+    `async tokenize(TokenizeRequest) -> TokenizeResult` and `async detokenize(DetokenizeRequest)
+    -> str` (see below). These raise the same errors as `generate`.
 
     Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
     the events that became ready together (one network read of an upstream stream). The gateway

@@ -105,6 +105,9 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
     base = GenerationRequest(
         request_id=request_id, model=parsed.model, sampling=parsed.sampling, user=parsed.user,
         priority=priority, trace_context=dict(trace_context or {}), stream=parsed.stream,
+        tools=parsed.tools, tool_choice=parsed.tool_choice, parallel_tool_calls=parsed.parallel_tool_calls,
+        response_format=parsed.response_format, reasoning_effort=parsed.reasoning_effort,
+        extra=parsed.extra or {}, needs=parsed.needs,
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []

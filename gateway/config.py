@@ -37,6 +37,20 @@ class RequestLimits(StrictModel):
     max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids per request.")
     max_stop_chars: int = Field(256, gt=0, description="Longest stop string, in characters.")
     max_json_depth: int = Field(32, gt=0, description="Deepest nesting of arrays and objects in a body.")
+    # Tools, structured outputs, vendor fields and embeddings: what they may add to one request.
+    max_tools: int = Field(128, ge=0, description="Most tools (functions) in one request.")
+    max_tool_bytes: int = Field(32768, gt=0, description="Largest tool definition (name, description and "
+                                "parameters schema), in bytes of JSON.")
+    max_schema_bytes: int = Field(65536, gt=0, description="Largest JSON schema (response_format, a tool's "
+                                  "parameters), in bytes of JSON.")
+    max_schema_depth: int = Field(16, gt=0, description="Deepest nesting of objects and arrays inside one JSON "
+                                  "schema.")
+    max_extra_fields: int = Field(16, ge=0, description="Most vendor fields (forwarded verbatim to deployments "
+                                  "that accept them) in one request.")
+    max_extra_bytes: int = Field(65536, gt=0, description="Largest vendor field value, in bytes of JSON.")
+    max_embedding_inputs: int = Field(256, gt=0, description="Most inputs in one embeddings request.")
+    max_embedding_input_chars: int = Field(65536, gt=0, description="Longest text input of an embeddings or "
+                                           "tokenize request, in characters.")
 
 
 class ServerConfig(StrictModel):

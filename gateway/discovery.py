@@ -29,6 +29,7 @@ import dns.exception
 import dns.resolver
 import httpx
 
+from gateway.capabilities import DEFAULT_CAPABILITIES
 from gateway.config import DeploymentConfig, resolver_address
 
 log = logging.getLogger("kvgate.discovery")
@@ -97,6 +98,7 @@ class DiscoveryGroup:
         self.name = config.name
         self.discovery = config.discovery
         self.make_member = make_member
+        self.capabilities = DEFAULT_CAPABILITIES  # what its members declare (set when it is built)
         self.routable: dict[str, object] = {}  # address -> Deployment taking requests
         self.pending: dict[str, object] = {}  # started or starting, not (yet) healthy
         self.draining: dict[str, object] = {}  # gone from DNS, finishing its in-flight requests

@@ -26,6 +26,13 @@ def register_backends(register, config):
     `settings:` mapping from YAML, unvalidated: the factory validates it and raises `ValueError`
     with a message naming the bad field. `config` is this plugin's own section of the gateway
     config (`plugins.<kind>:`), or an empty dict. Registering a kind twice is an error.
+
+    A backend declares what it serves with `capabilities() -> gateway.backend.Capabilities`
+    (endpoints such as chat, completions, embeddings, tokenize; request features such as tools,
+    json_object, json_schema, logprobs, n, reasoning; vendor fields it takes verbatim), called
+    once when the deployment is built: the gateway sends it only requests those cover, and
+    answers 400 for a model none of whose deployments can serve a request. Without the method,
+    a backend serves chat and completions with logprobs and n. See docs/api-surface.md.
     """
 
 

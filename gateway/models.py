@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from gateway.admission import PoolAdmission
 from gateway.backend import Backend
 from gateway.breaker import CircuitBreaker
+from gateway.capabilities import DEFAULT_CAPABILITIES, Capabilities, Needs, capabilities_of, unservable
 from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, SaturationConfig
 from gateway.discovery import DiscoveryGroup
 from gateway.errors import ModelNotFound
@@ -31,6 +32,7 @@ class Deployment:
     started: bool = False
     start_error: str | None = None
     in_flight: int = 0  # requests the gateway has sent and not yet closed
+    capabilities: Capabilities = DEFAULT_CAPABILITIES  # what it declared when it was built
 
     @property
     def available(self) -> bool:
@@ -76,10 +78,12 @@ class ModelPool:
         self.admission.wake()
 
     def take(self, request, exclude: frozenset[str] = frozenset()) -> Deployment | None:
-        """Choose a deployment that can take `request` now and claim a slot on it, or None."""
+        """Choose a deployment that can take `request` now (and serves what it needs) and claim a
+        slot on it, or None."""
+        needs = request.needs
         candidates = [
             d for d in self.deployments
-            if d.name not in exclude and d.available
+            if d.name not in exclude and d.capabilities.serves(needs) and d.available
             and not d.saturated(self.config.saturation, self.config.queue.max_in_flight_per_deployment)
         ]
         if not candidates:
@@ -89,8 +93,20 @@ class ModelPool:
         chosen.breaker.claim()
         return chosen
 
-    def any_available(self) -> bool:
-        return any(d.available for d in self.deployments)
+    def any_available(self, needs: Needs | None = None) -> bool:
+        return any(d.available for d in self.deployments if needs is None or d.capabilities.serves(needs))
+
+    def declared(self) -> list[tuple[str, Capabilities]]:
+        """(name, capabilities) of every deployment as configured: a discovery group counts once,
+        with what its members declare, whether or not any is up now."""
+        return [(d.name, d.capabilities) for d in self.static] + [(g.config.name, g.capabilities) for g in self.groups]
+
+    def check_servable(self, needs: Needs) -> None:
+        """A 400 naming what the request asks for and the deployments lacking it, when no
+        deployment of this model declares everything it needs."""
+        error = unservable(self.name, needs, self.declared())
+        if error is not None:
+            raise error
 
     def release(self, deployment: Deployment) -> None:
         deployment.in_flight -= 1
@@ -199,7 +215,8 @@ def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: 
 
     group = DiscoveryGroup(model.name, d, make_member)
     try:
-        make_member(f"{d.name}@check", group.base_url("192.0.2.1"))  # TEST-NET-1: never contacted
+        check = make_member(f"{d.name}@check", group.base_url("192.0.2.1"))  # TEST-NET-1: never contacted
+        group.capabilities = check.capabilities
     except ValueError as exc:
         if ".settings.base_url:" in str(exc):
             raise ValueError(f"{where}.discovery: backend '{d.backend}' cannot take discovered endpoints "
@@ -217,9 +234,14 @@ def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backe
         backend = factory(dict(d.settings), d.name)
     except ValueError as exc:
         raise ValueError(f"{where}.{exc}") from None
+    try:
+        capabilities = capabilities_of(backend)
+    except ValueError as exc:
+        raise ValueError(f"{where}.settings.{exc}") from None
     breaker = CircuitBreaker(model.breaker.failures, model.breaker.cooldown_s,
                              incarnation=lambda: backend.load().incarnation)
-    return Deployment(d.name, model.name, d.upstream_model or model.name, d.weight, backend, breaker, d)
+    return Deployment(d.name, model.name, d.upstream_model or model.name, d.weight, backend, breaker, d,
+                      capabilities=capabilities)
 
 
 async def _start(d: Deployment) -> None:

@@ -1,8 +1,9 @@
 """GET /openapi.json: the HTTP API as OpenAPI 3.1, generated from the request models.
 
 The request bodies are the pydantic models the gateway validates with (`schemas.py`), with the
-server's own limits (max_tokens, n, stop, ...) and the names of the models it serves filled in,
-so a client generator or a fuzzer (schemathesis) sees exactly what this gateway accepts.
+server's own limits (max_tokens, n, stop, ...), the names of the models it serves and what its
+deployments declare (tools, response_format kinds, vendor fields: `served`) filled in, so a
+client generator or a fuzzer (schemathesis) sees exactly what this gateway accepts.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway.capabilities import ANY_EXTRA, DEFAULT_CAPABILITIES, Capabilities
 from gateway.config import RequestLimits
 from gateway.schemas import ChatBody, CompletionBody
 
@@ -27,11 +29,13 @@ ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "
                   "502": "Backend failed", "503": "Overloaded", "504": "Backend timed out"}
 
 
-def openapi_document(models: list[str], limits: RequestLimits) -> dict:
+def openapi_document(models: list[str], limits: RequestLimits, served: Capabilities = DEFAULT_CAPABILITIES) -> dict:
+    """`served`: what the gateway's deployments declare together (the union)."""
     defs: dict = {}
-    completion = _body_schema(CompletionBody, defs, models, limits)
-    chat = _body_schema(ChatBody, defs, models, limits)
-    defs["Message"] = _message_by_role(defs["Message"])
+    completion = _body_schema(CompletionBody, defs, models, limits, served)
+    chat = _body_schema(ChatBody, defs, models, limits, served)
+    _chat_features(chat["properties"], defs, limits, served)
+    defs["Message"] = _message_by_role(defs["Message"], "tools" in served.features)
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": "0.1.0",
@@ -47,9 +51,10 @@ def openapi_document(models: list[str], limits: RequestLimits) -> dict:
     }
 
 
-def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits) -> dict:
+def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
     schema = copy.deepcopy(model.model_json_schema(ref_template="#/components/schemas/{model}"))
     defs.update(schema.pop("$defs", {}))
+    _vendor_fields(schema, served.extras)
     props = schema["properties"]
     props["model"] = {"type": "string", "enum": models}
     _cap(props, "max_tokens", limits.max_tokens)
@@ -63,11 +68,41 @@ def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits) ->
     return schema
 
 
+def _vendor_fields(schema: dict, extras: frozenset[str]) -> None:
+    """Unknown fields are vendor fields: any where some deployment takes any, the names
+    deployments declared otherwise, none when nobody declared any."""
+    if ANY_EXTRA in extras:
+        schema["additionalProperties"] = True
+        return
+    schema["additionalProperties"] = False
+    for name in sorted(extras):
+        schema["properties"].setdefault(name, {"description": "Vendor field, forwarded verbatim to the "
+                                                              "deployments that accept it."})
+
+
+def _chat_features(props: dict, defs: dict, limits: RequestLimits, served: Capabilities) -> None:
+    """Tools, response_format kinds and reasoning_effort as far as some deployment serves them."""
+    if "tools" in served.features:
+        props["tools"]["anyOf"][0]["maxItems"] = limits.max_tools
+    else:
+        props["tools"] = {"type": ["array", "null"], "maxItems": 0, "description": "No deployment serves tools."}
+        props["tool_choice"] = {"enum": ["none", "auto", None]}
+    kinds = ["text"] + [k for k in ("json_object", "json_schema") if k in served.features]
+    props["response_format"] = {"anyOf": [{"oneOf": [{"$ref": f"#/components/schemas/{_format_def(k)}"} for k in kinds]},
+                                          {"type": "null"}]}
+    if "reasoning" not in served.features:
+        props["reasoning_effort"] = {"type": "null"}
+
+
+def _format_def(kind: str) -> str:
+    return {"text": "TextFormat", "json_object": "JsonObjectFormat", "json_schema": "JsonSchemaFormat"}[kind]
+
+
 # Known parameters this server refuses unless empty or off (see schemas.py): say so in the schema.
 REFUSED_UNLESS_EMPTY = {
-    "tools": {"type": ["array", "null"], "maxItems": 0}, "functions": {"type": ["array", "null"], "maxItems": 0},
+    "functions": {"type": ["array", "null"], "maxItems": 0},
     "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
-    "tool_choice": {"enum": ["none", None]}, "function_call": {"enum": ["none", None]},
+    "function_call": {"enum": ["none", None]},
     "echo": {"type": "boolean", "const": False}, "suffix": {"type": ["string", "null"], "maxLength": 0},
     "audio": {"type": "null"}, "best_of": {"type": "null"},
 }
@@ -97,18 +132,36 @@ def _server_rules(props: dict, limits: RequestLimits) -> None:
                     inner["minItems"] = 1
 
 
-def _message_by_role(message: dict) -> dict:
-    """Only an assistant message may leave out its content (schemas.Message's validator): one
-    variant per case, so a schema-valid message is one the server takes."""
-    assistant = copy.deepcopy(message)
-    assistant["properties"]["role"] = {"type": "string", "enum": ["assistant"]}
-    speaker = copy.deepcopy(message)
-    speaker["properties"]["role"] = {"type": "string", "enum": ["system", "developer", "user"]}
-    content = speaker["properties"]["content"]
+def _message_by_role(message: dict, tools: bool) -> dict:
+    """Only an assistant message may leave out its content, only it has tool_calls and refusal,
+    only a tool message (and it must) tool_call_id (schemas.Message's validator): one variant
+    per case, so a schema-valid message is one the server takes. Without tools, no deployment
+    takes tool messages or tool calls."""
+    assistant = _variant(message, ["assistant"], drop=("tool_call_id",) if tools else ("tool_call_id", "tool_calls"))
+    speaker = _variant(message, ["system", "developer", "user"], drop=("tool_calls", "tool_call_id", "refusal"))
+    _require_content(speaker)
+    variants = [speaker, assistant]
+    if tools:
+        tool = _variant(message, ["tool"], drop=("tool_calls", "refusal"))
+        _require_content(tool, also=("tool_call_id",))
+        tool["properties"]["tool_call_id"] = {"type": "string", "minLength": 1, "maxLength": 256}
+        variants.append(tool)
+    return {"title": "Message", "anyOf": variants}
+
+
+def _variant(message: dict, roles: list[str], drop: tuple[str, ...]) -> dict:
+    variant = copy.deepcopy(message)
+    variant["properties"]["role"] = {"type": "string", "enum": roles}
+    for name in drop:
+        variant["properties"].pop(name, None)
+    return variant
+
+
+def _require_content(variant: dict, also: tuple[str, ...] = ()) -> None:
+    content = variant["properties"]["content"]
     content["anyOf"] = [option for option in content["anyOf"] if option.get("type") != "null"]
     content.pop("default", None)
-    speaker["required"] = ["role", "content"]
-    return {"title": "Message", "anyOf": [speaker, assistant]}
+    variant["required"] = ["role", "content", *also]
 
 
 def _cap(props: dict, name: str, maximum: int) -> None:
@@ -141,4 +194,11 @@ def _responses(ok: dict, streaming: bool = False) -> dict:
 async def openapi_json(request: Request) -> JSONResponse:
     state = request.app.state.kvgate
     names = sorted(n for p in state.registry.pools for n in [p.name, *p.aliases])
-    return JSONResponse(openapi_document(names, state.config.server.limits))
+    return JSONResponse(openapi_document(names, state.config.server.limits, served_by(state.registry)))
+
+
+def served_by(registry) -> Capabilities:
+    """The union of what every deployment of every model declares."""
+    declared = [caps for pool in registry.pools for _, caps in pool.declared()]
+    return Capabilities(*(frozenset().union(*(getattr(c, part) for c in declared))
+                          for part in ("endpoints", "features", "extras")))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from gateway import fastjson
-from gateway.backend import TokenEvent, TokenLogprob, Usage
+from gateway.backend import TokenEvent, TokenLogprob, ToolCallDelta, Usage
 
 
 @dataclass
@@ -19,6 +19,9 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: dict[int, dict] = field(default_factory=dict)  # call index -> OpenAI tool call, merged
+    reasoning: list[str] = field(default_factory=list)
+    refusal: list[str] = field(default_factory=list)
 
     def add(self, event: TokenEvent) -> None:
         if event.text:
@@ -28,6 +31,25 @@ class ChoiceState:
             self.finish_reason = event.finish_reason
         if event.usage:
             self.usage = event.usage
+        if has_more(event):
+            self._add_more(event)
+
+    def _add_more(self, event: TokenEvent) -> None:
+        for delta in event.tool_calls:
+            call = self.tool_calls.setdefault(delta.index, {"id": None, "type": "function",
+                                                            "function": {"name": None, "arguments": ""}})
+            call["id"] = call["id"] or delta.id
+            call["function"]["name"] = call["function"]["name"] or delta.name
+            call["function"]["arguments"] += delta.arguments
+        if event.reasoning:
+            self.reasoning.append(event.reasoning)
+        if event.refusal:
+            self.refusal.append(event.refusal)
+
+
+def has_more(event: TokenEvent) -> bool:
+    """Whether the event carries more than text: tool calls, reasoning or a refusal."""
+    return bool(event.tool_calls or event.reasoning or event.refusal)
 
 
 @dataclass
@@ -54,7 +76,7 @@ class ResponseShape:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    # "abort" is internal; a client only sees a choice end as stop or length.
+    # "abort" is internal; a client sees an aborted choice end as stop.
     return "stop" if reason == "abort" else reason
 
 
@@ -82,11 +104,48 @@ def _full_choice(shape: ResponseShape, c: ChoiceState) -> dict:
     if shape.chat:
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": text},
+            "message": _message(c, text),
             "logprobs": logprobs,
             "finish_reason": finish_reason(c.finish_reason),
         }
     return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(c.finish_reason)}
+
+
+def _message(c: ChoiceState, text: str) -> dict:
+    """The assistant message of a whole chat answer (content None when it only calls tools)."""
+    message = {"role": "assistant", "content": text}
+    if c.tool_calls:
+        message["tool_calls"] = [c.tool_calls[i] for i in sorted(c.tool_calls)]
+        message["content"] = text or None
+    if c.reasoning:
+        message["reasoning_content"] = "".join(c.reasoning)
+    if c.refusal:
+        message["refusal"] = "".join(c.refusal)
+    return message
+
+
+def _more_delta(delta: dict, event: TokenEvent) -> dict:
+    """Add an event's tool-call fragments, reasoning and refusal to a stream chunk's delta."""
+    if event.tool_calls:
+        delta["tool_calls"] = [_tool_call_delta(t) for t in event.tool_calls]
+    if event.reasoning:
+        delta["reasoning_content"] = event.reasoning
+    if event.refusal:
+        delta["refusal"] = event.refusal
+    return delta
+
+
+def _tool_call_delta(t: ToolCallDelta) -> dict:
+    out: dict = {"index": t.index}
+    function: dict = {}
+    if t.id is not None:
+        out["id"] = t.id
+        out["type"] = "function"
+    if t.name is not None:
+        function["name"] = t.name
+    function["arguments"] = t.arguments
+    out["function"] = function
+    return out
 
 
 def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, first: bool) -> dict:
@@ -98,6 +157,8 @@ def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, fir
     reason = finish_reason(event.finish_reason) if event and event.finish_reason else None
     if shape.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        if event is not None and has_more(event):
+            _more_delta(delta, event)
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -1,12 +1,18 @@
 """OpenAI request bodies: validated, then turned into what backends need.
 
-Parameters fall in three groups, and none is silently misread:
+Parameters fall in these groups, and none is silently misread:
 - supported: mapped onto `SamplingParams`;
+- chat features a backend may lack (`tools`, `tool_choice`, `parallel_tool_calls`,
+  `response_format` json_object / json_schema, `reasoning_effort`, logprobs, n): validated here
+  (tool_schemas.py), carried typed on the request, and routed only to deployments that declared
+  them (gateway.capabilities); a model none of whose deployments has one answers 400;
 - accepted and ignored, because they do not change the output: `user` (passed to the backend
-  for its logs), `metadata`, `store`, `service_tier`, `parallel_tool_calls`;
-- known but unsupported (`tools`, `functions`, `logit_bias`, `suffix`, `echo`, `best_of` > n,
-  `response_format` other than text, audio): rejected with a 400 naming the parameter;
-- anything else: rejected as an unrecognized argument, the way OpenAI does.
+  for its logs), `metadata`, `store`, `service_tier`;
+- known but unsupported (`functions`, `logit_bias`, `suffix`, `echo`, `best_of` > n, audio):
+  rejected with a 400 naming the parameter;
+- anything else is a vendor field (`extra`): bounded in number and size here, forwarded verbatim
+  to a deployment that declared it accepts that field, and otherwise rejected as an
+  unrecognized argument, the way OpenAI does.
 vLLM-style extensions are supported: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`.
 
@@ -24,11 +30,17 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from gateway import fastjson
 from gateway.backend import SamplingParams
+from gateway.capabilities import Needs
 from gateway.config import RequestLimits, format_path
 from gateway.errors import InvalidRequestError
+from gateway.tool_schemas import (
+    FunctionTool, ResponseFormat, ToolCall, ToolChoice, check_response_format, check_tools)
 
-IGNORED = ("metadata", "store", "service_tier", "parallel_tool_calls")
+IGNORED = ("metadata", "store", "service_tier")
+EXTRA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
 MAX_INT32 = 2**31 - 1  # token ids and top_k, as engines index them
@@ -56,6 +68,9 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
+    # Unknown top-level fields are vendor fields (`model_extra`), checked by `_extras`.
+    model_config = ConfigDict(extra="allow", strict=True)
+
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -77,22 +92,18 @@ class _Common(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     # known, unsupported unless empty
     logit_bias: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("logit_bias", "tools", "functions"):
+        for name in ("logit_bias", "functions"):
             if getattr(self, name):
                 raise _Unsupported(name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise _Unsupported(name)
+        if self.function_call not in (None, "none"):
+            raise _Unsupported("function_call")
         return self
 
     def stop_list(self) -> list[str]:
@@ -126,19 +137,28 @@ class ContentPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # tool: the call this answers
+    refusal: str | None = None  # assistant: a refusal it gave
 
     @model_validator(mode="after")
     def _content_required(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has tool_call_id")
+        if (self.tool_calls is not None or self.refusal is not None) and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls or refusal")
         return self
 
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 class ChatBody(_Common):
@@ -147,7 +167,11 @@ class ChatBody(_Common):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0)
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: REASONING_EFFORTS | None = None
     modalities: list[Literal["text"]] | None = None
     audio: Any = None
 
@@ -179,6 +203,13 @@ class ParsedRequest:
     prompts: list[str | list[int]] | None = None  # completions: one entry per prompt
     messages: list[dict] | None = None  # chat
     user: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+    extra: dict[str, Any] | None = None  # vendor fields, verbatim
+    needs: Needs = Needs("chat")
 
     @property
     def num_choices(self) -> int:
@@ -193,6 +224,7 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
         req.max_tokens = min(DEFAULT_COMPLETION_TOKENS, limits.max_tokens)
     _check_limits(req, req.max_tokens, req.logprobs, limits)
     _check_prompts(prompts, req.n, limits)
+    extra = _extras(req, limits)
     return ParsedRequest(
         chat=False,
         model=req.model,
@@ -202,6 +234,8 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         prompts=prompts,
         user=req.user,
+        extra=extra,
+        needs=_needs("completions", req, req.logprobs is not None, extra),
     )
 
 
@@ -214,6 +248,10 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     _check_limits(req, max_tokens, logprobs, limits)
+    check_tools(req.tools, req.tool_choice, limits)
+    check_response_format(req.response_format, limits)
+    extra = _extras(req, limits)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ParsedRequest(
         chat=True,
         model=req.model,
@@ -223,7 +261,61 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         messages=[_message_dict(m) for m in req.messages],
         user=req.user,
+        tools=tools,
+        # Without tools, "none" and "auto" ask for nothing: not sent (check_tools refused the rest).
+        tool_choice=_dumped(req.tool_choice) if tools else None,
+        parallel_tool_calls=req.parallel_tool_calls if tools else None,
+        response_format=_dumped(req.response_format),
+        reasoning_effort=req.reasoning_effort,
+        extra=extra,
+        needs=_chat_needs(req, logprobs is not None, extra),
     )
+
+
+def _dumped(value):
+    return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
+
+
+def _chat_needs(req: ChatBody, logprobs: bool, extra: dict) -> Needs:
+    features, params = set(), []
+    if req.tools:
+        features.add("tools")
+    elif any(m.uses_tools for m in req.messages):
+        features.add("tools")
+        params.append(("tools", "messages"))  # tool messages in the conversation, no tools offered
+    if req.response_format is not None and req.response_format.type != "text":
+        features.add(req.response_format.type)
+    if req.reasoning_effort is not None:
+        features.add("reasoning")
+    return _needs("chat", req, logprobs, extra, features, tuple(params))
+
+
+def _needs(endpoint: str, req: _Common, logprobs: bool, extra: dict | None, features=(), params=()) -> Needs:
+    features = set(features)
+    if logprobs:
+        features.add("logprobs")
+    if req.n > 1:
+        features.add("n")
+    return Needs(endpoint, frozenset(features), frozenset(extra or ()), params)
+
+
+def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
+    """The body's vendor fields (those no model field names), within the limits; None if none."""
+    extra = req.model_extra
+    if not extra:
+        return None
+    if len(extra) > limits.max_extra_fields:
+        raise InvalidRequestError(f"{len(extra)} unrecognized (vendor) fields, over this server's limit of "
+                                  f"{limits.max_extra_fields}.", param=next(iter(extra)), code="unknown_parameter")
+    for name, value in extra.items():
+        if not EXTRA_NAME.match(name):
+            raise InvalidRequestError(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64],
+                                      code="unknown_parameter")
+        size = len(fastjson.dumps(value))
+        if size > limits.max_extra_bytes:
+            raise InvalidRequestError(f"'{name}' is {size} bytes of JSON, over this server's limit of "
+                                      f"{limits.max_extra_bytes} for a vendor field.", param=name)
+    return dict(extra)
 
 
 def _validate(model: type[BaseModel], body: Any):
@@ -252,13 +344,15 @@ def _to_api_error(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for {where}{message}.", param=param)
 
 
-UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
 
 
 def _field_path(loc) -> list:
     """The path up to the field: pydantic appends union member tags ('str', 'list[str]') after it."""
     out = []
     for part in loc:
+        if isinstance(part, str) and part.startswith("type:"):
+            continue  # a tagged union's member (tool_schemas.ResponseFormat): the path goes on inside it
         if isinstance(part, str) and UNION_TAG.match(part):
             break
         out.append(part)
@@ -334,8 +428,21 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
 
 
 def _message_dict(m: Message) -> dict:
+    """The message as backends see it: text content joined, `developer` as `system`, every other
+    field the client set kept (an assistant message that only calls tools keeps content None)."""
     role = "system" if m.role == "developer" else m.role
     content = m.content
     if isinstance(content, list):
         content = "".join(part.text for part in content)
-    return {"role": role, "content": content or ""}
+    if content is None and not m.tool_calls:
+        content = ""
+    out = {"role": role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.refusal is not None:
+        out["refusal"] = m.refusal
+    return out

@@ -122,7 +122,7 @@ def test_unknown_parameter_is_rejected(gw):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_unsupported_parameters_are_rejected(gw, extra, param):

@@ -25,7 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage
+from gateway.backend import (
+    Capabilities, GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
@@ -43,6 +44,8 @@ log = logging.getLogger("kvgate.native")
 TOKENIZE_THREADS = 2
 
 ENGINE_FACTORY = "native_backend.engine:make_engine_core"
+NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions"}),
+                                   features=frozenset({"logprobs", "n"}))
 
 
 class SpeculativeSettings(BaseModel):
@@ -171,6 +174,12 @@ class NativeBackend:
         # hold the loop's default executor (DNS lookups, file reads) hostage.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZE_THREADS, thread_name_prefix=f"kvgate-tokenize-{name}")
+
+    def capabilities(self) -> Capabilities:
+        """Chat and completions with logprobs and n. No tools or structured outputs yet: the
+        engine has no constrained sampling, so such requests go to other deployments (or get
+        the gateway's 400 naming the parameter)."""
+        return NATIVE_CAPABILITIES
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
         return AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=self.settings.startup_timeout_s,

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import gateway
 from gateway import fastjson
-from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
+from gateway.backend import Capabilities, GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from kvgate_openai import upstream_errors, wire
@@ -47,6 +47,11 @@ class OpenAIBackend:
         self._responses: dict[str, UpstreamResponse] = {}
         self._aborted: set[str] = set()
         self._scrub = upstream_errors.Scrubber(None)
+        self._capabilities = settings.declared()
+
+    def capabilities(self) -> Capabilities:
+        """Its server kind's defaults, with the deployment's `settings.capabilities` over them."""
+        return self._capabilities
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -5,11 +5,33 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.capabilities import ENDPOINTS, FEATURES, Capabilities
 from gateway.config import format_path
+from kvgate_openai import servers
+from kvgate_openai.servers import ServerKind
 
 MetricsPreset = Literal["auto", "vllm", "sglang", "trtllm", "kvgate", "none"]
+
+
+class CapabilityOverrides(BaseModel):
+    """`settings.capabilities`: each list given replaces the server kind's default list."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoints: list[str] | None = Field(None, description=f"Endpoints the upstream serves: {', '.join(ENDPOINTS)}.")
+    features: list[str] | None = Field(None, description=f"Request features it honours: {', '.join(FEATURES)}.")
+    extras: list[str] | None = Field(None, description="Vendor request fields forwarded to it verbatim ('*': any).")
+
+    @field_validator("endpoints", "features")
+    @classmethod
+    def _known(cls, names: list[str] | None, info) -> list[str] | None:
+        known = ENDPOINTS if info.field_name == "endpoints" else FEATURES
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            raise ValueError(f"unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+        return names
 
 
 class OpenAISettings(BaseModel):
@@ -51,6 +73,12 @@ class OpenAISettings(BaseModel):
     unhealthy_after: int = Field(
         3, gt=0, description="Consecutive failed scrapes or connections before the deployment is unhealthy."
     )
+    server: ServerKind = Field(
+        "openai", description="What kind of server the upstream is: openai (OpenAI itself, or an unknown kind), "
+        "vllm, sglang, trtllm, llamacpp (llama-server), llama_cpp_python or kvgate. It sets the default "
+        "capabilities (kvgate_openai/servers.py) and how /tokenize is asked.")
+    capabilities: CapabilityOverrides | None = Field(
+        None, description="What the upstream serves, where it differs from its kind's defaults.")
     chat_max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = Field(
         "max_tokens", description="Name of the output limit on chat requests (OpenAI's reasoning "
         "models only accept max_completion_tokens)."
@@ -65,6 +93,15 @@ class OpenAISettings(BaseModel):
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError("must be an http:// or https:// URL")
         return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _declared(self):
+        self.declared()  # the kind's defaults with the overrides must make sense together
+        return self
+
+    def declared(self) -> Capabilities:
+        o = self.capabilities or CapabilityOverrides()
+        return servers.capabilities(self.server, o.endpoints, o.features, o.extras)
 
     @property
     def stale_after_s(self) -> float:

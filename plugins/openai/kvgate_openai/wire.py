@@ -2,12 +2,22 @@
 
 Only what differs from the OpenAI defaults is sent, so an upstream that lacks an extension never
 sees it unless the client asked for it. vLLM's extensions (top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids) go out only when set.
+ignore_eos, stop_token_ids) go out only when set. Tools, tool_choice, response_format and
+reasoning_effort go out as the client sent them (validated), vendor fields (`extra`) verbatim;
+the gateway routed the request here because this deployment declared them.
+
+Back from the upstream: text, logprobs, and the fields agents and JSON-mode clients need:
+tool calls (whole, or streamed fragments by index), `reasoning_content` (vLLM and SGLang; newer
+vLLM says `reasoning`), `refusal`, and finish reasons tool_calls and content_filter.
 """
 
 from __future__ import annotations
 
-from gateway.backend import GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob, Usage
+from dataclasses import replace
+
+from gateway import fastjson
+from gateway.backend import (
+    GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
 
 COMPLETIONS = "/completions"
 CHAT = "/chat/completions"
@@ -29,7 +39,24 @@ def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_t
     _sampling_fields(body, request.sampling, chat, chat_max_tokens_field)
     if request.user:
         body["user"] = request.user
+    if chat:
+        _chat_features(body, request)
+    if request.extra:
+        body.update(request.extra)  # names no typed field uses (the gateway parsed those)
     return (CHAT if chat else COMPLETIONS), body
+
+
+def _chat_features(body: dict, request: GenerationRequest) -> None:
+    if request.tools:
+        body["tools"] = request.tools
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+        if request.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
+    if request.reasoning_effort is not None:
+        body["reasoning_effort"] = request.reasoning_effort
 
 
 def _sampling_fields(body: dict, s: SamplingParams, chat: bool, max_tokens_field: str) -> None:
@@ -81,9 +108,45 @@ def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
     reason = c.get("finish_reason")
     if reason is not None:  # only the last chunk has one: no call per token
         reason = finish_reason(reason)
+    delta = c.get("delta") if chat else None
+    if delta and len(delta) > ("content" in delta) + ("role" in delta):  # more than text: rare
+        return _event_with_more(delta, text, token_ids, logprobs, reason, streamed=True)
     if not (text or logprobs or reason or token_ids):
         return None
     return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _event_with_more(message: dict, text: str, token_ids, logprobs, reason, streamed: bool) -> TokenEvent | None:
+    """A chat delta (or whole message) that carries tool calls, reasoning or a refusal too."""
+    calls = _tool_calls(message.get("tool_calls"), streamed)
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    refusal = message.get("refusal") or ""
+    if not (text or logprobs or reason or token_ids or calls or reasoning or refusal):
+        return None
+    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+                      tool_calls=calls, reasoning=_text(reasoning), refusal=_text(refusal))
+
+
+def _tool_calls(calls, streamed: bool) -> tuple[ToolCallDelta, ...]:
+    """OpenAI tool calls (stream fragments with `index`, or a whole message's list) as ours."""
+    if not isinstance(calls, list):
+        return ()
+    out = []
+    for position, call in enumerate(calls):
+        if not isinstance(call, dict):
+            continue
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        index = call.get("index") if streamed and isinstance(call.get("index"), int) else position
+        arguments = function.get("arguments")
+        if isinstance(arguments, (dict, list)):  # a few servers send an object, not its JSON text
+            arguments = fastjson.dumps(arguments).decode()
+        out.append(ToolCallDelta(index=index, id=_text(call.get("id")) or None, name=_text(function.get("name")) or None,
+                                 arguments=_text(arguments)))
+    return tuple(out)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def whole_event(body: dict, chat: bool) -> TokenEvent:
@@ -93,8 +156,14 @@ def whole_event(body: dict, chat: bool) -> TokenEvent:
         raise ValueError("the answer has no choices")
     c = choices[0]
     text, logprobs = _text_and_logprobs(c, chat, "message")
-    return TokenEvent(text=text, token_ids=tuple(c.get("token_ids") or ()), logprobs=logprobs,
-                      finish_reason=finish_reason(c.get("finish_reason")) or "stop", usage=usage_of(body))
+    token_ids = tuple(c.get("token_ids") or ())
+    reason = finish_reason(c.get("finish_reason")) or "stop"
+    event = TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, usage=usage_of(body))
+    message = c.get("message") if chat else None
+    if isinstance(message, dict) and len(message) > ("content" in message) + ("role" in message):
+        more = _event_with_more(message, text, token_ids, logprobs, reason, streamed=False)
+        return replace(more, usage=event.usage)  # never None: it has a finish reason
+    return event
 
 
 def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, tuple[TokenLogprob, ...]]:
@@ -105,11 +174,15 @@ def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, 
     return choice.get("text") or "", completion_logprobs(lp) if lp else ()
 
 
+FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "content_filter")
+
+
 def finish_reason(reason: str | None) -> str | None:
-    # Our protocol knows stop, length and abort; tool calls and content filters end like a stop.
-    if reason is None or reason in ("stop", "length", "abort"):
+    # Our protocol's reasons pass as they are (function_call is the old name of tool_calls);
+    # anything else a server invents ends like a stop.
+    if reason is None or reason in FINISH_REASONS:
         return reason
-    return "stop"
+    return "tool_calls" if reason == "function_call" else "stop"
 
 
 def usage_of(chunk: dict) -> Usage | None:

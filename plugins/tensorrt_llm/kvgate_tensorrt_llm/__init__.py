@@ -22,8 +22,9 @@ def make_tensorrt_llm_backend(settings: dict, deployment: str) -> TensorRtLlmBac
 
 
 def make_trtllm_serve_backend(settings: dict, deployment: str):
-    """trtllm-serve speaks OpenAI; only its metrics differ (Prometheus at /prometheus/metrics)."""
-    return make_openai_backend(settings, deployment, metrics="trtllm")
+    """trtllm-serve speaks OpenAI; its metrics differ (Prometheus at /prometheus/metrics), and so
+    does what it serves out of the box (server kind trtllm)."""
+    return make_openai_backend(settings, deployment, metrics="trtllm", server="trtllm")
 
 
 @hookimpl
