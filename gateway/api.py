@@ -1,4 +1,5 @@
-"""The OpenAI endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+"""The API endpoints: OpenAI's /v1/models, /v1/completions, /v1/chat/completions, and, translated
+onto chat (gateway.translate), OpenAI's /v1/responses and Anthropic's /v1/messages."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from gateway.responses import (
     usage_chunk,
 )
 from gateway.schemas import ParsedRequest, parse_chat, parse_completion
+from gateway.translate.anthropic import parse_messages
+from gateway.translate.responses_api import parse_responses
 
 log = logging.getLogger("kvgate.api")
 
@@ -68,11 +71,20 @@ def _weights(pool) -> dict[str, str]:
 
 
 async def completions(request: Request):
-    return await _serve(request, parse_completion, "cmpl")
+    return await _serve(request, parse_completion, "cmpl-")
 
 
 async def chat_completions(request: Request):
-    return await _serve(request, parse_chat, "chatcmpl")
+    return await _serve(request, parse_chat, "chatcmpl-")
+
+
+async def responses(request: Request):
+    return await _serve(request, parse_responses, "resp_")
+
+
+async def messages(request: Request):
+    """Anthropic's Messages API (its error shape: asgi.AnthropicErrors)."""
+    return await _serve(request, parse_messages, "msg_")
 
 
 def _api_key(request: Request) -> ApiKey | None:
@@ -107,7 +119,7 @@ async def _serve(request: Request, parse, id_prefix: str):
     sla = _sla_class(request, state, key)
     if key is not None:
         await _admit_key(state, key, parsed.num_choices)
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
     recorder = RequestRecorder(
         state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
         operation="chat" if parsed.chat else "text_completion", headers=request.headers,
@@ -167,7 +179,9 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         pending = _release_pending(recorder, choices)  # also when _collect never got to start
         if pending is not None:
             await asyncio.shield(pending)
-    return FastJSONResponse(body) if finished else JSONResponse({}, status_code=CLIENT_CLOSED)
+    if not finished:
+        return JSONResponse({}, status_code=CLIENT_CLOSED)
+    return FastJSONResponse(body if parsed.translation is None else parsed.translation.whole(shape, body))
 
 
 def _finish_failed(recorder: RequestRecorder, exc: BaseException) -> None:
@@ -220,40 +234,63 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
     return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n)))
 
 
+class OpenAIEvents:
+    """A stream's chunks as OpenAI sends them. A translated request brings its own writer of
+    another API's events (`ParsedRequest.translation.stream`), with the same three members."""
+
+    done = SSE_DONE
+
+    @staticmethod
+    def chunk(chunk: dict) -> bytes:
+        return sse(chunk)
+
+    @staticmethod
+    def error(exc: APIError) -> bytes:
+        return sse(exc.body())
+
+
+OPENAI_EVENTS = OpenAIEvents()
+
+
 async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
                   choices: list[OpenChoice]):
     states = [ChoiceState(c.index) for c in choices]
+    out = OPENAI_EVENTS if parsed.translation is None else parsed.translation.stream(shape)
+    write = out.chunk
     # Left without success or an APIError: the client went away (the response task cancelled
     # this generator, or closed it at a failed write).
     status, usage, error = CLIENT_CLOSED, None, None
     try:
         if parsed.chat:
             for c in choices:
-                yield sse(stream_chunk(shape, c.index, None, first=True))
+                yield write(stream_chunk(shape, c.index, None, first=True))
         async for index, batch in merged_events(choices):
             recorder.tokens(index, batch)
             state, chunks = states[index], []
             for event in batch:
                 state.add(event)
                 if event.text or event.finish_reason or event.logprobs or has_more(event):
-                    chunks.append(sse(stream_chunk(shape, index, event, first=False)))
+                    chunks.append(write(stream_chunk(shape, index, event, first=False)))
             if chunks:  # the events that arrived together leave together
-                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                if data:  # (a translation may hold a chunk back)
+                    yield data
         usage = total_usage(states, _prompt_tokens(states, parsed.n))
         if parsed.include_usage:
-            yield sse(usage_chunk(shape, usage))
+            yield write(usage_chunk(shape, usage))
         status = 200
     except APIError as exc:
         # After the first byte the status is sent: the client learns of the failure from one
         # error event (the openai client raises on it), then the stream ends as usual.
         log.warning("stream %s failed after it started: %s", shape.id, exc.message)
         error = exc.message
-        yield sse(exc.body())
+        yield out.error(exc)
     finally:
         for c in choices:
             await c.close()
         recorder.finish(status, usage, [st.finish_reason for st in states], error=error)
-    yield SSE_DONE
+    if out.done:
+        yield out.done
 
 
 def _prompt_tokens(states: list[ChoiceState], n: int) -> dict[int, int]:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from gateway import api, login
-from gateway.asgi import BodyLimitMiddleware
+from gateway.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
@@ -149,6 +149,8 @@ ROUTES = [
     Route("/v1/models", api.list_models, methods=["GET"]),
     Route("/v1/completions", api.completions, methods=["POST"]),
     Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+    Route("/v1/responses", api.responses, methods=["POST"]),
+    Route("/v1/messages", api.messages, methods=["POST"]),
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
@@ -188,7 +190,8 @@ def create_app(state: GatewayState):
     app.state.kvgate = state
     app = HotRoutes(app, {"/v1/completions": api.completions, "/v1/chat/completions": api.chat_completions})
     app = AuthMiddleware(app, keys_of=lambda: state.keys)
-    return BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
+    app = BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
+    return AnthropicErrors(app, paths=frozenset({"/v1/messages"}))
 
 
 class HotRoutes:

@@ -1,4 +1,5 @@
-"""Pure-ASGI pieces: the body-size limit, error rendering, and disconnect-aware responses."""
+"""Pure-ASGI pieces: the body-size limit, error rendering (in Anthropic's shape on its paths), and
+disconnect-aware responses."""
 
 from __future__ import annotations
 
@@ -53,6 +54,49 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> RequestTooLarge:
         return RequestTooLarge(f"The request body is over this server's limit of {self.max_bytes} bytes.")
+
+
+class AnthropicErrors:
+    """Error answers on Anthropic's API paths in Anthropic's shape (`{"type": "error", "error":
+    {"type", "message"}}`), whichever layer answered (key check, body limit, router, endpoint):
+    each renders OpenAI's shape, rewritten here. Other paths pass straight through."""
+
+    def __init__(self, app, paths: frozenset[str]):
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def rewriting_send(message):
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message  # held until the body is whole
+            elif start is not None and message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    await _send_rewritten(send, start, b"".join(body))
+            else:
+                await send(message)
+
+        await self.app(scope, receive, rewriting_send)
+
+
+async def _send_rewritten(send, start: dict, raw: bytes) -> None:
+    from gateway.translate.anthropic import error_body
+
+    try:
+        error = json.loads(raw)["error"]
+        raw = json.dumps(error_body(start["status"], error["message"])).encode()
+    except (ValueError, KeyError, TypeError):
+        pass  # not an error body (a 499's empty answer): as it was
+    headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(raw)).encode()))
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
 
 
 async def wait_for_disconnect(receive) -> None:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from gateway.capabilities import ANY_EXTRA, DEFAULT_CAPABILITIES, Capabilities
 from gateway.config import RequestLimits
 from gateway.schemas import ChatBody, CompletionBody
+from gateway.translate import anthropic, responses_api
 
 ERROR = {
     "type": "object", "required": ["error"],
@@ -24,6 +25,13 @@ ERROR = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+ANTHROPIC_ERROR = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model",
                   "413": "Body too large", "429": "Rate limited", "499": "Client closed the request",
                   "502": "Backend failed", "503": "Overloaded", "504": "Backend timed out"}
@@ -43,16 +51,21 @@ def openapi_document(models: list[str], limits: RequestLimits, served: Capabilit
         "paths": {
             "/v1/completions": {"post": _generation("Create a completion", completion)},
             "/v1/chat/completions": {"post": _generation("Create a chat completion", chat)},
+            "/v1/responses": {"post": _generation("Create a response (OpenAI Responses API, stateless)",
+                                                  _responses_body(defs, models, limits, served))},
+            "/v1/messages": {"post": _generation("Create a message (Anthropic Messages API)",
+                                                 _messages_body(defs, models, limits, served),
+                                                 error="AnthropicError")},
             "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
             "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
             "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
         },
-        "components": {"schemas": {**defs, "Error": ERROR}},
+        "components": {"schemas": {**defs, "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR}},
     }
 
 
 def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
-    schema = copy.deepcopy(model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    schema = copy.deepcopy(model.model_json_schema(ref_template=REF))
     defs.update(schema.pop("$defs", {}))
     _vendor_fields(schema, served.extras)
     props = schema["properties"]
@@ -119,7 +132,7 @@ def _server_rules(props: dict, limits: RequestLimits) -> None:
                                    {"type": "null"}]}
     if "stop_token_ids" in props:
         props["stop_token_ids"]["anyOf"][0]["maxItems"] = limits.max_stop_token_ids
-    if "prompt" in props:
+    if "anyOf" in props.get("prompt", {}):  # completions (the Responses API has a prompt of its own)
         for option in props["prompt"]["anyOf"]:
             if option["type"] == "array" and option["items"].get("type") != "integer":
                 option["maxItems"] = limits.max_prompts
@@ -130,6 +143,74 @@ def _server_rules(props: dict, limits: RequestLimits) -> None:
                     inner["minLength"] = 1
                 if inner.get("type") == "array":
                     inner["minItems"] = 1
+
+
+def _responses_body(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
+    """The Responses request: its items and parts are validated one by one (for errors that name
+    their path), so their schemas are filled in here from the same models. No vendor fields."""
+    r = responses_api
+    body = _body_schema(r.ResponsesBody, defs, models, limits, DEFAULT_CAPABILITIES)
+    props = body["properties"]
+    props["input"] = _text_or(_one_of(r.ITEMS.values(), defs), max_items=limits.max_messages)
+    defs["MessageItem"]["properties"]["content"] = _text_or(_one_of(r.PARTS.values(), defs))
+    defs["FunctionCallOutputItem"]["properties"]["output"] = _text_or(_one_of([r.InputText], defs))
+    props["tools"] = _tools(_one_of([r.ResponsesFunctionTool], defs), limits, served)
+    props["tool_choice"] = _optional({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                                _one_of([r.ResponsesNamedFunction], defs)]})
+    _cap(props, "max_output_tokens", limits.max_tokens)
+    for name in ("previous_response_id", "conversation", "reasoning", "prompt", "max_tool_calls", "top_logprobs"):
+        props[name] = {"type": "null", "description": "Not supported: this server keeps no responses."}
+    for name in ("store", "background"):
+        props[name] = {"enum": [False, None], "description": "Only false: this server keeps no responses."}
+    props["include"] = {"type": ["array", "null"], "maxItems": 0}
+    return body
+
+
+def _messages_body(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
+    """The Anthropic Messages request, its blocks filled in as for Responses."""
+    a = anthropic
+    body = _body_schema(a.MessagesBody, defs, models, limits, DEFAULT_CAPABILITIES)
+    props = body["properties"]
+    props["messages"]["items"] = _one_of([a.MessageParam], defs)
+    defs["MessageParam"]["properties"]["content"] = _text_or(_one_of([a.TextBlock, a.ToolUseBlock,
+                                                                       a.ToolResultBlock], defs))
+    defs["ToolResultBlock"]["properties"]["content"] = _optional(_text_or(_one_of([a.TextBlock], defs)))
+    props["system"] = _optional(_text_or(_one_of([a.TextBlock], defs)))
+    props["tools"] = _tools(_one_of([a.AnthropicTool], defs), limits, served)
+    props["tool_choice"] = _optional(_one_of([a.AnthropicToolChoice], defs))
+    text = {"type": "string", "maxLength": limits.max_stop_chars}
+    props["stop_sequences"] = _optional({"type": "array", "items": text, "maxItems": limits.max_stop})
+    for name in ("container", "mcp_servers", "context_management"):
+        props[name] = {"type": "null", "description": "Not supported."}
+    return body
+
+
+def _tools(tool: dict, limits: RequestLimits, served: Capabilities) -> dict:
+    if "tools" not in served.features:
+        return {"type": ["array", "null"], "maxItems": 0, "description": "No deployment serves tools."}
+    return _optional({"type": "array", "items": tool, "maxItems": limits.max_tools})
+
+
+def _one_of(models, defs: dict) -> dict:
+    """A value that is one of `models`, each schema added to the components."""
+    refs = []
+    for model in models:
+        schema = model.model_json_schema(ref_template=REF)
+        defs.update(schema.pop("$defs", {}))
+        defs.setdefault(model.__name__, schema)
+        refs.append({"$ref": REF.format(model=model.__name__)})
+    return refs[0] if len(refs) == 1 else {"anyOf": refs}
+
+
+def _text_or(items: dict, max_items: int | None = None) -> dict:
+    array = {"type": "array", "items": items, "minItems": 1}
+    if max_items is not None:
+        array["maxItems"] = max_items
+    return {"anyOf": [{"type": "string"}, array]}
+
+
+def _optional(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _message_by_role(message: dict, tools: bool) -> dict:
@@ -174,20 +255,20 @@ def _cap(props: dict, name: str, maximum: int) -> None:
             option["maximum"] = maximum
 
 
-def _generation(summary: str, body: dict) -> dict:
+def _generation(summary: str, body: dict, error: str = "Error") -> dict:
     return {"summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-            "responses": _responses({"type": "object"}, streaming=True)}
+            "responses": _responses({"type": "object"}, streaming=True, error=error)}
 
 
-def _responses(ok: dict, streaming: bool = False) -> dict:
+def _responses(ok: dict, streaming: bool = False, error: str = "Error") -> dict:
     content = {"application/json": {"schema": ok}}
     if streaming:
         content["text/event-stream"] = {"schema": {"type": "string"}}
     out = {"200": {"description": "OK", "content": content}}
     for status, description in ERROR_STATUSES.items():
         out[status] = {"description": description,
-                       "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+                       "content": {"application/json": {"schema": {"$ref": REF.format(model=error)}}}}
     return out
 
 

@@ -210,6 +210,9 @@ class ParsedRequest:
     reasoning_effort: str | None = None
     extra: dict[str, Any] | None = None  # vendor fields, verbatim
     needs: Needs = Needs("chat")
+    # Set when the request came in another API's shape (gateway.translate): it turns the chat
+    # answer into that API's answer, `.whole(shape, body)` and `.stream(shape)`.
+    translation: Any = None
 
     @property
     def num_choices(self) -> int:
@@ -327,9 +330,10 @@ def _validate(model: type[BaseModel], body: Any):
         raise _to_api_error(exc) from None
 
 
-def _to_api_error(exc: ValidationError) -> InvalidRequestError:
+def _to_api_error(exc: ValidationError, at: tuple = ()) -> InvalidRequestError:
+    """The first error as a 400 naming its path; `at` is where the validated value sits in the body."""
     err = exc.errors()[0]
-    param = format_path(_field_path(err["loc"])) or None
+    param = format_path([*at, *_field_path(err["loc"])]) or None
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, _Unsupported):
         return InvalidRequestError(str(cause), param=cause.param, code="unsupported_parameter")

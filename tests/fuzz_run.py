@@ -13,10 +13,15 @@ from schemathesis.checks import not_a_server_error
 
 
 def openai_error_shape(ctx, response, case):
-    """Every refusal is {"error": {message, type, param, code}} with a string message."""
+    """Every refusal is {"error": {message, type, param, code}} with a string message (on
+    Anthropic's /v1/messages, its own {"type": "error", "error": {type, message}})."""
     if 400 <= response.status_code < 500:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, error
+        body = response.json()
+        error = body["error"]
+        if case.operation.path == "/v1/messages":
+            assert body["type"] == "error" and set(error) == {"type", "message"}, body
+        else:
+            assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"], error
         assert "Traceback" not in error["message"] and ".py" not in error["message"], error
     return None

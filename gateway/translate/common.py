@@ -1,0 +1,71 @@
+"""What the translations share: named SSE events, validation at a path, and running the
+translated chat body through the chat request checks with the refusal renamed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gateway import fastjson
+from gateway.config import RequestLimits, format_path
+from gateway.errors import InvalidRequestError
+from gateway.schemas import ParsedRequest, _to_api_error, parse_chat
+
+
+Renames = list[tuple[re.Pattern, str]]
+
+
+def named_event(name: str, data: dict) -> bytes:
+    """One SSE event with an `event:` line (both APIs name each event by its `type`)."""
+    return b"event: " + name.encode() + b"\ndata: " + fastjson.dumps(data) + b"\n\n"
+
+
+def validated(model: type[BaseModel], value: Any, at: tuple = ()):
+    """`model` from `value`, which sits at path `at` of the body: a 400 names the whole path."""
+    if at and not isinstance(value, dict):
+        raise InvalidRequestError(f"Invalid value for '{format_path(at)}': expected an object.", param=format_path(at))
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise _to_api_error(exc, at) from None
+
+
+def typed(value: Any, at: tuple, models: dict[str, type[BaseModel]], what: str, default: str | None = None):
+    """`value` validated by the model of its `type` (`default` when it has none); a type this
+    server does not take is a 400 naming `<at>.type` and the types it takes."""
+    kind = value.get("type", default) if isinstance(value, dict) else None
+    model = models.get(kind) if isinstance(kind, str) else None
+    if model is None and isinstance(value, dict):
+        where = format_path((*at, "type"))
+        shown = repr(kind)[:64]
+        raise InvalidRequestError(f"Invalid value for '{where}': {shown} is not a {what} this server takes "
+                                  f"(it takes: {', '.join(models)}).", param=where)
+    return validated(model, value, at)
+
+
+def parse_translated(chat_body: dict, limits: RequestLimits, renamed: Renames, translation) -> ParsedRequest:
+    """The translated chat body checked as a chat request (limits, tools, formats), carrying
+    `translation` (what turns the chat answer back into the client's API); a refusal that names
+    a chat parameter names the client's own instead."""
+    try:
+        parsed = parse_chat(chat_body, limits)
+    except InvalidRequestError as exc:
+        raise _renamed(exc, renamed) from None
+    return replace(parsed, translation=translation)
+
+
+def renames(*pairs: tuple[str, str]) -> Renames:
+    """(regex over a chat parameter path, the client API's path) pairs, compiled."""
+    return [(re.compile(pattern), theirs) for pattern, theirs in pairs]
+
+
+def _renamed(exc: InvalidRequestError, renamed: Renames) -> InvalidRequestError:
+    message, param = exc.message, exc.param
+    for pattern, theirs in renamed:
+        message = pattern.sub(theirs, message)
+        if param is not None:
+            param = pattern.sub(theirs, param)
+    return type(exc)(message, param=param, code=exc.code)

@@ -1,0 +1,479 @@
+"""OpenAI's Responses API (POST /v1/responses), its stateless subset, translated onto chat.
+
+Request: `input` (a string, or items: messages, `function_call`, `function_call_output`),
+`instructions` (a system message before the input), `max_output_tokens`, `temperature`, `top_p`,
+`tools` (function tools, in the Responses' flat shape), `tool_choice`, `parallel_tool_calls`,
+`text.format` (text, json_object, json_schema), `stream`, `metadata`, `user`. This server keeps
+no responses: `store: true`, `previous_response_id`, `conversation` and `background` are
+refused, as are hosted tools and input items of any other type - each a 400 naming its path.
+
+Answer: a `response` object whose output is a message item (one output_text part) unless the
+model only called tools, then a function_call item per call. Streamed, it is the Responses
+events in their order, each with a rising `sequence_number`:
+
+    response.created, response.in_progress
+    per item: response.output_item.added
+        message:  response.content_part.added, response.output_text.delta ...,
+                  response.output_text.done, response.content_part.done
+        call:     response.function_call_arguments.delta ..., response.function_call_arguments.done
+              response.output_item.done
+    response.completed (response.incomplete when max_output_tokens cut the output)
+
+A failure after the stream started is an `error` event, then `response.failed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from gateway.config import RequestLimits
+from gateway.errors import APIError, InvalidRequestError
+from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.translate.common import named_event, parse_translated, renames, typed, validated
+
+ID_PREFIX = "resp_"
+
+
+# ---------------------------------------------------------------------------------- request
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    """Output text a client sends back as part of the conversation (with what came with it)."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class RefusalPart(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+PARTS = {"input_text": InputText, "output_text": OutputText, "refusal": RefusalPart}
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Any]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[Any]
+    id: str | None = None
+    status: str | None = None
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+
+
+class ResponsesFunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesTextConfig(_Strict):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesBody(_Strict):
+    model: str = Field(min_length=1)
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing here to pad
+    store: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesTextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(None, max_length=512)
+    # accepted and ignored: they do not change the output
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # known, refused unless empty or off
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    prompt: Any = None
+    max_tool_calls: Int | None = None
+    top_logprobs: Int | None = None
+
+    @model_validator(mode="after")
+    def _stateless(self):
+        stateless = "this server keeps no responses: send the whole conversation in 'input'"
+        if self.store:
+            raise _Unsupported("store", f"store: true is not supported ({stateless}, with store: false)")
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name) is not None:
+                raise _Unsupported(name, f"'{name}' is not supported ({stateless})")
+        if self.background:
+            raise _Unsupported("background")
+        if self.include:
+            raise _Unsupported("include")
+        for name in ("reasoning", "prompt", "max_tool_calls", "top_logprobs"):
+            if getattr(self, name) is not None:
+                raise _Unsupported(name)
+        return self
+
+
+# What a chat refusal names, in this API's terms.
+RENAMES = renames((r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"), (r"\bmessages\b", "input"),
+                  (r"\bresponse_format\b", "text.format"), (r"(tools\[\d+\])\.function\b", r"\1"))
+
+
+def parse_responses(body: Any, limits: RequestLimits) -> ParsedRequest:
+    """A Responses request as a chat request that answers in Responses' shapes."""
+    req = validated(ResponsesBody, body) if isinstance(body, dict) else _not_an_object()
+    items = _input_items(req.input)
+    chat = chat_body(req, items)
+    return parse_translated(chat, limits, RENAMES, ResponsesTranslation(req))
+
+
+def _not_an_object():
+    raise InvalidRequestError("The request body must be a JSON object.")
+
+
+def _input_items(value: str | list) -> list:
+    if isinstance(value, str):
+        return [MessageItem(role="user", content=value)]
+    if not value:
+        raise InvalidRequestError("'input' must not be empty.", param="input")
+    return [typed(item, ("input", i), ITEMS, "input item", default="message") for i, item in enumerate(value)]
+
+
+def chat_body(req: ResponsesBody, items: list) -> dict:
+    """The chat completions body that asks for what `req` asks."""
+    body: dict = {"model": req.model, "messages": _messages(req.instructions, items), "stream": req.stream}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}  # the usage goes into response.completed
+    for chat_name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                             ("top_p", req.top_p), ("user", req.user),
+                             ("parallel_tool_calls", req.parallel_tool_calls)):
+        if value is not None:
+            body[chat_name] = value
+    if req.tools:
+        body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+        body["response_format"] = _chat_response_format(req.text.format)
+    return body
+
+
+def _messages(instructions: str | None, items: list) -> list[dict]:
+    out: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": _text(item.content, ("input", i, "content"))})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":  # calls made in the same turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _text(item.output, ("input", i, "output"))})
+    return out
+
+
+def _text(content: str | list, at: tuple) -> str:
+    if isinstance(content, str):
+        return content
+    parts = [typed(part, (*at, j), PARTS, "content part") for j, part in enumerate(content)]
+    return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in parts)
+
+
+def _chat_tool(tool: Any, i: int) -> dict:
+    t = typed(tool, ("tools", i), {"function": ResponsesFunctionTool}, "tool")
+    function = {"name": t.name}
+    for name in ("description", "parameters", "strict"):
+        if getattr(t, name) is not None:
+            function[name] = getattr(t, name)
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        return choice
+    named = typed(choice, ("tool_choice",), {"function": ResponsesNamedFunction}, "tool_choice")
+    return {"type": "function", "function": {"name": named.name}}
+
+
+def _chat_response_format(fmt: ResponsesTextFormat) -> dict:
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    schema = {"name": fmt.name, "schema": fmt.json_schema, "description": fmt.description, "strict": fmt.strict}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+# ---------------------------------------------------------------------------------- answer
+
+
+@dataclass
+class ResponsesTranslation:
+    """Turns the chat answer to `request` into the Responses API's (see the module doc)."""
+
+    request: ResponsesBody
+
+    def whole(self, shape, chat: dict) -> dict:
+        choice = chat["choices"][0]
+        output = output_items(shape.id, choice["message"], _item_status(choice["finish_reason"]))
+        return response_object(self.request, shape, output, chat["usage"], choice["finish_reason"])
+
+    def stream(self, shape) -> "ResponsesEvents":
+        return ResponsesEvents(self.request, shape)
+
+
+def output_items(response_id: str, message: dict, status: str = "completed") -> list[dict]:
+    """A whole chat answer's message as output items: the text (unless the model only called
+    tools), then one function_call item per call."""
+    calls = message.get("tool_calls") or []
+    items = []
+    if message.get("content") or message.get("refusal") or not calls:
+        items.append(_message_item(response_id, message.get("content") or "", message.get("refusal"), status))
+    items += [_call_item(response_id, i, c["id"], c["function"]["name"], c["function"]["arguments"])
+              for i, c in enumerate(calls)]
+    return items
+
+
+def _message_item(response_id: str, text: str, refusal: str | None = None, status: str = "completed") -> dict:
+    content = [_text_part(text)] if text or not refusal else []
+    if refusal:
+        content.append({"type": "refusal", "refusal": refusal})
+    return {"id": "msg_" + response_id.removeprefix(ID_PREFIX), "type": "message", "status": status,
+            "role": "assistant", "content": content}
+
+
+def _item_status(finish_reason: str | None) -> str:
+    """A message cut by max_output_tokens is incomplete, as the response is."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(response_id: str, index: int, call_id: str, name: str, arguments: str,
+               status: str = "completed") -> dict:
+    return {"id": f"fc_{response_id.removeprefix(ID_PREFIX)}_{index}", "type": "function_call", "status": status,
+            "call_id": call_id, "name": name, "arguments": arguments}
+
+
+def response_object(req: ResponsesBody, shape, output: list[dict], usage: dict | None, finish: str | None,
+                    status: str | None = None, error: dict | None = None) -> dict:
+    """The `response` object: its state, output and usage, and the settings it ran with."""
+    incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(finish or "")
+    if status is None:
+        status = "incomplete" if incomplete else "completed"
+    fmt = req.text.format if req.text is not None and req.text.format is not None else ResponsesTextFormat(type="text")
+    return {
+        "id": shape.id, "object": "response", "created_at": shape.created, "status": status, "error": error,
+        "incomplete_details": {"reason": incomplete} if incomplete and status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": shape.model,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": None, "store": False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+        "usage": _usage(usage) if usage is not None else None, "user": req.user, "metadata": req.metadata or {},
+        "background": False,
+    }
+
+
+def _usage(usage: dict) -> dict:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    details = {"cached_tokens": cached, "cache_write_tokens": 0}
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": details,
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _failure_code(exc: APIError) -> str:
+    """A failed response's error code, from the few the Responses API defines (the `error`
+    event before it carries this server's own code)."""
+    return "rate_limit_exceeded" if exc.status == 429 else "server_error"
+
+
+@dataclass
+class _OpenItem:
+    """An output item being streamed: where it sits in the output, and what it holds so far."""
+
+    output_index: int
+    item: dict
+    text: list[str] = field(default_factory=list)  # a message's text, or a call's arguments
+
+
+class ResponsesEvents:
+    """Chat stream chunks in, Responses events out (bytes; b"" while a chunk adds nothing)."""
+
+    done = b""  # the Responses stream has no [DONE]
+
+    def __init__(self, request: ResponsesBody, shape):
+        self.request, self.shape = request, shape
+        self.sequence = 0
+        self.started = False
+        self.output: list[dict] = []  # every item opened, in output order (final once closed)
+        self.message: _OpenItem | None = None
+        self.calls: dict[int, _OpenItem] = {}  # by the chat stream's tool call index
+        self.finish: str | None = None
+
+    def chunk(self, chunk: dict) -> bytes:
+        out = self._start()
+        choices = chunk.get("choices")
+        if choices:
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+                out += self._close_all()
+        elif chunk.get("usage") is not None:
+            response = response_object(self.request, self.shape, self.output, chunk["usage"], self.finish)
+            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+            out.append(self._event(kind, response=response))
+        return b"".join(out)
+
+    def error(self, exc: APIError) -> bytes:
+        out = self._start()
+        out.append(self._event("error", code=exc.code, message=exc.message, param=exc.param))
+        failed = response_object(self.request, self.shape, self.output, None, None, status="failed",
+                                 error={"code": _failure_code(exc), "message": exc.message})
+        out.append(self._event("response.failed", response=failed))
+        return b"".join(out)
+
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return named_event(kind, data)
+
+    def _start(self) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
+        snapshot = response_object(self.request, self.shape, [], None, None, status="in_progress")
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def _open(self, item: dict) -> tuple[_OpenItem, bytes]:
+        opened = _OpenItem(len(self.output), item)
+        self.output.append(item)
+        return opened, self._event("response.output_item.added", output_index=opened.output_index, item=item)
+
+    def _text(self, text: str) -> list[bytes]:
+        out = self._open_message() if self.message is None else []
+        self.message.text.append(text)
+        out.append(self._event("response.output_text.delta", **self._at(self.message), content_index=0,
+                               delta=text, logprobs=[]))
+        return out
+
+    def _open_message(self) -> list[bytes]:
+        out = self._close_calls()  # text after calls starts a new item
+        item = _message_item(self.shape.id, "", status="in_progress")
+        item["content"] = []
+        self.message, added = self._open(item)
+        return out + [added, self._event("response.content_part.added", **self._at(self.message), content_index=0,
+                                         part=_text_part(""))]
+
+    def _call(self, fragment: dict) -> list[bytes]:
+        out = []
+        index = fragment.get("index", 0)
+        function = fragment.get("function") or {}
+        call = self.calls.get(index)
+        if call is None:
+            out += self._close_message()
+            item = _call_item(self.shape.id, index, fragment.get("id") or "", function.get("name") or "", "",
+                              status="in_progress")
+            call, added = self._open(item)
+            self.calls[index] = call
+            out.append(added)
+        if function.get("arguments"):
+            call.text.append(function["arguments"])
+            out.append(self._event("response.function_call_arguments.delta", **self._at(call),
+                                   delta=function["arguments"]))
+        return out
+
+    def _at(self, opened: _OpenItem) -> dict:
+        return {"item_id": opened.item["id"], "output_index": opened.output_index}
+
+    def _close_message(self) -> list[bytes]:
+        message, self.message = self.message, None
+        if message is None:
+            return []
+        text = "".join(message.text)
+        part = _text_part(text)
+        message.item.update(status=_item_status(self.finish), content=[part])
+        return [self._event("response.output_text.done", **self._at(message), content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", **self._at(message), content_index=0, part=part),
+                self._event("response.output_item.done", output_index=message.output_index, item=message.item)]
+
+    def _close_calls(self) -> list[bytes]:
+        out = []
+        for call in sorted(self.calls.values(), key=lambda c: c.output_index):
+            arguments = "".join(call.text)
+            call.item.update(status="completed", arguments=arguments)
+            out += [self._event("response.function_call_arguments.done", **self._at(call), arguments=arguments,
+                                name=call.item["name"]),
+                    self._event("response.output_item.done", output_index=call.output_index, item=call.item)]
+        self.calls = {}
+        return out
+
+    def _close_all(self) -> list[bytes]:
+        # Nothing was said: still one (empty) message, as a whole answer has.
+        out = self._open_message() if not self.output else []
+        return out + self._close_message() + self._close_calls()
