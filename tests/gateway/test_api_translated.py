@@ -91,7 +91,7 @@ def test_responses_stream_sends_the_events_in_order(oai):
 
 def test_responses_stream_helper_gathers_the_output(oai):
     # Echo always fills max_output_tokens, so the stream ends incomplete (the helper's final
-    # response needs response.completed: test_api_tools has that case).
+    # response needs response.completed: test_api_translated_tools has that case).
     with oai.responses.stream(model="echo", input=PROMPT, max_output_tokens=5) as stream:
         seen = list(stream)
     text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
