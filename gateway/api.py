@@ -118,7 +118,7 @@ async def _serve(request: Request, parse, id_prefix: str):
     pool.check_servable(parsed.needs)
     sla = _sla_class(request, state, key)
     if key is not None:
-        await _admit_key(state, key, parsed.num_choices)
+        await _admit_key(state, key, parsed.num_choices, (parsed.sampling.max_tokens or 0) * parsed.num_choices)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     recorder = RequestRecorder(
         state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
@@ -207,9 +207,11 @@ async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None
     recorder.finish(CLIENT_CLOSED, None)
 
 
-async def _admit_key(state, key: ApiKey, choices: int) -> None:
+async def _admit_key(state, key: ApiKey, choices: int, reserve_tokens: int) -> None:
     try:
-        await state.limiter.acquire(key, choices)  # each prompt x n is a request's worth of work
+        # Each prompt x n is a request's worth of work; the most it can generate is charged to
+        # the key's tokens up front, and what it did not use is refunded when it finishes.
+        await state.limiter.acquire(key, choices, reserve_tokens)
     except RateLimited:
         state.metrics.rate_limited.labels(key.name).inc()
         raise

@@ -148,16 +148,25 @@ class _Window:
     """Events in the last 60 s, each with a weight (1 per request, or a token count)."""
 
     def __init__(self):
-        self.events: deque[tuple[float, int]] = deque()
+        self.events: deque[list] = deque()  # [time, weight]; a refunded reservation's weight drops
         self.total = 0
 
     def trim(self, now: float) -> None:
         while self.events and now - self.events[0][0] >= 60.0:
             self.total -= self.events.popleft()[1]
 
-    def add(self, now: float, weight: int) -> None:
-        self.events.append((now, weight))
+    def add(self, now: float, weight: int) -> list:
+        event = [now, weight]
+        self.events.append(event)
         self.total += weight
+        return event
+
+    def refund(self, event: list, now: float) -> None:
+        """Take back an event's weight, unless it has already left the window."""
+        self.trim(now)
+        if now - event[0] < 60.0:
+            self.total -= event[1]
+            event[1] = 0
 
     def seconds_until_below(self, limit: int, now: float) -> float:
         """How long until the total drops under `limit` as old events expire."""
@@ -188,10 +197,15 @@ class KeyLimiter:
         self._requests: dict[str, _Window] = {}
         self._tokens: dict[str, _Window] = {}
         self._in_flight: dict[str, int] = {}
+        # Per key, the token reservations of requests in flight, oldest first (a key's requests
+        # are interchangeable for counting: finish refunds the oldest).
+        self._reserved: dict[str, deque[list]] = {}
 
-    def admit(self, key: ApiKey, weight: int = 1) -> None:
+    def admit(self, key: ApiKey, weight: int = 1, reserve_tokens: int = 0) -> None:
         """Count a new request of `weight` choices (prompts x n) against `key`, or raise 429 with
-        how long to wait. A request larger than the key's whole minute can never pass."""
+        how long to wait. A request larger than the key's whole minute can never pass.
+        `reserve_tokens` (the most it can generate) is charged to the key's tokens now, so a burst
+        of requests cannot all pass a budget none of them has used yet; `finish` refunds it."""
         now = self.clock()
         requests = self._requests.setdefault(key.name, _Window())
         tokens = self._tokens.setdefault(key.name, _Window())
@@ -212,13 +226,23 @@ class KeyLimiter:
                               retry_after_s=1)
         requests.add(now, weight)
         self._in_flight[key.name] = in_flight + 1
+        # Admitted while the key is under its minute (one request may end over it), and charged
+        # at most the whole minute, so a long max_tokens does not lock the key out for longer.
+        reserve_tokens = min(reserve_tokens, key.tokens_per_minute or 0)
+        if reserve_tokens:
+            self._reserved.setdefault(key.name, deque()).append(tokens.add(now, reserve_tokens))
 
-    async def acquire(self, key: ApiKey, weight: int = 1) -> None:
+    async def acquire(self, key: ApiKey, weight: int = 1, reserve_tokens: int = 0) -> None:
         """`admit` as the serving path calls it (a shared store answers over the network)."""
-        self.admit(key, weight)
+        self.admit(key, weight, reserve_tokens)
 
     def finish(self, key: ApiKey, tokens: int) -> None:
         self.release(key)
+        reserved = self._reserved.get(key.name)
+        if reserved:
+            self._tokens[key.name].refund(reserved.popleft(), self.clock())
+            if not reserved:
+                del self._reserved[key.name]
         self.charge(key, tokens)
 
     def release(self, key: ApiKey) -> None:

@@ -20,6 +20,10 @@ class SamplingParams:
     """How to pick tokens. Defaults follow the OpenAI API."""
 
     max_tokens: int | None = None  # None: up to the model's context
+    # True when the client named no max_tokens and `max_tokens` is the server's bound
+    # (server.limits.max_tokens): a backend lowers it to what the context (and its cache) leave
+    # for this prompt, vLLM's default, instead of refusing the request as too long.
+    max_tokens_default: bool = False
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k

@@ -85,8 +85,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 """
 
 # KEYS: req, req:sum, tok, tok:sum, flight. ARGV: weight, rpm, tpm, max_concurrency (0: none),
-# request id, lease s. Returns {0} admitted, {1, wait_ms} requests/min, {2, wait_ms} tokens/min,
-# {3, in_flight} concurrency.
+# request id, lease s, tokens to reserve. Returns {0} admitted, {1, wait_ms} requests/min,
+# {2, wait_ms} tokens/min, {3, in_flight} concurrency. The reservation is the tokens window's
+# member "<tokens>:r<id>", removed by FINISH.
 ADMIT = _TRIM + """
 local weight, rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local requests = window_total(KEYS[1], KEYS[2], now)
@@ -105,12 +106,18 @@ if conc > 0 then
   redis.call('EXPIRE', KEYS[5], math.ceil(tonumber(ARGV[6])) + 1)
 end
 window_add(KEYS[1], KEYS[2], now, weight, ARGV[5])
+local reserve = math.min(tonumber(ARGV[7]), tpm)  -- at most the whole minute
+if reserve > 0 then window_add(KEYS[3], KEYS[4], now, reserve, 'r' .. ARGV[5]) end
 return {0}
 """
 
-# KEYS: tok, tok:sum, flight. ARGV: tokens, request id, lease held (1/0).
+# KEYS: tok, tok:sum, flight. ARGV: tokens, request id, lease held (1/0), tokens reserved.
 FINISH = _TRIM + """
 if ARGV[3] == '1' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+local reserved = tonumber(ARGV[4])
+if reserved > 0 and redis.call('ZREM', KEYS[1], reserved .. ':r' .. ARGV[2]) == 1 then
+  redis.call('DECRBY', KEYS[2], reserved)  -- refunded (unless it already left the window)
+end
 if tonumber(ARGV[1]) > 0 then
   window_total(KEYS[1], KEYS[2], now)
   window_add(KEYS[1], KEYS[2], now, tonumber(ARGV[1]), ARGV[2])
@@ -161,30 +168,31 @@ class RedisLimiter:
         self.up = True
         self.problem: str | None = None
         self.since = time.time()  # when `up` last changed
-        # Per key name, what each admitted request holds, oldest first: ("redis", id, leased) or
-        # ("local",). Requests of one key are interchangeable for counting, so finish pops any.
+        # Per key name, what each admitted request holds, oldest first: ("redis", id, leased,
+        # tokens reserved) or ("local",). Requests of one key are interchangeable for counting, so finish pops any.
         self._held: dict[str, deque] = defaultdict(deque)
         self._tasks: set[asyncio.Task] = set()
         self._background: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ admission
 
-    async def acquire(self, key: ApiKey, weight: int = 1) -> None:
+    async def acquire(self, key: ApiKey, weight: int = 1, reserve_tokens: int = 0) -> None:
         check_weight(key, weight)
         limited = key.requests_per_minute or key.tokens_per_minute or key.max_concurrency
+        reserve = min(reserve_tokens, key.tokens_per_minute or 0)  # as the script caps it
         if self.up and limited:  # a key without limits costs no round trip
             request_id = uuid.uuid4().hex
             try:
                 answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
                                            args=[weight, key.requests_per_minute or 0, key.tokens_per_minute or 0,
-                                                 key.max_concurrency or 0, request_id, self.lease_s])
+                                                 key.max_concurrency or 0, request_id, self.lease_s, reserve])
             except (RedisError, OSError) as exc:
                 self._went_down(exc)
             else:
                 _raise_refusal(key, answer)
-                self._held[key.name].append(("redis", request_id, bool(key.max_concurrency)))
+                self._held[key.name].append(("redis", request_id, bool(key.max_concurrency), reserve))
                 return
-        self.local.admit(key, weight)
+        self.local.admit(key, weight, reserve)
         self._held[key.name].append(("local",))
 
     def finish(self, key: ApiKey, tokens: int) -> None:
@@ -194,12 +202,12 @@ class RedisLimiter:
         if held[0] == "local":
             self.local.finish(key, tokens)
         else:
-            self._spawn(self._finish_in_redis(key, tokens, held[1], held[2]))
+            self._spawn(self._finish_in_redis(key, tokens, *held[1:]))
 
-    async def _finish_in_redis(self, key: ApiKey, tokens: int, request_id: str, leased: bool) -> None:
+    async def _finish_in_redis(self, key: ApiKey, tokens: int, request_id: str, leased: bool, reserved: int) -> None:
         try:
             await self._finish(keys=self._keys(key.name, "tok", "tok:sum", "flight"),
-                               args=[tokens, request_id, int(leased)])
+                               args=[tokens, request_id, int(leased), reserved])
         except (RedisError, OSError) as exc:
             self._went_down(exc)
             self.local.charge(key, tokens)  # its lease lapses in Redis by itself

@@ -231,7 +231,7 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
     return ParsedRequest(
         chat=False,
         model=req.model,
-        sampling=_sampling(req, req.max_tokens, req.logprobs),
+        sampling=_sampling(req, req.max_tokens, req.logprobs, limits),
         n=req.n,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -258,7 +258,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     return ParsedRequest(
         chat=True,
         model=req.model,
-        sampling=_sampling(req, max_tokens, logprobs),
+        sampling=_sampling(req, max_tokens, logprobs, limits),
         n=req.n,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -413,9 +413,12 @@ def _check_prompts(prompts: list, n: int, limits: RequestLimits) -> None:
             param="prompt")
 
 
-def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None, limits: RequestLimits) -> SamplingParams:
+    # No number from the client (chat without one, or `"max_tokens": null`): never unbounded.
+    # The server's limit is the bound, which the backend lowers to what the context leaves.
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=limits.max_tokens if max_tokens is None else max_tokens,
+        max_tokens_default=max_tokens is None,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0),

@@ -14,6 +14,9 @@ MAX_STOP_CHARS = 4096  # total length of the stop strings (each token's text is 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: until the model's context is full
+    # max_tokens is a server's bound, not the client's number: lowered to what the context and
+    # the cache leave for the prompt (vLLM's default) instead of refused as too long.
+    max_tokens_default: bool = False
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k

@@ -25,6 +25,7 @@ rejected drafts), registers newly full blocks in the prefix cache, and detects t
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -74,6 +75,14 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, *, max_mo
         raise ContextLengthError(
             f"The prompt ({num_prompt_tokens} tokens) plus max_tokens needs {longest} KV slots, more than this "
             f"engine's whole cache holds ({cache_slots} tokens).")
+
+
+def fitted_max_tokens(num_prompt_tokens: int, bound: int, *, max_model_len: int, cache_slots: int) -> int:
+    """A default max_tokens (the client named none): the bound, lowered to what the context leaves
+    and what the cache holds for this prompt alone; at least 1, so a prompt that leaves nothing
+    is refused by check_request_fits with its own message."""
+    room = min(max_model_len - num_prompt_tokens, cache_slots + 1 - num_prompt_tokens)
+    return max(1, min(bound, room))
 
 
 @dataclass
@@ -182,8 +191,12 @@ class Scheduler:
         if seq.sampling.max_tokens is not None and seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         c = self.config
+        cache_slots = c.num_blocks * c.block_size
+        if seq.sampling.max_tokens_default and seq.sampling.max_tokens is not None:
+            seq.sampling = dataclasses.replace(seq.sampling, max_tokens=fitted_max_tokens(
+                seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len, cache_slots=cache_slots))
         check_request_fits(seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len,
-                           cache_slots=c.num_blocks * c.block_size)
+                           cache_slots=cache_slots)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (client gone). Frees its blocks at once. False if unknown."""

@@ -235,3 +235,31 @@ def test_tokens_per_minute_count_each_choice_reading_its_prompt(gw):
     assert call(gw, "POST", "/v1/completions", key=CAROL, json=body).status_code == 200
     r = call(gw, "POST", "/v1/completions", key=CAROL, json={"model": "echo", "prompt": "a", "max_tokens": 1})
     assert r.status_code == 429 and "30 tokens per minute" in r.json()["error"]["message"]
+
+
+def test_tokens_per_minute_are_reserved_up_front_and_the_unused_part_refunded():
+    """A burst of requests, none finished yet, cannot all pass a budget: each is charged its
+    max_tokens (at most the key's minute) when admitted; at its end, what it used instead."""
+    store = KeyStore.from_config(parse_config(
+        f"auth:\n  keys: [{{name: k, key: {CAROL}, tokens_per_minute: 100}}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n").auth)
+    key = store.lookup(CAROL)
+    limiter = KeyLimiter()
+    limiter.admit(key, reserve_tokens=4096)  # charged the key's whole minute
+    with pytest.raises(Exception, match="100 tokens per minute"):
+        limiter.admit(key, reserve_tokens=10)
+    limiter.finish(key, 30)  # used 30: 70 back
+    limiter.admit(key, reserve_tokens=60)  # 30 + 60
+    limiter.admit(key, reserve_tokens=20)  # under the minute when admitted: 110
+    with pytest.raises(Exception, match="100 tokens per minute"):
+        limiter.admit(key)
+    limiter.finish(key, 0)  # failed before a token: its reservation back
+    limiter.admit(key)
+
+
+def test_a_chat_without_max_tokens_holds_the_token_budget_while_it_runs(gw):
+    """carol: 30 tokens/min. A chat naming no max_tokens is charged the server's bound (4096,
+    at most the 30) while it runs and its real usage after, so the next one passes."""
+    body = {"model": "echo", "messages": [{"role": "user", "content": "a b"}]}
+    r = call(gw, "POST", "/v1/chat/completions", key=CAROL, json=body)
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] < 30
+    assert call(gw, "POST", "/v1/chat/completions", key=CAROL, json=body).status_code == 200

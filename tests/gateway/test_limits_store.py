@@ -159,3 +159,26 @@ def test_a_named_password_variable_must_be_set():
     cfg = LimitsStoreConfig(kind="redis", url_env="URL", password_env="NOPE_UNSET")
     with pytest.raises(ValueError, match="password_env: environment variable NOPE_UNSET is not set"):
         make_limiter(cfg, env={"URL": "redis://127.0.0.1:1/0"})
+
+
+def test_tokens_reserved_at_admission_are_shared_and_refunded_at_finish(redis):
+    async def main():
+        a, b = replicas(redis)
+        k = key(tpm=100)
+        await a.acquire(k, reserve_tokens=4096)  # charged the key's whole minute
+        with pytest.raises(RateLimited, match="100 tokens per minute"):
+            await b.acquire(k, reserve_tokens=10)  # the other replica sees the reservation
+        a.finish(k, 30)
+        await settle(a)
+        await b.acquire(k, reserve_tokens=60)  # 30 used + 60
+        await a.acquire(k, reserve_tokens=20)  # under the minute when admitted: 110
+        with pytest.raises(RateLimited, match="100 tokens per minute"):
+            await a.acquire(k)
+        b.finish(k, 0)
+        a.finish(k, 0)
+        await settle(a, b)
+        await a.acquire(k)
+        a.finish(k, 0)
+        await settle(a)
+        await close(a, b)
+    asyncio.run(main())

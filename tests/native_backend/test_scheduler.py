@@ -450,3 +450,21 @@ def test_stats_reflect_queues_and_kv_usage(make_scheduler, kit):
     assert stats.kv_cache_usage == pytest.approx(2 / 10)
     runner.run_until_done()
     assert sched.stats().kv_cache_usage == 0.0
+
+
+def test_a_default_max_tokens_is_lowered_to_what_the_context_and_cache_leave(make_scheduler):
+    """The client named no max_tokens, so the gateway sent its bound (server.limits.max_tokens):
+    lowered to what the cache (and context) leave for this prompt, vLLM's default, not refused
+    the way a client's own number over the cache is."""
+    sched = make_scheduler(num_blocks=16, block_size=1)  # 16 KV slots
+    plain = request("a", tokens(10), sampling=SamplingParams(max_tokens=4096, max_tokens_default=True))
+    sched.add(plain)
+    assert plain.max_tokens == 16 + 1 - 10  # the last token's KV slot is never needed
+    with pytest.raises(ValueError, match="whole cache"):
+        sched.add(request("b", tokens(10), max_tokens=100))  # the client's own number: refused
+    sched.abort("a")
+    wide = make_scheduler(num_blocks=1024, block_size=1)  # the context is now the smaller room
+    long = request("c", tokens(100), sampling=SamplingParams(max_tokens=4096, max_tokens_default=True))
+    wide.add(long)
+    assert long.max_tokens == wide.config.max_model_len - 100
+    wide.abort("c")

@@ -82,7 +82,12 @@ class EchoBackend:
             self._aborted.discard(request.request_id)
 
     def _check_lengths(self, request: GenerationRequest, prompt_len: int) -> int:
-        max_tokens = request.sampling.max_tokens or self.settings.default_max_tokens
+        s = request.sampling
+        if s.max_tokens is None or s.max_tokens_default:  # the client named none: ours, in its bound and context
+            max_tokens = min(s.max_tokens or self.settings.default_max_tokens, self.settings.default_max_tokens,
+                             max(1, self.settings.max_context - prompt_len))
+        else:
+            max_tokens = s.max_tokens
         if prompt_len + max_tokens > self.settings.max_context:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.settings.max_context} tokens; "

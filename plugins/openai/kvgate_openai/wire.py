@@ -60,7 +60,9 @@ def _chat_features(body: dict, request: GenerationRequest) -> None:
 
 
 def _sampling_fields(body: dict, s: SamplingParams, chat: bool, max_tokens_field: str) -> None:
-    if s.max_tokens is not None:
+    # A default bound is not sent: the gateway does not know the upstream's context, and a bound
+    # over what it leaves is a 400 there; the upstream applies its own default (vLLM's is the same rule).
+    if s.max_tokens is not None and not s.max_tokens_default:
         body[max_tokens_field if chat else "max_tokens"] = s.max_tokens
     if s.temperature != 1.0:
         body["temperature"] = s.temperature

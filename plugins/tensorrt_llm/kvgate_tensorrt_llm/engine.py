@@ -94,7 +94,10 @@ class TensorRtLlmBackend:
             raise BackendError(f"The backend '{self.name}' is not started.")
         ids = await self._prompt_ids(request)
         s = request.sampling
-        max_tokens = self._limits.output_budget(len(ids), s.max_tokens, self.settings.default_max_tokens)
+        if s.max_tokens_default:  # the client named none: the server's bound caps our default
+            max_tokens = self._limits.output_budget(len(ids), None, min(s.max_tokens, self.settings.default_max_tokens))
+        else:
+            max_tokens = self._limits.output_budget(len(ids), s.max_tokens, self.settings.default_max_tokens)
         self._limits.check_tokens(ids, s)
         sampling = self._trt.SamplingParams(**mapping.sampling_kwargs(s, max_tokens, self._limits.top_k(s.top_k)))
         try:

@@ -1,0 +1,66 @@
+"""Request parsing: a request that names no max_tokens is bounded, on every endpoint."""
+
+import pytest
+
+from gateway.config import RequestLimits
+from gateway.schemas import parse_chat, parse_completion
+from servers import GatewayServer
+
+LIMITS = RequestLimits(max_tokens=8)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("parse,body", [
+    (parse_chat, CHAT),  # what most clients send
+    (parse_chat, {**CHAT, "max_tokens": None, "max_completion_tokens": None}),
+    (parse_completion, {"model": "m", "prompt": "hi", "max_tokens": None}),
+])
+def test_no_max_tokens_is_the_servers_bound_marked_as_a_default(parse, body):
+    sampling = parse(body, LIMITS).sampling
+    assert (sampling.max_tokens, sampling.max_tokens_default) == (8, True)
+
+
+@pytest.mark.parametrize("parse,body", [
+    (parse_chat, {**CHAT, "max_tokens": 5}),
+    (parse_chat, {**CHAT, "max_completion_tokens": 5}),
+    (parse_completion, {"model": "m", "prompt": "hi", "max_tokens": 5}),
+])
+def test_a_clients_own_max_tokens_is_not_a_default(parse, body):
+    sampling = parse(body, LIMITS).sampling
+    assert (sampling.max_tokens, sampling.max_tokens_default) == (5, False)
+
+
+CONFIG = """
+server: {limits: {max_tokens: 8}}
+models:
+  - name: long
+    deployments: [{name: long-0, backend: echo, settings: {default_max_tokens: 1000}}]
+  - name: short
+    deployments: [{name: short-0, backend: echo, settings: {default_max_tokens: 1000, max_context: 12}}]
+"""
+
+
+@pytest.fixture(scope="module")
+def client():
+    with GatewayServer(CONFIG) as gw:
+        yield gw.openai()
+
+
+def test_a_chat_without_max_tokens_stops_at_the_servers_limit(client):
+    """ignore_eos and the backend's own default of 1000 tokens: still the server's 8."""
+    out = client.chat.completions.create(model="long", messages=[{"role": "user", "content": "a b c"}],
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    out = client.completions.create(model="long", prompt="a b c", max_tokens=None, n=2)
+    assert [len(c.text.split()) for c in out.choices] == [8, 8]
+
+
+def test_a_chat_without_max_tokens_gets_what_the_context_leaves_not_a_400(client):
+    """Context 12, prompt 7: 5 tokens left, under the bound of 8 (the native engine's cache rule
+    is tested on its scheduler); a client's own 8 does not fit and is refused."""
+    prompt = "one two three four five six seven"
+    out = client.completions.create(model="short", prompt=prompt, max_tokens=None)
+    assert out.usage.completion_tokens == 12 - 7
+    import openai
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="short", prompt=prompt, max_tokens=8)
