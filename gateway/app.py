@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from gateway import api, login
+from gateway import api, login, token_api
 from gateway.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
@@ -151,6 +151,9 @@ ROUTES = [
     Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
     Route("/v1/responses", api.responses, methods=["POST"]),
     Route("/v1/messages", api.messages, methods=["POST"]),
+    Route("/v1/embeddings", token_api.embeddings, methods=["POST"]),
+    Route("/tokenize", token_api.tokenize, methods=["POST"]),
+    Route("/detokenize", token_api.detokenize, methods=["POST"]),
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),

@@ -146,10 +146,10 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
                       ticket: Ticket, recorder) -> OpenChoice:
     """Admit the choice to `pool` (waiting in its queue if needed), then fail over: other
     deployments of the pool, then the fallback models, each without queueing."""
-    deployment = await _admit(pool, request, ticket, recorder)
+    deployment = await admit(pool, request, ticket, recorder)
     last_error: APIError | None = None
     attempts = 0
-    for current in _pools_to_try(registry, pool):
+    for current in pools_to_try(registry, pool):
         if current is not pool:
             deployment = current.take(request)
         tried: set[str] = set()
@@ -159,7 +159,7 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
             recorder.routed(current, deployment, _scores(current) if recorder.trace is not None else None)
             span = recorder.attempt(deployment, deployment.upstream_model, attempts)
             try:
-                choice = await _open_on(current, deployment, index, _traced(request, recorder, span))
+                choice = await _open_on(current, deployment, index, traced(request, recorder, span))
             except APIError as exc:
                 current.release(deployment)
                 recorder.attempt_failed(span, deployment, exc, retried=not _request_fault(exc))
@@ -186,7 +186,7 @@ def _request_fault(exc: APIError) -> bool:
     return not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)
 
 
-async def _admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, recorder):
+async def admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, recorder):
     started = time.monotonic()
     try:
         deployment = await pool.admission.acquire(request, ticket)
@@ -202,14 +202,14 @@ def _scores(pool: ModelPool) -> dict[str, float]:
     return {d.name: load_score(d) for d in pool.deployments if d.available}
 
 
-def _traced(request: GenerationRequest, recorder, span) -> GenerationRequest:
+def traced(request: GenerationRequest, recorder, span) -> GenerationRequest:
     """The request as this attempt sends it: the attempt span is the backend's parent."""
     if span is None:
         return request
     return replace(request, trace_context=recorder.trace.carrier(span))
 
 
-def _pools_to_try(registry: ModelRegistry, pool: ModelPool):
+def pools_to_try(registry: ModelRegistry, pool: ModelPool):
     """The pool, then its fallback chain (each model at most once)."""
     seen = {pool.name}
     current = pool

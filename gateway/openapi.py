@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from gateway.capabilities import ANY_EXTRA, DEFAULT_CAPABILITIES, Capabilities
 from gateway.config import RequestLimits
 from gateway.schemas import ChatBody, CompletionBody
+from gateway.token_schemas import DetokenizeBody, EmbeddingsBody, TokenizeChatBody, TokenizePromptBody
 from gateway.translate import anthropic, responses_api
 
 ERROR = {
@@ -43,23 +44,25 @@ def openapi_document(models: list[str], limits: RequestLimits, served: Capabilit
     completion = _body_schema(CompletionBody, defs, models, limits, served)
     chat = _body_schema(ChatBody, defs, models, limits, served)
     _chat_features(chat["properties"], defs, limits, served)
+    token_paths = _token_paths(defs, models, limits, served)
     defs["Message"] = _message_by_role(defs["Message"], "tools" in served.features)
+    paths = {
+        "/v1/completions": {"post": _generation("Create a completion", completion)},
+        "/v1/chat/completions": {"post": _generation("Create a chat completion", chat)},
+        "/v1/responses": {"post": _generation("Create a response (OpenAI Responses API, stateless)",
+                                              _responses_body(defs, models, limits, served))},
+        "/v1/messages": {"post": _generation("Create a message (Anthropic Messages API)",
+                                             _messages_body(defs, models, limits, served), error="AnthropicError")},
+        **token_paths,
+        "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
+        "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
+        "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": "0.1.0",
                  "description": "OpenAI-compatible inference gateway. Errors are OpenAI-style."},
-        "paths": {
-            "/v1/completions": {"post": _generation("Create a completion", completion)},
-            "/v1/chat/completions": {"post": _generation("Create a chat completion", chat)},
-            "/v1/responses": {"post": _generation("Create a response (OpenAI Responses API, stateless)",
-                                                  _responses_body(defs, models, limits, served))},
-            "/v1/messages": {"post": _generation("Create a message (Anthropic Messages API)",
-                                                 _messages_body(defs, models, limits, served),
-                                                 error="AnthropicError")},
-            "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
-            "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
-            "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
-        },
+        "paths": paths,
         "components": {"schemas": {**defs, "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR}},
     }
 
@@ -69,7 +72,8 @@ def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, se
     defs.update(schema.pop("$defs", {}))
     _vendor_fields(schema, served.extras)
     props = schema["properties"]
-    props["model"] = {"type": "string", "enum": models}
+    props["model"] = {"type": "string", "enum": models} if "model" in schema.get("required", ()) else \
+        {"anyOf": [{"type": "string", "enum": models}, {"type": "null"}]}
     _cap(props, "max_tokens", limits.max_tokens)
     _cap(props, "max_completion_tokens", limits.max_tokens)
     _cap(props, "n", limits.max_n)
@@ -79,6 +83,39 @@ def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, se
         props["messages"]["maxItems"] = limits.max_messages
     _server_rules(props, limits)
     return schema
+
+
+def _token_paths(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
+    """/v1/embeddings, /tokenize and /detokenize, where some deployment serves them."""
+    paths = {}
+    if "embeddings" in served.endpoints:
+        body = _body_schema(EmbeddingsBody, defs, models, limits, served)
+        for option in body["properties"]["input"]["anyOf"]:  # no empty input, text or token array
+            for inner in (option, option.get("items", {})):
+                if inner.get("type") == "string":
+                    inner["minLength"] = 1
+                    inner["maxLength"] = limits.max_embedding_input_chars
+                elif inner.get("type") == "array":
+                    inner["minItems"] = 1
+            if option["type"] == "array" and option["items"].get("type") != "integer":
+                option["maxItems"] = limits.max_embedding_inputs
+        paths["/v1/embeddings"] = {"post": _call("Create embeddings", body)}
+    if "tokenize" in served.endpoints:
+        forms = [_body_schema(m, defs, models, limits, served) for m in (TokenizePromptBody, TokenizeChatBody)]
+        forms[0]["properties"]["prompt"]["maxLength"] = limits.max_embedding_input_chars
+        forms[1]["properties"]["messages"]["maxItems"] = limits.max_messages
+        forms[1]["properties"]["chat_template"] = {"type": "null", "description": "Not supported."}
+        paths["/tokenize"] = {"post": _call("Tokenize a prompt or chat messages (vLLM's shape)", {"anyOf": forms})}
+        detokenize = _body_schema(DetokenizeBody, defs, models, limits, served)
+        detokenize["properties"]["tokens"]["maxItems"] = limits.max_prompt_tokens
+        paths["/detokenize"] = {"post": _call("Turn token ids into text (vLLM's shape)", detokenize)}
+    return paths
+
+
+def _call(summary: str, body: dict) -> dict:
+    return {"summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": _responses({"type": "object"})}
 
 
 def _vendor_fields(schema: dict, extras: frozenset[str]) -> None:
@@ -132,7 +169,7 @@ def _server_rules(props: dict, limits: RequestLimits) -> None:
                                    {"type": "null"}]}
     if "stop_token_ids" in props:
         props["stop_token_ids"]["anyOf"][0]["maxItems"] = limits.max_stop_token_ids
-    if "anyOf" in props.get("prompt", {}):  # completions (the Responses API has a prompt of its own)
+    if "anyOf" in props.get("prompt", {}):  # completions (the Responses API and /tokenize have prompts of their own)
         for option in props["prompt"]["anyOf"]:
             if option["type"] == "array" and option["items"].get("type") != "integer":
                 option["maxItems"] = limits.max_prompts

@@ -90,12 +90,18 @@ class PrefixAffinity:
 
 
 def prompt_prefix(request, chars: int) -> str:
-    if request.messages is not None:
-        text = "\x00".join(f"{m['role']}:{m['content']}" for m in request.messages)
-    elif isinstance(request.prompt, list):
-        text = ",".join(map(str, request.prompt))
+    """The start of what a request reads (its messages or prompt; an embeddings request's first
+    input; nothing for a request of neither, such as /detokenize)."""
+    messages = getattr(request, "messages", None)
+    prompt = getattr(request, "prompt", None)
+    if prompt is None and getattr(request, "inputs", None):
+        prompt = request.inputs[0]
+    if messages is not None:
+        text = "\x00".join(f"{m['role']}:{m['content']}" for m in messages)
+    elif isinstance(prompt, list):
+        text = ",".join(map(str, prompt))
     else:
-        text = request.prompt or ""
+        text = prompt or ""
     return text[:chars]
 
 

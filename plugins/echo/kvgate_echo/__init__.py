@@ -3,7 +3,9 @@
 Its reply is a function of the prompt and the seed alone: the prompt's words, starting at
 `seed % len(words)` and cycling, one word per token. It can be slowed down and made to fail in
 chosen ways, which makes it the fixture for gateway tests and the backend of the overhead
-benchmark. It is also the template for a third-party backend: one module, one `@hookimpl`, one
+benchmark. It also embeds (a unit vector per input, from a hash of its words) and tokenizes
+(one token per word, `token_id(word)`; detokenize maps ids it has seen back to their words,
+others to `t<id>`, the word a token-id prompt reads as). It is also the template for a third-party backend: one module, one `@hookimpl`, one
 entry point in the `kvgate` group (see this folder's pyproject.toml).
 """
 
@@ -17,12 +19,19 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, Usage
+from gateway.backend import (
+    Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, LoadSnapshot, TokenEvent,
+    TokenizeRequest, TokenizeResult, TokenLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError
 from gateway.hookspecs import hookimpl
 
 WORD = re.compile(r"\S+")
+ECHO_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "embeddings", "tokenize"}),
+                                 features=frozenset({"logprobs", "n"}))
+EMBEDDING_SIZE = 16
+BOS_ID = 1  # what add_special_tokens adds at the start, as a model's BOS token
+SEEN_WORDS = 65536  # ids detokenize remembers (the oldest are forgotten)
 
 
 class EchoSettings(BaseModel):
@@ -48,6 +57,10 @@ class EchoBackend:
         self._aborted: set[str] = set()
         self.started = False
         self.aborted_ids: list[str] = []  # every id ever aborted, for tests and debugging
+        self._words: dict[int, str] = {}  # token id -> word, for detokenize
+
+    def capabilities(self) -> Capabilities:
+        return ECHO_CAPABILITIES
 
     async def start(self) -> None:
         if self.settings.refuse_at_start:
@@ -131,6 +144,44 @@ class EchoBackend:
             await asyncio.sleep(1.0 / s.tokens_per_second)
         elif index and index % 64 == 0:
             await asyncio.sleep(0)  # let other requests run between long bursts
+
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        words = [_input_words(item) for item in request.inputs]
+        size = request.dimensions or EMBEDDING_SIZE
+        return EmbeddingResult([unit_vector(w, size) for w in words], sum(map(len, words)))
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        if request.messages is not None:
+            words = [w for m in request.messages for w in WORD.findall(_content_text(m.get("content")))]
+        else:
+            words = WORD.findall(request.prompt or "")
+        tokens = [self._remember(w) for w in words]
+        if request.add_special_tokens:
+            tokens, words = [BOS_ID] + tokens, ["<s>"] + words
+        return TokenizeResult(tokens, self.settings.max_context, words if request.return_token_strs else None)
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        return " ".join(self._words.get(t) or ("<s>" if t == BOS_ID else f"t{t}") for t in request.tokens)
+
+    def _remember(self, word: str) -> int:
+        tid = token_id(word)
+        self._words[tid] = word
+        if len(self._words) > SEEN_WORDS:
+            del self._words[next(iter(self._words))]
+        return tid
+
+
+def unit_vector(words: list[str], size: int) -> list[float]:
+    """A deterministic unit vector for a list of words."""
+    digest = hashlib.blake2b(" ".join(words).encode(), digest_size=64).digest()
+    raw = [digest[i % 64] - 127.5 + i / size for i in range(size)]
+    norm = sum(x * x for x in raw) ** 0.5
+    return [x / norm for x in raw]
+
+
+def _input_words(item: str | list[int]) -> list[str]:
+    return [f"t{t}" for t in item] if isinstance(item, list) else WORD.findall(item)
 
 
 def prompt_words(request: GenerationRequest) -> list[str]:

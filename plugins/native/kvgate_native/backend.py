@@ -26,7 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import (
-    Capabilities, GenerationRequest, LoadSnapshot, TokenEvent, TokenLogprob, TopLogprob, Usage)
+    Capabilities, DetokenizeRequest, GenerationRequest, LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult,
+    TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
@@ -44,7 +45,7 @@ log = logging.getLogger("kvgate.native")
 TOKENIZE_THREADS = 2
 
 ENGINE_FACTORY = "native_backend.engine:make_engine_core"
-NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions"}),
+NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
                                    features=frozenset({"logprobs", "n"}))
 
 
@@ -176,9 +177,10 @@ class NativeBackend:
             max_workers=TOKENIZE_THREADS, thread_name_prefix=f"kvgate-tokenize-{name}")
 
     def capabilities(self) -> Capabilities:
-        """Chat and completions with logprobs and n. No tools or structured outputs yet: the
-        engine has no constrained sampling, so such requests go to other deployments (or get
-        the gateway's 400 naming the parameter)."""
+        """Chat and completions with logprobs and n, and /tokenize with the engine's tokenizer and
+        chat template. No tools or structured outputs yet: the engine has no constrained
+        sampling, so such requests go to other deployments (or get the gateway's 400 naming the
+        parameter)."""
         return NATIVE_CAPABILITIES
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
@@ -254,15 +256,51 @@ class NativeBackend:
         except EngineDeadError as exc:
             raise BackendError(f"The engine of deployment '{self.name}' is not running: {exc}") from None
 
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        """/tokenize: the ids generation would read (the same template, the same special-token
+        rules), on the tokenizing threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._tokenize_now, request)
+
+    def _tokenize_now(self, request: TokenizeRequest) -> TokenizeResult:
+        if request.continue_final_message:
+            raise InvalidRequestError(f"Deployment '{self.name}' (native) cannot continue a final message yet.",
+                                      param="continue_final_message")
+        tokenizer = self._ready_tokenizer()
+        chat = request.messages is not None
+        try:
+            if chat:
+                ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=request.add_generation_prompt)
+                if request.add_special_tokens and tokenizer.bos_token_id is not None:
+                    ids = [tokenizer.bos_token_id] + ids  # on top of the template's, as vLLM does
+            else:
+                ids = tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens is not False)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="messages" if chat else "prompt") from None
+        strs = [tokenizer.token_text(t) for t in ids] if request.return_token_strs else None
+        return TokenizeResult(ids, self.settings.max_model_len, strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        tokenizer = self._ready_tokenizer()
+        try:
+            ids = _checked_token_ids(request.tokens, tokenizer.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="tokens") from None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _ready_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise Overloaded(f"Deployment '{self.name}' is still starting.", retry_after_s=5)
+        return self.tokenizer
+
     async def _tokenized(self, request: GenerationRequest) -> list[int]:
         """The request's prompt token ids, computed on the tokenizing threads."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self._prompt_ids, request)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise Overloaded(f"Deployment '{self.name}' is still starting.", retry_after_s=5)
+        tokenizer = self._ready_tokenizer()
         param = "messages" if request.messages is not None else "prompt"
         try:
             if request.messages is not None:

@@ -29,6 +29,7 @@ from kvgate_openai.load import LoadTracker, poll_forever
 from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings
 from kvgate_openai.sse import EventTooLarge, SSEDecoder
+from kvgate_openai.token_calls import TokenCalls
 
 log = logging.getLogger("kvgate.openai")
 
@@ -37,7 +38,9 @@ DONE = b"[DONE]"
 MAX_ERROR_BODY = 64 * 1024
 
 
-class OpenAIBackend:
+class OpenAIBackend(TokenCalls):
+    """Generation here; embeddings and tokenize in token_calls.TokenCalls."""
+
     def __init__(self, settings: OpenAISettings, name: str = "openai"):
         self.settings = settings
         self.name = name
@@ -125,7 +128,7 @@ class OpenAIBackend:
         response = None
         idle = IdleWatch(self.settings.idle_s)  # the gaps between chunks, once the first token is in
         try:
-            response = await self._send(pool, path, body, request, deadline)
+            response = await self._send(pool, self.settings.base_url + path, body, request, deadline)
             self._responses[request.request_id] = response
             if request.stream or _is_event_stream(response):  # some servers stream regardless
                 # Closed here, not left to the garbage collector: a dropped async generator is
@@ -146,14 +149,37 @@ class OpenAIBackend:
             if response is not None:
                 await response.aclose()
 
-    async def _send(self, pool: ClientPool, path: str, body: dict, request: GenerationRequest,
-                    deadline: float) -> UpstreamResponse:
+    async def post_once(self, url: str, body: dict, request) -> object:
+        """One JSON call that generates nothing (embeddings, tokenize): sent as a generation is,
+        on the same connections and deadline, its answer read whole; the same errors."""
+        pool = self._pool
+        if pool is None:
+            raise BackendError(f"The backend '{self.name}' is not started.")
+        deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
+        pool.take()
+        self.tracker.inflight += 1
+        response = None
+        try:
+            response = await self._send(pool, url, body, request, deadline)
+            self._responses[request.request_id] = response
+            try:
+                return await self._read_json(response, deadline)
+            except StreamBroken as exc:
+                raise self._broken(exc) from None
+        finally:
+            pool.give_back()
+            self.tracker.inflight -= 1
+            self._responses.pop(request.request_id, None)
+            self._aborted.discard(request.request_id)
+            if response is not None:
+                await response.aclose()
+
+    async def _send(self, pool: ClientPool, url: str, body: dict, request, deadline: float) -> UpstreamResponse:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
         content = fastjson.dumps(body)
         try:
             async with asyncio.timeout_at(deadline):
-                response = await pool.send("POST", self.settings.base_url + path, content=content,
-                                           headers=headers)
+                response = await pool.send("POST", url, content=content, headers=headers)
         except TimeoutError:
             if pool.saturated:  # it waited for a connection, not for the upstream
                 raise Overloaded(f"All {self.settings.max_connections} connections to '{self.name}' are busy.") from None
@@ -249,6 +275,20 @@ class OpenAIBackend:
     async def _whole(self, response: UpstreamResponse, request: GenerationRequest, chat: bool,
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
+        try:
+            body = await self._read_json(response, deadline)
+        except StreamBroken as exc:
+            if request.request_id in self._aborted:
+                return TokenEvent(finish_reason="abort")
+            raise self._broken(exc) from None
+        try:
+            return wire.whole_event(body, chat)
+        except (ValueError, AttributeError, TypeError):
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response.") from None
+
+    async def _read_json(self, response: UpstreamResponse, deadline: float) -> object:
+        """A whole answer as JSON, within the first-byte deadline and max_body_bytes; a body
+        with an `error` is raised as its gateway error. StreamBroken passes through."""
         limit = self.settings.max_body_bytes
         read = _read_some(response, limit + 1)
         try:
@@ -259,21 +299,22 @@ class OpenAIBackend:
                     raw = await read
         except TimeoutError:
             raise self._first_byte_timeout() from None
-        except StreamBroken as exc:
-            if request.request_id in self._aborted:
-                return TokenEvent(finish_reason="abort")
-            log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
-            raise BackendError(f"The backend '{self.name}' dropped the connection.") from None
         if len(raw) > limit:
             log.warning("deployment %s: upstream answer over %d bytes", self.name, limit)
             raise BackendError(f"The backend '{self.name}' sent an answer over {limit} bytes.")
         try:
             body = fastjson.loads(raw)
-            if isinstance(body, dict) and "error" in body:
-                raise upstream_errors.for_stream_error(body, self.name, self._scrub)
-            return wire.whole_event(body, chat)
+            error = upstream_errors.for_stream_error(body, self.name, self._scrub) if (
+                isinstance(body, dict) and "error" in body) else None
         except (ValueError, AttributeError, TypeError):
-            raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response.") from None
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not JSON.") from None
+        if error is not None:
+            raise error
+        return body
+
+    def _broken(self, exc: Exception) -> BackendError:
+        log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
+        return BackendError(f"The backend '{self.name}' dropped the connection.")
 
     async def _drain(self, chunks) -> None:
         """Read the stream to its end after [DONE]: a response read to the end returns its

@@ -104,6 +104,16 @@ class OpenAISettings(BaseModel):
         return servers.capabilities(self.server, o.endpoints, o.features, o.extras)
 
     @property
+    def origin(self) -> str:
+        """scheme://host:port of base_url: where vLLM's /tokenize and llama.cpp's extras live."""
+        parts = urlsplit(self.base_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def tokenize_dialect(self) -> str | None:
+        return servers.TOKENIZE_DIALECTS.get(self.server)
+
+    @property
     def stale_after_s(self) -> float:
         return self.metrics_stale_s or 3 * self.metrics_poll_s
 

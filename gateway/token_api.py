@@ -1,0 +1,234 @@
+"""POST /v1/embeddings, /tokenize and /detokenize: one backend call per request, no generation.
+
+Each request is validated and bounded (token_schemas.py), resolved to a model the caller's key
+may use, refused with a 400 when no deployment of the model serves the endpoint, counted against
+the key's requests/min (and its tokens/min by the tokens it used), admitted to the pool like a
+completion (queue, SLA class), and sent to one deployment that declared the endpoint. A
+deployment that fails (an error, no answer within the model's `timeouts.first_token_s`) is
+charged to its breaker and the call goes to the next one, then to the fallback models; an error
+the request caused is answered as it is. Metrics, the trace and the observer hooks record it
+like a completion (operation "embeddings", "tokenize", "detokenize").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+from dataclasses import replace
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway import api
+from gateway.admission import Ticket
+from gateway.asgi import run_until_disconnect
+from gateway.backend import DetokenizeRequest, EmbeddingRequest, EmbeddingResult, TokenizeRequest, TokenizeResult
+from gateway.choices import LOAD_ERRORS, admit, pools_to_try, traced
+from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError, Overloaded
+from gateway.plugins import notify
+from gateway.recorder import RequestRecorder
+from gateway.token_schemas import parse_detokenize, parse_embeddings, parse_tokenize
+
+
+async def embeddings(request: Request):
+    limits = request.app.state.kvgate.config.server.limits
+    parsed = parse_embeddings(await api._json_body(request, limits), limits)
+
+    def build(request_id, priority, trace):
+        return EmbeddingRequest(request_id=request_id, model=parsed.model, inputs=parsed.inputs,
+                                dimensions=parsed.dimensions, user=parsed.user, priority=priority,
+                                trace_context=trace, extra=parsed.extra or {}, needs=parsed.needs)
+
+    call = await _serve(request, parsed.model, parsed.needs, "embeddings", "embd", build, _embed)
+    if call.answer is None:
+        return call.closed()
+    result: EmbeddingResult = call.answer
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, parsed.encoding_format)}
+            for i, vector in enumerate(result.embeddings)]
+    call.recorder.finish(200, usage)
+    return api.FastJSONResponse({"id": call.request_id, "object": "list", "created": int(time.time()),
+                                 "model": call.pool.name, "data": data, "usage": usage})
+
+
+async def tokenize(request: Request):
+    limits = request.app.state.kvgate.config.server.limits
+    parsed = parse_tokenize(await api._json_body(request, limits), limits)
+    model = _model_or_only_one(request, parsed.model)
+
+    def build(request_id, priority, trace):
+        return TokenizeRequest(request_id=request_id, model=model, priority=priority, trace_context=trace,
+                               needs=parsed.needs, **parsed.fields)
+
+    call = await _serve(request, model, parsed.needs, "tokenize", "tok", build, _tokenize)
+    if call.answer is None:
+        return call.closed()
+    result: TokenizeResult = call.answer
+    call.recorder.finish(200, {"prompt_tokens": len(result.tokens), "total_tokens": len(result.tokens)})
+    max_model_len = result.max_model_len or _known_context(call.deployment)
+    return api.FastJSONResponse({"count": len(result.tokens), "max_model_len": max_model_len,
+                                 "tokens": result.tokens, "token_strs": result.token_strs})
+
+
+async def detokenize(request: Request):
+    limits = request.app.state.kvgate.config.server.limits
+    parsed = parse_detokenize(await api._json_body(request, limits), limits)
+    model = _model_or_only_one(request, parsed.model)
+
+    def build(request_id, priority, trace):
+        return DetokenizeRequest(request_id=request_id, model=model, priority=priority, trace_context=trace,
+                                 **parsed.fields)
+
+    call = await _serve(request, model, parsed.needs, "detokenize", "detok", build, _detokenize)
+    if call.answer is None:
+        return call.closed()
+    tokens = len(parsed.fields["tokens"])
+    call.recorder.finish(200, {"prompt_tokens": tokens, "total_tokens": tokens})
+    return api.FastJSONResponse({"prompt": call.answer})
+
+
+async def _embed(backend, request):
+    return await backend.embed(request)
+
+
+async def _tokenize(backend, request):
+    return await backend.tokenize(request)
+
+
+async def _detokenize(backend, request):
+    return await backend.detokenize(request)
+
+
+class _Call:
+    """The outcome of `_serve`: the backend's answer (None: the client left) and its books."""
+
+    def __init__(self, answer, recorder: RequestRecorder, pool, request_id: str, deployment=None):
+        self.answer, self.recorder, self.pool, self.request_id = answer, recorder, pool, request_id
+        self.deployment = deployment
+
+    def closed(self) -> JSONResponse:
+        self.recorder.finish(api.CLIENT_CLOSED, None)
+        return JSONResponse({}, status_code=api.CLIENT_CLOSED)
+
+
+async def _serve(request: Request, model: str, needs, operation: str, id_prefix: str, build, call) -> _Call:
+    state = request.app.state.kvgate
+    key = api._api_key(request)
+    pool = api._resolve_pool(state, key, model)
+    pool.check_servable(needs)
+    sla = api._sla_class(request, state, key)
+    if key is not None:
+        await api._admit_key(state, key, 1)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    recorder = RequestRecorder(state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
+                               operation=operation, headers=request.headers, path=request.scope["path"],
+                               sampling=None)
+    notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
+    trace = {k: v for k, v in request.headers.items() if k in api.TRACE_HEADERS}
+    backend_request = build(request_id, sla.priority, trace)
+    ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
+    try:
+        finished, outcome = await run_until_disconnect(
+            request.receive, call_with_failover(state.registry, pool, backend_request, ticket, recorder, call))
+    except BaseException as exc:
+        api._finish_failed(recorder, exc)
+        raise
+    if not finished:
+        return _Call(None, recorder, pool, request_id)
+    answer, deployment = outcome
+    return _Call(answer, recorder, pool, request_id, deployment)
+
+
+async def call_with_failover(registry, pool, request, ticket: Ticket, recorder, call):
+    """(call(backend, request)'s answer, the deployment that gave it): admitted to `pool`, then
+    on another deployment of it, then of its fallback models, while deployments fail."""
+    deployment = await admit(pool, request, ticket, recorder)
+    last_error: APIError | None = None
+    attempts = 0
+    for current in pools_to_try(registry, pool):
+        if current is not pool:
+            deployment = current.take(request)
+        tried: set[str] = set()
+        while deployment is not None:
+            tried.add(deployment.name)
+            attempts += 1
+            recorder.routed(current, deployment, None)
+            span = recorder.attempt(deployment, deployment.upstream_model, attempts)
+            sent = replace(traced(request, recorder, span), model=deployment.upstream_model)
+            try:
+                answer = await _attempt(current, deployment, sent, call)
+            except APIError as exc:
+                current.release(deployment)
+                request_fault = not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)
+                recorder.attempt_failed(span, deployment, exc, retried=not request_fault)
+                if request_fault:
+                    raise
+                last_error = exc
+            except BaseException:
+                current.release(deployment)
+                recorder.attempt_failed(span, deployment, None, retried=False)
+                raise
+            else:
+                current.release(deployment)
+                if span is not None:
+                    span.end()
+                if current is not pool:
+                    recorder.fallback_used(current.name)
+                return answer, deployment
+            deployment = current.take(request, exclude=frozenset(tried))
+    raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
+
+
+async def _attempt(pool, deployment, request, call):
+    """One call on one deployment, its breaker told how it went (a request's own error, or a
+    load refusal, is no verdict on the backend)."""
+    timeout = pool.config.timeouts.first_token_s
+    breaker = deployment.breaker
+    try:
+        async with asyncio.timeout(timeout):
+            answer = await call(deployment.backend, request)
+    except TimeoutError:
+        breaker.record_failure()
+        raise BackendTimeout(f"The backend '{deployment.name}' did not answer within {timeout:g} s.") from None
+    except APIError as exc:
+        if exc.backend_fault:
+            breaker.record_failure()
+        else:
+            breaker.release_probe()
+        raise
+    except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
+        breaker.record_failure()
+        raise BackendError(f"The backend '{deployment.name}' failed: {type(exc).__name__}.") from exc
+    except BaseException:
+        breaker.release_probe()
+        raise
+    breaker.record_success()
+    return answer
+
+
+def _model_or_only_one(request: Request, model: str | None) -> str:
+    """vLLM's /tokenize needs no model (it serves one): neither does a gateway that serves one."""
+    if model is not None:
+        return model
+    pools = request.app.state.kvgate.registry.pools
+    if len(pools) == 1:
+        return pools[0].name
+    raise InvalidRequestError("Missing required parameter: 'model' (this server serves several models).",
+                              param="model", code="missing_required_parameter")
+
+
+def _known_context(deployment) -> int | None:
+    """The context length a backend reports in its load snapshot's info, if it does."""
+    value = deployment.backend.load().info.get("max_model_len") if deployment is not None else None
+    return int(value) if value else None
+
+
+def _encoded(vector: list[float], encoding_format: str):
+    """float: the numbers; base64: little-endian float32 bytes, as OpenAI sends (and its client
+    asks for by default)."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
