@@ -121,7 +121,7 @@ async def _serve(request: Request, model: str, needs, operation: str, id_prefix:
     pool.check_servable(needs)
     sla = api._sla_class(request, state, key)
     if key is not None:
-        await api._admit_key(state, key, 1)
+        await api._admit_key(state, key, 1, 0)  # nothing is generated: no tokens reserved up front
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     recorder = RequestRecorder(state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
                                operation=operation, headers=request.headers, path=request.scope["path"],
