@@ -90,6 +90,7 @@ def _serve(args) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.slow_clients import deadline_protocol
 
     state = _load_state(args.config)
     if state is None:
@@ -104,6 +105,7 @@ def _serve(args) -> int:
         port=server.port if args.port is None else args.port,
         log_level=server.log_level,
         timeout_graceful_shutdown=server.shutdown_timeout_s,
+        http=deadline_protocol(server.connections),
     )
     return 0
 

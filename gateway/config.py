@@ -53,10 +53,23 @@ class RequestLimits(StrictModel):
                                            "tokenize request, in characters.")
 
 
+class ConnectionLimits(StrictModel):
+    """What one client connection may hold (per gateway process): slow clients are cut off."""
+
+    head_timeout_s: float = Field(10.0, gt=0, description="Seconds a request's head (request line and "
+                                  "headers) may take to arrive, from its first byte; then a 408 and the "
+                                  "connection closes.")
+    body_timeout_s: float = Field(60.0, gt=0, description="Seconds a request's body may take to arrive, "
+                                  "from the end of its head; then the connection closes (with a 408).")
+    max_connections: int = Field(4096, gt=0, description="Open client connections at most, per process; "
+                                 "one more is closed at once.")
+
+
 class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
     limits: RequestLimits = RequestLimits()
+    connections: ConnectionLimits = ConnectionLimits()
     log_level: str = Field("info", description="uvicorn/gateway log level.")
     readiness: Literal["all", "any"] = Field(
         "all", description="/health/ready is 200 when every deployment is up (all), or when every "
