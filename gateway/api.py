@@ -115,6 +115,8 @@ async def _serve(request: Request, parse, id_prefix: str):
     key = _api_key(request)
     parsed: ParsedRequest = parse(await _json_body(request, config.server.limits), config.server.limits)
     pool = _resolve_pool(state, key, parsed.model)
+    if parsed.translation is not None:  # passed through where a deployment serves the API itself
+        parsed = parsed.translation.routed(parsed, pool.declared())
     pool.check_servable(parsed.needs)
     sla = _sla_class(request, state, key)
     if key is not None:
@@ -160,7 +162,7 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
     one watcher per request, not two of each): a client that leaves at any point aborts them."""
     choices: list[OpenChoice] = []
 
-    async def open_then_collect() -> dict:
+    async def open_then_collect() -> tuple[dict, list[ChoiceState]]:
         choices.extend(await opening)
         if asyncio.current_task().cancelling():
             # The client left while the choices opened, and the opening finished anyway (a
@@ -169,7 +171,8 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         return await _collect(recorder, parsed, shape, choices)
 
     try:
-        finished, body = await run_until_disconnect(request.receive, open_then_collect())
+        finished, collected = await run_until_disconnect(request.receive, open_then_collect())
+        body, states = collected if collected else (None, [])
         recorder.finish(200 if finished else CLIENT_CLOSED, body["usage"] if body else None,
                         [c["finish_reason"] for c in body["choices"]] if body else ())
     except BaseException as exc:
@@ -181,7 +184,9 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
             await asyncio.shield(pending)
     if not finished:
         return JSONResponse({}, status_code=CLIENT_CLOSED)
-    return FastJSONResponse(body if parsed.translation is None else parsed.translation.whole(shape, body))
+    if parsed.translation is not None:
+        body = parsed.translation.whole(shape, body, states)
+    return FastJSONResponse(body)
 
 
 def _finish_failed(recorder: RequestRecorder, exc: BaseException) -> None:
@@ -222,7 +227,8 @@ async def _json_body(request: Request, limits):
 
 
 async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
-                   choices: list[OpenChoice]) -> dict:
+                   choices: list[OpenChoice]) -> tuple[dict, list[ChoiceState]]:
+    """The whole chat answer, and the choices' states it was built from."""
     states = [ChoiceState(c.index) for c in choices]
     try:
         async for index, batch in merged_events(choices):
@@ -233,7 +239,7 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
     finally:
         for c in choices:
             await c.close()
-    return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n)))
+    return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n))), states
 
 
 class OpenAIEvents:
@@ -263,7 +269,7 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
     # this generator, or closed it at a failed write).
     status, usage, error = CLIENT_CLOSED, None, None
     try:
-        if parsed.chat:
+        if parsed.chat and parsed.passthrough is None:
             for c in choices:
                 yield write(stream_chunk(shape, c.index, None, first=True))
         async for index, batch in merged_events(choices):
@@ -272,7 +278,8 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
             for event in batch:
                 state.add(event)
                 if event.text or event.finish_reason or event.logprobs or has_more(event):
-                    chunks.append(write(stream_chunk(shape, index, event, first=False)))
+                    # (a passed-through answer goes as it came)
+                    chunks.append(event.raw or write(stream_chunk(shape, index, event, first=False)))
             if chunks:  # the events that arrived together leave together
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if data:  # (a translation may hold a chunk back)

@@ -74,6 +74,10 @@ class GenerationRequest:
     # structured_outputs, ...), forwarded verbatim by backends that declared them in `extras`.
     extra: dict[str, Any] = field(default_factory=dict)
     needs: Needs = PLAIN_CHAT  # what routing matched against the deployments' capabilities
+    # A body in another API's shape that the backend declared it serves itself (`needs.endpoint`,
+    # e.g. "responses"): sent as it is, with `model` set. `messages` then holds the same
+    # conversation translated onto chat, for the books; the answer comes back in `TokenEvent.raw`.
+    passthrough: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,10 @@ class TokenEvent:
     tool_calls: tuple[ToolCallDelta, ...] = ()
     reasoning: str = ""
     refusal: str = ""
+    # For a `passthrough` request: the upstream's answer as it came (SSE events, or the whole
+    # JSON body), relayed to the client unchanged. `text`, `finish_reason` and `usage` still say
+    # what it holds, for metrics and limits.
+    raw: bytes = b""
     # On the last event, optionally: the backend's own milestones of this request as unix times
     # in seconds ("arrived", "scheduled", "first_token", "finished") and counters
     # ("prefill_chunks", "preemptions", "cached_tokens"; with speculative decoding "spec_drafts",

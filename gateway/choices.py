@@ -107,7 +107,7 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
         priority=priority, trace_context=dict(trace_context or {}), stream=parsed.stream,
         tools=parsed.tools, tool_choice=parsed.tool_choice, parallel_tool_calls=parsed.parallel_tool_calls,
         response_format=parsed.response_format, reasoning_effort=parsed.reasoning_effort,
-        extra=parsed.extra or {}, needs=parsed.needs,
+        extra=parsed.extra or {}, needs=parsed.needs, passthrough=parsed.passthrough,
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []

@@ -22,6 +22,7 @@ class ChoiceState:
     tool_calls: dict[int, dict] = field(default_factory=dict)  # call index -> OpenAI tool call, merged
     reasoning: list[str] = field(default_factory=list)
     refusal: list[str] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)  # a passed-through answer, as it came
 
     def add(self, event: TokenEvent) -> None:
         if event.text:
@@ -45,11 +46,13 @@ class ChoiceState:
             self.reasoning.append(event.reasoning)
         if event.refusal:
             self.refusal.append(event.refusal)
+        if event.raw:
+            self.raw.append(event.raw)
 
 
 def has_more(event: TokenEvent) -> bool:
-    """Whether the event carries more than text: tool calls, reasoning or a refusal."""
-    return bool(event.tool_calls or event.reasoning or event.refusal)
+    """Whether the event carries more than text: tool calls, reasoning, a refusal or raw bytes."""
+    return bool(event.tool_calls or event.reasoning or event.refusal or event.raw)
 
 
 @dataclass

@@ -213,6 +213,7 @@ class ParsedRequest:
     # Set when the request came in another API's shape (gateway.translate): it turns the chat
     # answer into that API's answer, `.whole(shape, body)` and `.stream(shape)`.
     translation: Any = None
+    passthrough: dict | None = None  # the client's own body, for a backend that serves its API itself
 
     @property
     def num_choices(self) -> int:

@@ -260,7 +260,11 @@ class AnthropicTranslation:
 
     request: MessagesBody
 
-    def whole(self, shape, chat: dict) -> dict:
+    def routed(self, parsed: ParsedRequest, declared: list) -> ParsedRequest:
+        """Translated onto chat for every backend (none is asked to speak Anthropic's API)."""
+        return parsed
+
+    def whole(self, shape, chat: dict, states=()) -> dict:
         choice = chat["choices"][0]
         body = _message(shape, content_blocks(choice["message"]), usage(chat["usage"]))
         body["stop_reason"] = stop_reason(choice["finish_reason"])

@@ -24,11 +24,12 @@ A failure after the stream started is an `error` event, then `response.failed`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from gateway import fastjson
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
@@ -266,13 +267,40 @@ class ResponsesTranslation:
 
     request: ResponsesBody
 
-    def whole(self, shape, chat: dict) -> dict:
+    def routed(self, parsed: ParsedRequest, declared: list) -> ParsedRequest:
+        """Passed through as it came when a deployment of the model serves the Responses API
+        itself, with all this request needs (`declared`: each deployment's name and
+        capabilities); else translated onto chat, as parsed."""
+        needs = replace(parsed.needs, endpoint="responses", extras=frozenset())
+        if not any(caps.serves(needs) for _, caps in declared):
+            return parsed
+        body = self.request.model_dump(by_alias=True, exclude_unset=True)
+        return replace(parsed, needs=needs, passthrough=body, include_usage=False, translation=PassedThrough(self.request))
+
+    def whole(self, shape, chat: dict, states=()) -> dict:
         choice = chat["choices"][0]
         output = output_items(shape.id, choice["message"], _item_status(choice["finish_reason"]))
         return response_object(self.request, shape, output, chat["usage"], choice["finish_reason"])
 
     def stream(self, shape) -> "ResponsesEvents":
         return ResponsesEvents(self.request, shape)
+
+
+@dataclass
+class PassedThrough:
+    """The answer of a deployment that serves the Responses API itself: relayed as it came
+    (`TokenEvent.raw`), its id and events the upstream's."""
+
+    request: ResponsesBody
+
+    def whole(self, shape, chat: dict, states) -> dict:
+        raw = b"".join(states[0].raw) if states else b""
+        if not raw:  # it ended without an answer (aborted): say what the chat side knows
+            return ResponsesTranslation(self.request).whole(shape, chat)
+        return fastjson.loads(raw)
+
+    def stream(self, shape) -> "ResponsesEvents":
+        return _Relay(self.request, shape)
 
 
 def output_items(response_id: str, message: dict, status: str = "completed") -> list[dict]:
@@ -477,3 +505,15 @@ class ResponsesEvents:
         # Nothing was said: still one (empty) message, as a whole answer has.
         out = self._open_message() if not self.output else []
         return out + self._close_message() + self._close_calls()
+
+
+class _Relay(ResponsesEvents):
+    """A passed-through stream: the upstream's events go as they came (`TokenEvent.raw`), so
+    only a failure of this gateway's own (the upstream dropped mid-stream) is written here."""
+
+    def __init__(self, request: ResponsesBody, shape):
+        super().__init__(request, shape)
+        self.started = True  # the upstream sent response.created
+
+    def chunk(self, chunk: dict) -> bytes:
+        return b""

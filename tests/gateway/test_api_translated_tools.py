@@ -15,6 +15,8 @@ import pytest
 from scripted_upstream import ScriptedUpstream
 from servers import GatewayServer
 
+# The scripted upstream serves chat, not the Responses API a vLLM serves: it says so, and
+# /v1/responses is translated onto chat for it (test_api_translated_passthrough has the other case).
 CONFIG = """
 models:
   - name: agent
@@ -22,7 +24,8 @@ models:
       - name: vllm-0
         backend: openai
         upstream_model: scripted
-        settings: {{base_url: "{base}/v1", server: vllm, metrics: none}}
+        settings: {{base_url: "{base}/v1", server: vllm, metrics: none,
+                    capabilities: {{endpoints: [chat, completions]}}}}
   - name: plain
     deployments:
       - {{name: echo-0, backend: echo}}

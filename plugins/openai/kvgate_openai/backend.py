@@ -24,7 +24,7 @@ from gateway import fastjson
 from gateway.backend import Capabilities, GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
-from kvgate_openai import upstream_errors, wire
+from kvgate_openai import relay, upstream_errors, wire
 from kvgate_openai.load import LoadTracker, poll_forever
 from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings
@@ -134,8 +134,9 @@ class OpenAIBackend(TokenCalls):
                 # Closed here, not left to the garbage collector: a dropped async generator is
                 # closed through the loop's finalizer hook (an eventfd write, a wake-up and a task
                 # per stream, between the last tokens and their write to the client).
-                async with contextlib.aclosing(self._events(response, request, path == wire.CHAT,
-                                                            deadline, idle)) as events:
+                reader = (self._relayed(response, request, deadline, idle) if request.passthrough is not None
+                          else self._events(response, request, path == wire.CHAT, deadline, idle))
+                async with contextlib.aclosing(reader) as events:
                     async for batch in events:
                         yield batch
             else:
@@ -264,6 +265,40 @@ class OpenAIBackend(TokenCalls):
                 break
         yield [self._last(finish, usage, sent, request, ended_cleanly=False)]
 
+    async def _relayed(self, response: UpstreamResponse, request: GenerationRequest, deadline: float,
+                       idle: IdleWatch):
+        """A passed-through stream (relay.py): lists of its events as they came, one per upstream
+        read, up to the event that ends the response."""
+        decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
+        sent = 0
+        while True:
+            try:
+                data = await self._next_chunk(chunks, deadline if not sent else None, idle)
+            except (BackendError, BackendTimeout):
+                if request.request_id in self._aborted:
+                    yield [TokenEvent(finish_reason="abort")]
+                    return
+                raise
+            batch = []
+            for payload in self._payloads(decoder, data):
+                if payload == DONE:  # not in the Responses API, but harmless
+                    continue
+                try:
+                    event = relay.stream_event(payload)
+                except ValueError:
+                    raise BackendError(f"The backend '{self.name}' sent a stream event that is not a "
+                                       "typed JSON object.") from None
+                batch.append(event)
+                sent += 1
+                if event.finish_reason:
+                    yield batch
+                    await self._drain(chunks)
+                    return
+            if batch:
+                yield batch
+            if data is None:
+                raise BackendError(f"The backend '{self.name}' ended the stream before it finished.")
+
     def _payloads(self, decoder: SSEDecoder, data: bytes | None) -> list[bytes]:
         try:
             return decoder.close() if data is None else decoder.feed(data)
@@ -276,6 +311,9 @@ class OpenAIBackend(TokenCalls):
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
         try:
+            if request.passthrough is not None:  # relayed as it came (a Responses object has an "error" field)
+                raw = await self._read_raw(response, deadline)
+                return self._relayed_whole(raw)
             body = await self._read_json(response, deadline)
         except StreamBroken as exc:
             if request.request_id in self._aborted:
@@ -286,9 +324,28 @@ class OpenAIBackend(TokenCalls):
         except (ValueError, AttributeError, TypeError):
             raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response.") from None
 
+    def _relayed_whole(self, raw: bytes) -> TokenEvent:
+        try:
+            return relay.whole_event(fastjson.loads(raw), raw)
+        except (ValueError, AttributeError, TypeError):
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not a response object.") from None
+
     async def _read_json(self, response: UpstreamResponse, deadline: float) -> object:
         """A whole answer as JSON, within the first-byte deadline and max_body_bytes; a body
         with an `error` is raised as its gateway error. StreamBroken passes through."""
+        raw = await self._read_raw(response, deadline)
+        try:
+            body = fastjson.loads(raw)
+            error = upstream_errors.for_stream_error(body, self.name, self._scrub) if (
+                isinstance(body, dict) and "error" in body) else None
+        except (ValueError, AttributeError, TypeError):
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not JSON.") from None
+        if error is not None:
+            raise error
+        return body
+
+    async def _read_raw(self, response: UpstreamResponse, deadline: float) -> bytes:
+        """A whole answer's bytes, within the first-byte deadline and max_body_bytes."""
         limit = self.settings.max_body_bytes
         read = _read_some(response, limit + 1)
         try:
@@ -302,15 +359,7 @@ class OpenAIBackend(TokenCalls):
         if len(raw) > limit:
             log.warning("deployment %s: upstream answer over %d bytes", self.name, limit)
             raise BackendError(f"The backend '{self.name}' sent an answer over {limit} bytes.")
-        try:
-            body = fastjson.loads(raw)
-            error = upstream_errors.for_stream_error(body, self.name, self._scrub) if (
-                isinstance(body, dict) and "error" in body) else None
-        except (ValueError, AttributeError, TypeError):
-            raise BackendError(f"The backend '{self.name}' sent an answer that is not JSON.") from None
-        if error is not None:
-            raise error
-        return body
+        return raw
 
     def _broken(self, exc: Exception) -> BackendError:
         log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)

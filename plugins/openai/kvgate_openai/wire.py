@@ -18,6 +18,7 @@ from dataclasses import replace
 from gateway import fastjson
 from gateway.backend import (
     GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
+from kvgate_openai.relay import PATHS
 
 COMPLETIONS = "/completions"
 CHAT = "/chat/completions"
@@ -27,7 +28,10 @@ STREAM_OPTIONS = {"include_usage": True}
 def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_tokens") -> tuple[str, dict]:
     """(path, JSON body) for one choice. A streaming client's choice streams from upstream, with
     usage at the end; a non-streaming client's is asked for in one piece (one read, not one per
-    token, and upstream errors keep their status)."""
+    token, and upstream errors keep their status). A passed-through body goes as the client sent
+    it (validated), to its API's path, with the upstream's model name."""
+    if request.passthrough is not None:
+        return PATHS[request.needs.endpoint], {**request.passthrough, "model": request.model}
     body: dict = {"model": request.model, "stream": request.stream}
     if request.stream:
         body["stream_options"] = STREAM_OPTIONS
