@@ -8,7 +8,12 @@ in this one run, side by side, with the same requests:
 - `litellm`: LiteLLM's proxy (`litellm[proxy]`, installed by this script into its own venv) with
   the upstream as an OpenAI-compatible text-completion model.
 An async httpx client (or one per worker: see `drive`) drives each at concurrency 1, 32 and 128,
-streaming and not (/v1/completions, max_tokens 16). Warm-up requests are excluded; each cell is the median of --repeats runs.
+streaming and not, for each case (--cases): `plain` is /v1/completions, max_tokens 16; `tools` is
+a chat request as agents send it (two tools with JSON-schema parameters, tool_choice auto, a
+json_schema response_format, max_tokens 16) that the upstream answers with one tool call, its
+arguments in 16 fragments: what the gateway's checks of tools and schemas and its carrying of
+tool-call deltas cost. A target that refuses a case (an older kvgate as --baseline) is left out
+of that case, saying so. Warm-up requests are excluded; each cell is the median of --repeats runs.
 Reported: requests/s (and as a share of direct's), client-side latency p50/p99 (streams: until
 [DONE]), the latency each gateway adds over `direct` (as a difference of the cells' medians, and
 paired: the median of each repeat's difference, steadier when the machine's speed drifts), and the CPU time the server process (with its children) spent per
@@ -16,7 +21,7 @@ request: on a shared 2-core machine that last column is the steadiest measure of
 (for `direct` it is the upstream's own). All processes share the cores with the client.
 
     .venv/bin/python bench/upstream_overhead.py [--quick] [--no-litellm] [--stream no] [--concurrency 32,128]
-        [--client-per-worker] [--baseline TREE] [--relay] [--placement free|split]
+        [--client-per-worker] [--baseline TREE] [--relay] [--placement free|split] [--cases plain,tools]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from servers import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from gateway_overhead import MAX_TOKENS, one_request  # noqa: E402  (the same requests as that bench)
+from gateway_overhead import MAX_TOKENS, PROMPT, one_request  # noqa: E402  (the same requests as that bench)
 
 LITELLM_VENV = Path(os.environ.get("KVGATE_LITELLM_VENV", "/tmp/kvgate-litellm-venv"))
 CONCURRENCY = (1, 32, 128)
@@ -51,6 +56,7 @@ server:
   log_level: warning
 models:
   - name: echo
+    aliases: [echo-chat]
     deployments:
       - name: upstream-0
         backend: openai
@@ -65,6 +71,11 @@ model_list:
       model: text-completion-openai/echo
       api_base: {upstream}/v1
       api_key: unused
+  - model_name: echo-chat
+    litellm_params:
+      model: openai/echo
+      api_base: {upstream}/v1
+      api_key: unused
 litellm_settings:
   drop_params: true
 """
@@ -77,6 +88,61 @@ def ensure_litellm() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
         subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]==1.108.7"], check=True)
     return exe
+
+
+CASES = ("plain", "tools")
+TOOLS_BODY = {
+    "model": "echo-chat", "max_tokens": MAX_TOKENS, "tool_choice": "auto",
+    "messages": [{"role": "system", "content": "You are a weather assistant."}, {"role": "user", "content": PROMPT}],
+    "tools": [
+        {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                          "parameters": {"type": "object", "required": ["city"], "properties": {
+                                              "city": {"type": "string"}, "unit": {"enum": ["C", "F"]}}}}},
+        {"type": "function", "function": {"name": "get_forecast", "description": "Forecast for the next days.",
+                                          "parameters": {"type": "object", "required": ["city", "days"], "properties": {
+                                              "city": {"type": "string"},
+                                              "days": {"type": "integer", "minimum": 1, "maximum": 14}}}}},
+    ],
+    "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+        "type": "object", "required": ["summary"], "additionalProperties": False,
+        "properties": {"summary": {"type": "string"}, "temperature": {"type": "number"}}}}},
+}
+
+
+async def case_request(client: httpx.AsyncClient, stream: bool, case: str) -> float:
+    """One request of `case`: seconds until the whole answer (streams: until [DONE])."""
+    if case == "plain":
+        return await one_request(client, stream)
+    body = {**TOOLS_BODY, "stream": stream}
+    start = time.perf_counter()
+    if stream:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+    else:
+        r = await client.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+    return time.perf_counter() - start
+
+
+def serving(servers: dict, case: str) -> dict:
+    """The targets that answer one request of `case` (an older kvgate refuses tools)."""
+    kept = {}
+    path, body = (("/v1/chat/completions", TOOLS_BODY) if case == "tools" else
+                  ("/v1/completions", {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS}))
+    for name, (proc, base) in servers.items():
+        try:
+            with httpx.Client(base_url=base, timeout=60, headers={"authorization": f"Bearer {BENCH_KEY}"}) as c:
+                status = c.post(path, json=body).status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        if status == 200:
+            kept[name] = (proc, base)
+        else:
+            print(f"{name} does not serve the {case} case ({status}): left out of it", flush=True)
+    return kept
 
 
 def spawn(cmd: list[str], ready_url: str, env: dict | None = None, timeout: float = 120,
@@ -194,7 +260,8 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()  # fields after the command name: state, ppid, ...
 
 
-async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int, shared: bool = True) -> dict:
+async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int, shared: bool = True,
+                case: str = "plain") -> dict:
     """`concurrency` workers send `total` requests between them, on one shared httpx client (the
     default: how the issue-18 figures were taken) or, with shared=False, each on its own client
     (one keep-alive connection each). The shared client is a bottleneck of its own: httpcore's
@@ -211,7 +278,7 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int,
         clients = [httpx.AsyncClient(base_url=base, timeout=120, headers=headers) for _ in range(concurrency)]
     try:
         warm = clients[:min(concurrency, 16)] if shared else clients  # every worker's connection is open
-        await asyncio.gather(*(one_request(c, stream) for c in warm))  # warm-up
+        await asyncio.gather(*(case_request(c, stream, case) for c in warm))  # warm-up
         latencies: list[float] = []
         errors: list[str] = []
         remaining = [total]
@@ -220,7 +287,7 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int,
             while remaining[0] > 0:
                 remaining[0] -= 1
                 try:
-                    latencies.append(await one_request(client, stream))
+                    latencies.append(await case_request(client, stream, case))
                 except httpx.HTTPError as exc:  # counted and reported, not fatal to the run
                     status = getattr(getattr(exc, "response", None), "status_code", None)
                     errors.append(f"{type(exc).__name__}{f' {status}' if status else ''}")
@@ -248,7 +315,14 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = True,
-            concurrencies=CONCURRENCY) -> list[dict]:
+            concurrencies=CONCURRENCY, cases=("plain",)) -> list[dict]:
+    rows = []
+    for case in cases:
+        rows += measure_case(serving(servers, case), repeats, quick, streams, shared, concurrencies, case)
+    return rows
+
+
+def measure_case(servers: dict, repeats: int, quick: bool, streams, shared: bool, concurrencies, case: str) -> list[dict]:
     rows = []
     for stream in streams:
         for concurrency in concurrencies:
@@ -256,10 +330,11 @@ def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), sha
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             for _ in range(repeats):  # interleaved, so drift hits every target alike
                 for name, (proc, base) in servers.items():
-                    runs[name].append(asyncio.run(drive(base, concurrency, total, stream, proc.pid, shared)))
+                    runs[name].append(asyncio.run(drive(base, concurrency, total, stream, proc.pid, shared, case)))
             cell = {name: median_of(r) for name, r in runs.items()}
             for name, result in cell.items():
-                row = {"target": name, "stream": stream, "concurrency": concurrency, "requests": total, **result,
+                row = {"case": case, "target": name, "stream": stream, "concurrency": concurrency, "requests": total,
+                       **result,
                        "added_p50_ms": result["p50_ms"] - cell["direct"]["p50_ms"],
                        "added_p99_ms": result["p99_ms"] - cell["direct"]["p99_ms"],
                        "added_p50_paired_ms": paired_added_p50(runs[name], runs["direct"]),
@@ -277,7 +352,7 @@ def paired_added_p50(target_runs: list[dict], direct_runs: list[dict]) -> float:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['target']:>8} stream={str(r['stream']):5} c={r['concurrency']:>3}  {r['rps']:8.1f} req/s  "
+    print(f"{r['case']:>5} {r['target']:>8} stream={str(r['stream']):5} c={r['concurrency']:>3}  {r['rps']:8.1f} req/s  "
           f"p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  added p50 {r['added_p50_ms']:+8.2f} ms  "
           f"p99 {r['added_p99_ms']:+8.2f} ms  paired p50 {r['added_p50_paired_ms']:+6.2f} ms  "
           f"{r['rps_share']:5.0%} of direct's req/s  cpu {r['cpu_ms_per_req']:6.2f} ms/req"
@@ -287,18 +362,18 @@ def print_row(r: dict) -> None:
 def verdict(rows: list[dict]) -> list[dict]:
     """Per cell: kvgate's added p50 as a share of LiteLLM's, and its requests/s as a multiple."""
     out = []
-    cells = {(r["stream"], r["concurrency"]): {} for r in rows}
+    cells = {(r["case"], r["stream"], r["concurrency"]): {} for r in rows}
     for r in rows:
-        cells[(r["stream"], r["concurrency"])][r["target"]] = r
-    for (stream, concurrency), c in cells.items():
-        if "litellm" not in c:
+        cells[(r["case"], r["stream"], r["concurrency"])][r["target"]] = r
+    for (case, stream, concurrency), c in cells.items():
+        if "litellm" not in c or "kvgate" not in c:
             continue
         kv, ll = c["kvgate"], c["litellm"]
         share = kv["added_p50_ms"] / ll["added_p50_ms"] if ll["added_p50_ms"] > 0 else float("nan")
-        out.append({"stream": stream, "concurrency": concurrency, "added_p50_share": share,
+        out.append({"case": case, "stream": stream, "concurrency": concurrency, "added_p50_share": share,
                     "rps_multiple": kv["rps"] / ll["rps"],
                     "goal_met": share < 0.25 and kv["rps"] / ll["rps"] >= 3})
-        print(f"stream={str(stream):5} c={concurrency:>3}: kvgate adds {share:5.1%} of LiteLLM's median latency, "
+        print(f"{case:>5} stream={str(stream):5} c={concurrency:>3}: kvgate adds {share:5.1%} of LiteLLM's median latency, "
               f"serves {kv['rps'] / ll['rps']:4.1f}x its requests/s -> goal {'met' if out[-1]['goal_met'] else 'MISSED'}")
     return out
 
@@ -320,6 +395,8 @@ def main() -> None:
     parser.add_argument("--placement", choices=("free", "split"), default="free",
                         help="free: the scheduler places the processes; split: this client on one CPU, "
                              "every server on another (see place)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma-separated, from " + ", ".join(CASES) + " (see the module doc)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/upstream_overhead.json"))
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -331,7 +408,7 @@ def main() -> None:
         try:
             place(servers, args.placement)
             rows = measure(servers, repeats, args.quick, streams, not args.client_per_worker,
-                           [int(c) for c in args.concurrency.split(",")])
+                           [int(c) for c in args.concurrency.split(",")], args.cases.split(","))
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -343,7 +420,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
                                           "shared_client": not args.client_per_worker, "baseline": args.baseline,
-                                          "relay": args.relay,
+                                          "relay": args.relay, "cases": args.cases.split(","),
                                           "placement": args.placement,
                                           "rows": rows, "verdict": summary}, indent=2))
     print(f"wrote {args.out}")

@@ -7,6 +7,7 @@ gets a gateway of its own.
 import concurrent.futures
 import json
 import os
+from pathlib import Path
 import signal
 import socket
 import threading
@@ -298,3 +299,48 @@ def test_cpu_kernels_setting_reaches_the_engine_and_is_validated():
     assert NativeSettings(cpu_kernels=False).engine_config().model.cpu_kernels is False
     with pytest.raises(pydantic.ValidationError, match="cpu_kernels"):
         NativeSettings(cpu_kernels="sometimes")
+
+
+# -- /tokenize and /detokenize, and what the engine does not declare ----------------------------
+
+def _tokenize(gw, **body):
+    r = httpx.post(gw.base_url + "/tokenize", json={"model": "smollm2", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_tokenize_counts_exactly_the_tokens_a_chat_reads(gw, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    tokens = _tokenize(gw, messages=messages, return_token_strs=True)
+    out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
+    assert tokens["count"] == len(tokens["tokens"]) == out.usage.prompt_tokens
+    assert "".join(tokens["token_strs"]).endswith("<|im_start|>assistant\n")
+    r = httpx.post(gw.base_url + "/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]}, timeout=60)
+    text = r.json()["prompt"]
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+
+
+def test_tokenize_a_prompt_as_transformers_does(gw):
+    from transformers import AutoTokenizer
+
+    prompt = "The quick brown fox jumps over the lazy dog, doesn't it? 12345 <|im_start|>"
+    tokens = _tokenize(gw, prompt=prompt)["tokens"]
+    cached = [p.parent for p in (Path(os.environ["KVGATE_CACHE_DIR"]) / "tokenizers").glob("*/tokenizer.json")]
+    reference = AutoTokenizer.from_pretrained(str(cached[0]))
+    # The engine reads special-token text in a prompt as plain text (no forged control tokens);
+    # transformers with split_special_tokens does the same.
+    assert tokens == reference(prompt, split_special_tokens=True)["input_ids"]
+    without_generation_prompt = _tokenize(gw, messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    with_it = _tokenize(gw, messages=[{"role": "user", "content": "hi"}])
+    assert with_it["tokens"][:without_generation_prompt["count"]] == without_generation_prompt["tokens"]
+    assert with_it["count"] > without_generation_prompt["count"]
+
+
+def test_native_declares_no_tools_or_json_and_says_so(gw):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in (({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
+        r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and "native-0" in r.json()["error"]["message"]
+    r = httpx.post(gw.base_url + "/v1/embeddings", json={"model": "smollm2", "input": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_endpoint"

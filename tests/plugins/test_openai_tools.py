@@ -205,6 +205,10 @@ BAD = [
      "tools[0].function.parameters.type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"minLength": -1}}}}}]},
      "tools[0].function.parameters.properties.a.minLength"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "$schema": "http://127.0.0.1:9/never-fetched", "type": "object"}}}]}, "tools[0].function.parameters.$schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "objekt"}}}]}, "tools[0].function.parameters.type"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [WEATHER] * 5}, "tools"),
