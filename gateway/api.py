@@ -113,12 +113,15 @@ async def _serve(request: Request, parse, id_prefix: str):
     state = request.app.state.kvgate
     registry, config = state.registry, state.config  # one consistent view across a reload
     key = _api_key(request)
-    parsed: ParsedRequest = parse(await _json_body(request, config.server.limits), config.server.limits)
-    pool = _resolve_pool(state, key, parsed.model)
-    if parsed.translation is not None:  # passed through where a deployment serves the API itself
-        parsed = parsed.translation.routed(parsed, pool.declared())
-    pool.check_servable(parsed.needs)
-    sla = _sla_class(request, state, key)
+    if key is not None:
+        await _check_key(state, key)  # a key at its limit costs no body read and no parsing
+    try:
+        limits = config.server.limits
+        parsed, pool, sla = _parse_and_route(request, state, key, parse, await _json_body(request, limits), limits)
+    except APIError:
+        if key is not None:
+            state.limiter.count_refused(key)  # a refused request is still one of the key's minute
+        raise
     if key is not None:
         await _admit_key(state, key, parsed.num_choices, (parsed.sampling.max_tokens or 0) * parsed.num_choices)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
@@ -210,6 +213,24 @@ async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None
     for c in choices:
         await c.close()
     recorder.finish(CLIENT_CLOSED, None)
+
+
+def _parse_and_route(request: Request, state, key: ApiKey | None, parse, body, limits):
+    """The request parsed and checked, its pool and its SLA class; an APIError (a 4xx) if not."""
+    parsed: ParsedRequest = parse(body, limits)
+    pool = _resolve_pool(state, key, parsed.model)
+    if parsed.translation is not None:  # passed through where a deployment serves the API itself
+        parsed = parsed.translation.routed(parsed, pool.declared())
+    pool.check_servable(parsed.needs)
+    return parsed, pool, _sla_class(request, state, key)
+
+
+async def _check_key(state, key: ApiKey) -> None:
+    try:
+        await state.limiter.admissible(key)
+    except RateLimited:
+        state.metrics.rate_limited.labels(key.name).inc()
+        raise
 
 
 async def _admit_key(state, key: ApiKey, choices: int, reserve_tokens: int) -> None:

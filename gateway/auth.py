@@ -207,11 +207,35 @@ class KeyLimiter:
         `reserve_tokens` (the most it can generate) is charged to the key's tokens now, so a burst
         of requests cannot all pass a budget none of them has used yet; `finish` refunds it."""
         now = self.clock()
+        check_weight(key, weight)
+        self._check(key, weight, now)
+        self._requests[key.name].add(now, weight)
+        self._in_flight[key.name] = self._in_flight.get(key.name, 0) + 1
+        # Admitted while the key is under its minute (one request may end over it), and charged
+        # at most the whole minute, so a long max_tokens does not lock the key out for longer.
+        reserve_tokens = min(reserve_tokens, key.tokens_per_minute or 0)
+        if reserve_tokens:
+            self._reserved.setdefault(key.name, deque()).append(self._tokens[key.name].add(now, reserve_tokens))
+
+    def check(self, key: ApiKey) -> None:
+        """Raise 429 when `key` is at one of its limits now, counting nothing: the serving path
+        asks before it reads and parses a body, so a key at its limit costs no parsing."""
+        self._check(key, 1, self.clock())
+
+    async def admissible(self, key: ApiKey) -> None:
+        """`check` as the serving path calls it (a shared store answers over the network)."""
+        self.check(key)
+
+    def count_refused(self, key: ApiKey) -> None:
+        """A request of `key` refused before admission (a 4xx): it still counts as a request."""
+        if key.requests_per_minute:
+            self._requests.setdefault(key.name, _Window()).add(self.clock(), 1)
+
+    def _check(self, key: ApiKey, weight: int, now: float) -> None:
         requests = self._requests.setdefault(key.name, _Window())
         tokens = self._tokens.setdefault(key.name, _Window())
         requests.trim(now)
         tokens.trim(now)
-        check_weight(key, weight)
         if key.requests_per_minute and requests.total + weight > key.requests_per_minute:
             wait = requests.seconds_until_below(key.requests_per_minute - weight + 1, now)
             raise RateLimited(f"Rate limit of {key.requests_per_minute} requests per minute reached for key '{key.name}'.",
@@ -224,13 +248,6 @@ class KeyLimiter:
         if key.max_concurrency and in_flight >= key.max_concurrency:
             raise RateLimited(f"Key '{key.name}' already has {in_flight} requests in flight (its limit).",
                               retry_after_s=1)
-        requests.add(now, weight)
-        self._in_flight[key.name] = in_flight + 1
-        # Admitted while the key is under its minute (one request may end over it), and charged
-        # at most the whole minute, so a long max_tokens does not lock the key out for longer.
-        reserve_tokens = min(reserve_tokens, key.tokens_per_minute or 0)
-        if reserve_tokens:
-            self._reserved.setdefault(key.name, deque()).append(tokens.add(now, reserve_tokens))
 
     async def acquire(self, key: ApiKey, weight: int = 1, reserve_tokens: int = 0) -> None:
         """`admit` as the serving path calls it (a shared store answers over the network)."""

@@ -85,7 +85,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 """
 
 # KEYS: req, req:sum, tok, tok:sum, flight. ARGV: weight, rpm, tpm, max_concurrency (0: none),
-# request id, lease s, tokens to reserve. Returns {0} admitted, {1, wait_ms} requests/min,
+# request id, lease s, tokens to reserve, check only (1/0). Returns {0} admitted, {1, wait_ms} requests/min,
 # {2, wait_ms} tokens/min, {3, in_flight} concurrency. The reservation is the tokens window's
 # member "<tokens>:r<id>", removed by FINISH.
 ADMIT = _TRIM + """
@@ -102,6 +102,9 @@ if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)  -- lapsed leases of dead replicas
   local in_flight = redis.call('ZCARD', KEYS[5])
   if in_flight >= conc then return {3, in_flight} end
+end
+if ARGV[8] == '1' then return {0} end  -- a check only (before the body is parsed): count nothing
+if conc > 0 then
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), ARGV[5])
   redis.call('EXPIRE', KEYS[5], math.ceil(tonumber(ARGV[6])) + 1)
 end
@@ -122,6 +125,13 @@ if tonumber(ARGV[1]) > 0 then
   window_total(KEYS[1], KEYS[2], now)
   window_add(KEYS[1], KEYS[2], now, tonumber(ARGV[1]), ARGV[2])
 end
+return 0
+"""
+
+# KEYS: req, req:sum. ARGV: request id. A request refused before admission, counted.
+COUNT = _TRIM + """
+window_total(KEYS[1], KEYS[2], now)
+window_add(KEYS[1], KEYS[2], now, 1, ARGV[1])
 return 0
 """
 
@@ -164,6 +174,7 @@ class RedisLimiter:
         self._admit = self.redis.register_script(ADMIT)  # EVALSHA, re-sent after a Redis restart
         self._finish = self.redis.register_script(FINISH)
         self._renew = self.redis.register_script(RENEW)
+        self._count = self.redis.register_script(COUNT)
         self.local = KeyLimiter()
         self.up = True
         self.problem: str | None = None
@@ -185,7 +196,7 @@ class RedisLimiter:
             try:
                 answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
                                            args=[weight, key.requests_per_minute or 0, key.tokens_per_minute or 0,
-                                                 key.max_concurrency or 0, request_id, self.lease_s, reserve])
+                                                 key.max_concurrency or 0, request_id, self.lease_s, reserve, 0])
             except (RedisError, OSError) as exc:
                 self._went_down(exc)
             else:
@@ -194,6 +205,34 @@ class RedisLimiter:
                 return
         self.local.admit(key, weight, reserve)
         self._held[key.name].append(("local",))
+
+    async def admissible(self, key: ApiKey) -> None:
+        """Raise 429 when `key` is at one of its limits now, counting nothing (asked before the
+        body is read and parsed)."""
+        if self.up and (key.requests_per_minute or key.tokens_per_minute or key.max_concurrency):
+            try:
+                answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
+                                           args=[1, key.requests_per_minute or 0, key.tokens_per_minute or 0,
+                                                 key.max_concurrency or 0, "", self.lease_s, 0, 1])
+            except (RedisError, OSError) as exc:
+                self._went_down(exc)
+            else:
+                return _raise_refusal(key, answer)
+        self.local.check(key)
+
+    def count_refused(self, key: ApiKey) -> None:
+        if not key.requests_per_minute:
+            return
+        if not self.up:
+            return self.local.count_refused(key)
+        self._spawn(self._count_in_redis(key))
+
+    async def _count_in_redis(self, key: ApiKey) -> None:
+        try:
+            await self._count(keys=self._keys(key.name, "req", "req:sum"), args=[uuid.uuid4().hex])
+        except (RedisError, OSError) as exc:
+            self._went_down(exc)
+            self.local.count_refused(key)
 
     def finish(self, key: ApiKey, tokens: int) -> None:
         held = self._held[key.name].popleft() if self._held[key.name] else ("local",)

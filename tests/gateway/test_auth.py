@@ -219,14 +219,14 @@ def test_sliding_window_frees_budget_after_a_minute():
 
 def test_rate_limits_count_every_prompt_times_n(gw):
     # bob: 3 requests/min. Two prompts x n=1 is two requests' worth; a third prompt's worth is over.
+    # A request bigger than the whole minute can never pass: a 400, not a 429 to retry forever.
+    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a", "n": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     body = {"model": "echo", "prompt": ["a", "b"]}
     assert call(gw, "POST", "/v1/completions", key=BOB, json=body).status_code == 200
     r = call(gw, "POST", "/v1/completions", key=BOB, json=body)
     assert r.status_code == 429 and "3 requests per minute" in r.json()["error"]["message"]
     assert call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a"}).status_code == 200
-    # A request bigger than the whole minute can never pass: a 400, not a 429 to retry forever.
-    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a", "n": 4})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_tokens_per_minute_count_each_choice_reading_its_prompt(gw):
@@ -263,3 +263,25 @@ def test_a_chat_without_max_tokens_holds_the_token_budget_while_it_runs(gw):
     r = call(gw, "POST", "/v1/chat/completions", key=CAROL, json=body)
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] < 30
     assert call(gw, "POST", "/v1/chat/completions", key=CAROL, json=body).status_code == 200
+
+
+def test_a_key_at_its_limit_is_refused_before_its_body_is_parsed(gw):
+    """bob: 3 requests/min. Once spent, a body that parsing would refuse (400) gets the 429:
+    the key's admission comes first, so a key at its limit costs no parsing."""
+    body = {"model": "echo", "prompt": "a", "max_tokens": 1}
+    for _ in range(3):
+        assert call(gw, "POST", "/v1/completions", key=BOB, json=body).status_code == 200
+    broken = b'{"model": "echo", "prompt": [' + b"1," * 100_000 + b"]"  # not JSON: a 400 if parsed
+    r = call(gw, "POST", "/v1/completions", key=BOB, content=broken, headers={"content-type": "application/json"})
+    assert r.status_code == 429 and "3 requests per minute" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"model": "echo", "prompt": "a", "temperature": 9},  # 400
+    {"model": "secret-model", "prompt": "a"},  # 404: not bob's
+])
+def test_refused_requests_count_against_the_keys_minute(gw, bad):
+    for _ in range(3):
+        assert call(gw, "POST", "/v1/completions", key=BOB, json=bad).status_code in (400, 404)
+    r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a", "max_tokens": 1})
+    assert r.status_code == 429

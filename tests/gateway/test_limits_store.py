@@ -182,3 +182,20 @@ def test_tokens_reserved_at_admission_are_shared_and_refunded_at_finish(redis):
         await settle(a)
         await close(a, b)
     asyncio.run(main())
+
+
+def test_a_key_at_its_limit_is_found_without_counting_and_refusals_count(redis):
+    async def main():
+        a, b = replicas(redis)
+        k = key(rpm=2)
+        await a.admissible(k)
+        await a.admissible(k)  # asking counts nothing
+        await a.acquire(k)
+        b.count_refused(k)  # a 400 on the other replica: still one of the key's two
+        await settle(b)
+        with pytest.raises(RateLimited, match="2 requests per minute"):
+            await a.admissible(k)
+        with pytest.raises(RateLimited, match="2 requests per minute"):
+            await b.acquire(k)
+        await close(a, b)
+    asyncio.run(main())
