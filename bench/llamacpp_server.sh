@@ -4,6 +4,8 @@
 #
 #   bash bench/llamacpp_server.sh install         # build llama-cpp-python (~6 min on 2 cores)
 #   bash bench/llamacpp_server.sh serve PORT      # serve the model on 127.0.0.1:PORT (alias smollm2)
+#   bash bench/llamacpp_server.sh serve-features PORT  # the same file twice: smollm2-tools (chat format
+#                                                 # chatml-function-calling: tools) and smollm2-embed (embeddings)
 #   bash bench/llamacpp_server.sh python          # print the venv's python (empty if not built)
 #
 # KVGATE_LLAMACPP_VENV picks the venv (default /tmp/kvgate-llamacpp-venv); the model file comes
@@ -42,9 +44,29 @@ serve() {
         --host 127.0.0.1 --port "$port" --n_ctx 2048 --n_threads "$THREADS"
 }
 
+# One server, two aliases of the model file: llama-cpp-python serves tools only with the
+# chatml-function-calling chat format, and embeddings only from a model loaded with embedding on.
+# It holds one model in memory at a time and swaps on demand (about a second for this file).
+serve_features() {
+    local port="${1:?usage: llamacpp_server.sh serve-features PORT}"
+    built || { echo "llama-cpp-python is not built in $VENV; run: bash $0 install" >&2; exit 3; }
+    local model config
+    model="$(model_file)"
+    config="$(mktemp --suffix .json)"
+    cat > "$config" <<JSON
+{"host": "127.0.0.1", "port": $port, "models": [
+  {"model": "$model", "model_alias": "smollm2-tools", "chat_format": "chatml-function-calling",
+   "n_ctx": 2048, "n_threads": $THREADS},
+  {"model": "$model", "model_alias": "smollm2-embed", "embedding": true, "n_ctx": 512, "n_threads": $THREADS}
+]}
+JSON
+    exec "$VENV/bin/python" -m llama_cpp.server --config_file "$config"
+}
+
 case "${1:-}" in
     install) install ;;
     serve) shift; serve "$@" ;;
+    serve-features) shift; serve_features "$@" ;;
     python) if built; then echo "$VENV/bin/python"; fi ;;
-    *) echo "usage: $0 install | serve PORT | python" >&2; exit 2 ;;
+    *) echo "usage: $0 install | serve PORT | serve-features PORT | python" >&2; exit 2 ;;
 esac

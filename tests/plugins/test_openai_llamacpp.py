@@ -7,6 +7,7 @@ deterministic, so the answer through kvgate must equal the answer from llama.cpp
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tempfile
 import time
@@ -105,3 +106,120 @@ def test_llamacpp_refusal_reaches_the_client_as_a_4xx(clients):
     _, front = clients
     with pytest.raises(openai.BadRequestError):
         front.completions.create(model="smol", prompt="word " * 3000, max_tokens=16)
+
+
+# -- tools, JSON, embeddings and tokenize, against llama-cpp-python's own implementations ---------
+# `serve-features`: two aliases of the model file (tools need chat format chatml-function-calling,
+# embeddings a model loaded with embedding on). Every answer through kvgate must equal the same
+# request sent to llama.cpp directly.
+
+FEATURES = """
+models:
+  - name: smol-tools
+    deployments:
+      - name: llamacpp-tools
+        backend: openai
+        upstream_model: smollm2-tools
+        settings: {{base_url: "{base}/v1", server: llama_cpp_python, metrics: none, first_byte_s: 120}}
+  - name: smol-embed
+    deployments:
+      - name: llamacpp-embed
+        backend: openai
+        upstream_model: smollm2-embed
+        settings: {{base_url: "{base}/v1", server: llama_cpp_python, metrics: none, first_byte_s: 120}}
+"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def features():
+    python = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True).stdout.strip()
+    if not python:
+        pytest.skip("llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(["bash", str(SCRIPT), "serve-features", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_models(base, proc, log)
+        with GatewayServer(FEATURES.format(base=base)) as front:
+            direct = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180)
+            yield base, direct, front
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_forced_tool_call_and_the_tool_result_round_trip_equal_llamacpp(features):
+    _, direct, front = features
+    client = front.openai(timeout=180)
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice=FORCED, temperature=0, max_tokens=48)
+    want = direct.chat.completions.create(model="smollm2-tools", **kw).choices[0]
+    got = client.chat.completions.create(model="smol-tools", **kw).choices[0]
+    assert got.finish_reason == want.finish_reason == "tool_calls"
+    call = got.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == json.loads(want.message.tool_calls[0].function.arguments)
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    history = ASK + [got.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    kw = dict(messages=history, temperature=0, max_tokens=24)
+    want = direct.chat.completions.create(model="smollm2-tools", **kw).choices[0].message.content
+    got = client.chat.completions.create(model="smol-tools", **kw).choices[0].message.content
+    assert got == want and got
+
+
+def test_streamed_forced_tool_call_adds_up_to_the_whole_one(features):
+    _, direct, front = features
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice=FORCED, temperature=0, max_tokens=48)
+    whole = direct.chat.completions.create(model="smollm2-tools", **kw).choices[0].message.tool_calls[0]
+    name, arguments, finish = None, "", None
+    for chunk in front.openai(timeout=180).chat.completions.create(model="smol-tools", stream=True, **kw):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                name = name or (delta.function.name if delta.function else None)
+                arguments += (delta.function.arguments or "") if delta.function else ""
+    assert name == "get_weather" and finish == "tool_calls"
+    assert json.loads(arguments) == json.loads(whole.function.arguments)
+
+
+def test_json_mode_through_kvgate_equals_llamacpp_and_parses(features):
+    _, direct, front = features
+    kw = dict(messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}],
+              response_format={"type": "json_object"}, temperature=0, max_tokens=48)
+    want = direct.chat.completions.create(model="smollm2-tools", **kw).choices[0].message.content
+    got = front.openai(timeout=180).chat.completions.create(model="smol-tools", **kw).choices[0].message.content
+    assert got == want
+    if got.rstrip().endswith("}"):  # within max_tokens the grammar closes it
+        assert isinstance(json.loads(got), dict)
+
+
+def test_embeddings_through_kvgate_equal_llamacpp(features):
+    _, direct, front = features
+    texts = ["The capital of France is Paris.", "Bananas are yellow."]
+    want = direct.embeddings.create(model="smollm2-embed", input=texts, encoding_format="float")
+    got = front.openai(timeout=180).embeddings.create(model="smol-embed", input=texts)  # base64 from kvgate
+    assert len(got.data) == 2 and len(got.data[0].embedding) == 576  # SmolLM2's hidden size
+    for g, w in zip(got.data, want.data):
+        assert max(abs(a - b) for a, b in zip(g.embedding, w.embedding)) < 1e-5
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_tokenize_and_detokenize_through_kvgate_equal_llamacpp(features):
+    base, _, front = features
+    text = "The quick brown fox jumps over the lazy dog."
+    want = httpx.post(base + "/extras/tokenize", json={"input": text, "model": "smollm2-tools"}, timeout=120).json()
+    got = httpx.post(front.base_url + "/tokenize", json={"model": "smol-tools", "prompt": text}, timeout=120).json()
+    assert got["tokens"] == want["tokens"] and got["count"] == len(want["tokens"])
+    back = httpx.post(front.base_url + "/detokenize", json={"model": "smol-tools", "tokens": got["tokens"]},
+                      timeout=120).json()["prompt"]
+    assert text in back
+    refused = httpx.post(front.base_url + "/tokenize", timeout=120,
+                         json={"model": "smol-tools", "messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"

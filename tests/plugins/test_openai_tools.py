@@ -280,3 +280,24 @@ def test_capability_overrides_replace_the_kinds_defaults():
     assert parse_settings({"base_url": "http://x/v1", "server": "kvgate"}).declared().extras == {"*"}
     trt = parse_settings({"base_url": "http://x/v1", "server": "trtllm"}).declared()
     assert "tools" not in trt.features and not trt.extras
+
+
+def test_wire_reads_the_shapes_servers_send_for_tool_calls_and_reasoning():
+    from kvgate_openai import wire
+
+    delta = {"choices": [{"index": 0, "delta": {"reasoning": "hmm", "tool_calls": [
+        {"index": 1, "id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        "finish_reason": None}]}
+    event = wire.chunk_event(delta, chat=True)
+    assert event.reasoning == "hmm"  # newer vLLM's name for reasoning_content
+    assert event.tool_calls[0].index == 1 and json.loads(event.tool_calls[0].arguments) == {"a": 1}
+    whole = {"choices": [{"index": 0, "finish_reason": "function_call", "message": {
+        "role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+            {"id": "y", "type": "function", "function": {"name": "h", "arguments": "[1]"}}]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    event = wire.whole_event(whole, chat=True)
+    assert event.finish_reason == "tool_calls" and [c.index for c in event.tool_calls] == [0, 1]
+    assert event.usage.prompt_tokens == 3 and event.refusal == "" and event.text == ""
+    plain = wire.chunk_event({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}, chat=True)
+    assert plain.text == "hi" and plain.tool_calls == ()
