@@ -195,7 +195,7 @@ def _responses_body(defs: dict, models: list[str], limits: RequestLimits, served
     props["tool_choice"] = _optional({"anyOf": [{"enum": ["none", "auto", "required"]},
                                                 _one_of([r.ResponsesNamedFunction], defs)]})
     _cap(props, "max_output_tokens", limits.max_tokens)
-    for name in ("previous_response_id", "conversation", "reasoning", "prompt", "max_tool_calls", "top_logprobs"):
+    for name in ("previous_response_id", "conversation", "prompt", "max_tool_calls", "top_logprobs"):
         props[name] = {"type": "null", "description": "Not supported: this server keeps no responses."}
     for name in ("store", "background"):
         props[name] = {"enum": [False, None], "description": "Only false: this server keeps no responses."}

@@ -73,8 +73,23 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
+class ThinkingBlock(_Strict):
+    """An earlier answer's thinking, sent back: taken, and not sent on (chat templates leave
+    earlier turns' reasoning out)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 BLOCKS = {"user": {"text": TextBlock, "tool_result": ToolResultBlock},
-          "assistant": {"text": TextBlock, "tool_use": ToolUseBlock}}
+          "assistant": {"text": TextBlock, "tool_use": ToolUseBlock, "thinking": ThinkingBlock,
+                        "redacted_thinking": RedactedThinkingBlock}}
 TEXT_ONLY = {"text": TextBlock}
 
 
@@ -250,7 +265,10 @@ def _chat_tool_choice(choice: AnthropicToolChoice) -> str | dict:
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
-def stop_reason(finish_reason: str | None) -> str:
+def stop_reason(finish_reason: str | None, refused: bool = False) -> str:
+    """A reply the model refused (chat's `refusal`) ends as a refusal, as Anthropic's do."""
+    if refused and finish_reason == "stop":
+        return "refusal"
     return STOP_REASONS.get(finish_reason or "", "end_turn")
 
 
@@ -266,8 +284,9 @@ class AnthropicTranslation:
 
     def whole(self, shape, chat: dict, states=()) -> dict:
         choice = chat["choices"][0]
-        body = _message(shape, content_blocks(choice["message"]), usage(chat["usage"]))
-        body["stop_reason"] = stop_reason(choice["finish_reason"])
+        message = choice["message"]
+        body = _message(shape, content_blocks(message), usage(chat["usage"]))
+        body["stop_reason"] = stop_reason(choice["finish_reason"], bool(message.get("refusal")))
         return body
 
     def stream(self, shape) -> "AnthropicEvents":
@@ -280,13 +299,20 @@ def _message(shape, content: list[dict], usage_: dict) -> dict:
 
 
 def content_blocks(message: dict) -> list[dict]:
-    """A whole chat answer's message as blocks: its text (unless the model only called tools),
-    then a tool_use block per call."""
+    """A whole chat answer's message as blocks: its reasoning as a thinking block, its text and
+    refusal as text (unless the model only called tools), then a tool_use block per call."""
     calls = message.get("tool_calls") or []
-    text = message.get("content") or ""
-    blocks = [{"type": "text", "text": text}] if text or not calls else []
+    text = (message.get("content") or "") + (message.get("refusal") or "")
+    blocks = [_thinking(message["reasoning_content"])] if message.get("reasoning_content") else []
+    if text or not calls:
+        blocks.append({"type": "text", "text": text})
     return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                       "input": tool_input(c["function"]["arguments"])} for c in calls]
+
+
+def _thinking(text: str) -> dict:
+    # No signature: this server has no way to vouch for thinking sent back (it drops it anyway).
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def tool_input(arguments: str) -> dict:
@@ -315,9 +341,11 @@ class AnthropicEvents:
         self.shape = shape
         self.started = False
         self.blocks = 0  # blocks opened so far
-        self.open: tuple[str, int] | None = None  # ("text", -1) or ("tool", chat call index), being sent
+        self.open: tuple[str, int] | None = None  # ("text" | "thinking", -1) or ("tool", chat call index)
         self.tool_blocks: dict[int, int] = {}  # chat call index -> block index
         self.finish: str | None = None
+        self.refused = False
+        self.said = False  # a text or tool_use block was opened (thinking alone says nothing)
 
     def chunk(self, chunk: dict) -> bytes:
         out = self._start()
@@ -325,18 +353,23 @@ class AnthropicEvents:
         if choices:
             choice = choices[0]
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._text(delta["reasoning_content"], "thinking")
             if delta.get("content"):
                 out += self._text(delta["content"])
+            if delta.get("refusal"):
+                self.refused = True
+                out += self._text(delta["refusal"])
             for call in delta.get("tool_calls") or ():
                 out += self._tool(call)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
-                out += self._text("") if self.blocks == 0 else []  # an empty reply is one empty text block
+                out += self._text("") if not self.said else []  # an empty reply is one empty text block
                 out += self._close()
         elif chunk.get("usage") is not None:
             final = usage(chunk["usage"])
             out += [named_event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": stop_reason(self.finish),
+                                                  "delta": {"stop_reason": stop_reason(self.finish, self.refused),
                                                             "stop_sequence": None},
                                                   "usage": final}),
                     named_event("message_stop", {"type": "message_stop"})]
@@ -353,14 +386,18 @@ class AnthropicEvents:
         return [named_event("message_start", {"type": "message_start", "message": message}),
                 named_event("ping", {"type": "ping"})]
 
-    def _text(self, text: str) -> list[bytes]:
+    def _text(self, text: str, kind: str = "text") -> list[bytes]:
+        """A piece of a text or thinking block, opening the block as needed."""
         out = []
-        if self.open != ("text", -1):
+        if self.open != (kind, -1):
             out += self._close()
-            out.append(self._block_start({"type": "text", "text": ""}))
-            self.open = ("text", -1)
+            out.append(self._block_start(_thinking("") if kind == "thinking" else {"type": "text", "text": ""}))
+            self.open = (kind, -1)
+            self.said = self.said or kind == "text"
         if text:
-            out.append(self._delta(self.blocks - 1, {"type": "text_delta", "text": text}))
+            delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                              "text": text}
+            out.append(self._delta(self.blocks - 1, delta))
         return out
 
     def _tool(self, fragment: dict) -> list[bytes]:
@@ -374,6 +411,7 @@ class AnthropicEvents:
             out.append(self._block_start(block))
             self.tool_blocks[index] = self.blocks - 1
             self.open = ("tool", index)
+            self.said = True
         if function.get("arguments"):
             # A fragment of a call whose block was already closed (interleaved calls) still goes
             # to that call's block: clients gather deltas by index.

@@ -88,7 +88,20 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
-ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+class ReasoningItem(_Strict):
+    """A reasoning item of an earlier answer, sent back: taken, and not sent on (chat templates
+    leave earlier turns' reasoning out)."""
+
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
 
 
 class ResponsesFunctionTool(_Strict):
@@ -110,6 +123,11 @@ class ResponsesTextFormat(_Strict):
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
+
+
+class ResponsesReasoning(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: None = None  # reasoning summaries are not made here
 
 
 class ResponsesTextConfig(_Strict):
@@ -142,7 +160,7 @@ class ResponsesBody(_Strict):
     conversation: Any = None
     background: bool | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     prompt: Any = None
     max_tool_calls: Int | None = None
     top_logprobs: Int | None = None
@@ -159,7 +177,7 @@ class ResponsesBody(_Strict):
             raise _Unsupported("background")
         if self.include:
             raise _Unsupported("include")
-        for name in ("reasoning", "prompt", "max_tool_calls", "top_logprobs"):
+        for name in ("prompt", "max_tool_calls", "top_logprobs"):
             if getattr(self, name) is not None:
                 raise _Unsupported(name)
         return self
@@ -167,6 +185,7 @@ class ResponsesBody(_Strict):
 
 # What a chat refusal names, in this API's terms.
 RENAMES = renames((r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"), (r"\bmessages\b", "input"),
+                  (r"\breasoning_effort\b", "reasoning.effort"),
                   (r"\bresponse_format\b", "text.format"), (r"(tools\[\d+\])\.function\b", r"\1"))
 
 
@@ -197,7 +216,8 @@ def chat_body(req: ResponsesBody, items: list) -> dict:
         body["stream_options"] = {"include_usage": True}  # the usage goes into response.completed
     for chat_name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                              ("top_p", req.top_p), ("user", req.user),
-                             ("parallel_tool_calls", req.parallel_tool_calls)):
+                             ("parallel_tool_calls", req.parallel_tool_calls),
+                             ("reasoning_effort", req.reasoning.effort if req.reasoning else None)):
         if value is not None:
             body[chat_name] = value
     if req.tools:
@@ -222,7 +242,7 @@ def _messages(instructions: str | None, items: list) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id,
                         "content": _text(item.output, ("input", i, "output"))})
     return out
@@ -304,23 +324,44 @@ class PassedThrough:
 
 
 def output_items(response_id: str, message: dict, status: str = "completed") -> list[dict]:
-    """A whole chat answer's message as output items: the text (unless the model only called
-    tools), then one function_call item per call."""
-    calls = message.get("tool_calls") or []
+    """A whole chat answer's message as output items: its reasoning, its text and refusal (a
+    message, unless the model only called tools), then one function_call item per call."""
     items = []
-    if message.get("content") or message.get("refusal") or not calls:
-        items.append(_message_item(response_id, message.get("content") or "", message.get("refusal"), status))
-    items += [_call_item(response_id, i, c["id"], c["function"]["name"], c["function"]["arguments"])
+    if message.get("reasoning_content"):
+        items.append(_item("reasoning", response_id, len(items), [_part("reasoning_text", message["reasoning_content"])]))
+    calls = message.get("tool_calls") or []
+    parts = [_part(kind, message[field]) for kind, field in (("output_text", "content"), ("refusal", "refusal"))
+             if message.get(field)]
+    if parts or not calls:
+        items.append(_item("message", response_id, len(items), parts or [_part("output_text", "")], status))
+    items += [_call_item(response_id, len(items) + i, c["id"], c["function"]["name"], c["function"]["arguments"])
               for i, c in enumerate(calls)]
     return items
 
 
-def _message_item(response_id: str, text: str, refusal: str | None = None, status: str = "completed") -> dict:
-    content = [_text_part(text)] if text or not refusal else []
-    if refusal:
-        content.append({"type": "refusal", "refusal": refusal})
-    return {"id": "msg_" + response_id.removeprefix(ID_PREFIX), "type": "message", "status": status,
-            "role": "assistant", "content": content}
+ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+
+
+def _item(kind: str, response_id: str, output_index: int, content: list[dict], status: str = "completed") -> dict:
+    item = {"id": _item_id(kind, response_id, output_index), "type": kind, "status": status, "content": content}
+    if kind == "message":
+        item["role"] = "assistant"
+    else:
+        item["summary"] = []
+    return item
+
+
+def _item_id(kind: str, response_id: str, output_index: int) -> str:
+    return f"{ID_PREFIXES[kind]}_{response_id.removeprefix(ID_PREFIX)}_{output_index}"
+
+
+def _part(kind: str, text: str) -> dict:
+    """A content part: output_text, refusal or reasoning_text."""
+    if kind == "output_text":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    if kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    return {"type": kind, "text": text}
 
 
 def _item_status(finish_reason: str | None) -> str:
@@ -328,13 +369,9 @@ def _item_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _call_item(response_id: str, index: int, call_id: str, name: str, arguments: str,
+def _call_item(response_id: str, output_index: int, call_id: str, name: str, arguments: str,
                status: str = "completed") -> dict:
-    return {"id": f"fc_{response_id.removeprefix(ID_PREFIX)}_{index}", "type": "function_call", "status": status,
+    return {"id": _item_id("function_call", response_id, output_index), "type": "function_call", "status": status,
             "call_id": call_id, "name": name, "arguments": arguments}
 
 
@@ -350,7 +387,8 @@ def response_object(req: ResponsesBody, shape, output: list[dict], usage: dict |
         "incomplete_details": {"reason": incomplete} if incomplete and status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": shape.model,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None, "reasoning": None, "store": False,
+        "previous_response_id": None, "store": False,
+        "reasoning": req.reasoning.model_dump() if req.reasoning else None,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
@@ -377,15 +415,25 @@ def _failure_code(exc: APIError) -> str:
 
 @dataclass
 class _OpenItem:
-    """An output item being streamed: where it sits in the output, and what it holds so far."""
+    """An output item being streamed: where it sits in the output, and what it holds so far: a
+    message's or a reasoning item's parts ((kind, text pieces) each, the last one open), or a
+    call's argument pieces."""
 
     output_index: int
     item: dict
-    text: list[str] = field(default_factory=list)  # a message's text, or a call's arguments
+    parts: list[tuple[str, list[str]]] = field(default_factory=list)
+    arguments: list[str] = field(default_factory=list)
+
+
+# The events of each part kind: "<prefix>.delta" and "<prefix>.done", and the done event's field.
+PART_EVENTS = {"output_text": ("response.output_text", "text"), "refusal": ("response.refusal", "refusal"),
+               "reasoning_text": ("response.reasoning_text", "text")}
 
 
 class ResponsesEvents:
-    """Chat stream chunks in, Responses events out (bytes; b"" while a chunk adds nothing)."""
+    """Chat stream chunks in, Responses events out (bytes; b"" while a chunk adds nothing).
+    One reasoning or message item is open at a time; function calls stay open until the end
+    (their fragments may interleave)."""
 
     done = b""  # the Responses stream has no [DONE]
 
@@ -394,7 +442,7 @@ class ResponsesEvents:
         self.sequence = 0
         self.started = False
         self.output: list[dict] = []  # every item opened, in output order (final once closed)
-        self.message: _OpenItem | None = None
+        self.current: _OpenItem | None = None  # the open reasoning or message item
         self.calls: dict[int, _OpenItem] = {}  # by the chat stream's tool call index
         self.finish: str | None = None
 
@@ -404,8 +452,10 @@ class ResponsesEvents:
         if choices:
             choice = choices[0]
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
+            for field_name, item, part in (("reasoning_content", "reasoning", "reasoning_text"),
+                                           ("content", "message", "output_text"), ("refusal", "message", "refusal")):
+                if delta.get(field_name):
+                    out += self._piece(item, part, delta[field_name])
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason"):
@@ -443,20 +493,57 @@ class ResponsesEvents:
         self.output.append(item)
         return opened, self._event("response.output_item.added", output_index=opened.output_index, item=item)
 
-    def _text(self, text: str) -> list[bytes]:
-        out = self._open_message() if self.message is None else []
-        self.message.text.append(text)
-        out.append(self._event("response.output_text.delta", **self._at(self.message), content_index=0,
-                               delta=text, logprobs=[]))
+    def _at(self, opened: _OpenItem) -> dict:
+        return {"item_id": opened.item["id"], "output_index": opened.output_index}
+
+    def _piece(self, kind: str, part: str, text: str) -> list[bytes]:
+        """A piece of a reasoning or message item's part, opening the item and the part as needed."""
+        out = []
+        current = self.current
+        if current is None or current.item["type"] != kind:
+            out += self._close_current() + self._close_calls()
+            current = self.current = self._open_item(kind, out)
+        if not current.parts or current.parts[-1][0] != part:
+            out += self._close_part(current)
+            current.parts.append((part, []))
+            out.append(self._event("response.content_part.added", **self._at(current),
+                                   content_index=len(current.parts) - 1, part=_part(part, "")))
+        if text:
+            current.parts[-1][1].append(text)
+            prefix, _ = PART_EVENTS[part]
+            extra = {"logprobs": []} if part == "output_text" else {}
+            out.append(self._event(f"{prefix}.delta", **self._at(current), content_index=len(current.parts) - 1,
+                                   delta=text, **extra))
         return out
 
-    def _open_message(self) -> list[bytes]:
-        out = self._close_calls()  # text after calls starts a new item
-        item = _message_item(self.shape.id, "", status="in_progress")
-        item["content"] = []
-        self.message, added = self._open(item)
-        return out + [added, self._event("response.content_part.added", **self._at(self.message), content_index=0,
-                                         part=_text_part(""))]
+    def _open_item(self, kind: str, out: list[bytes]) -> _OpenItem:
+        item = _item(kind, self.shape.id, len(self.output), [], status="in_progress")
+        opened, added = self._open(item)
+        out.append(added)
+        return opened
+
+    def _close_part(self, current: _OpenItem) -> list[bytes]:
+        if not current.parts:
+            return []
+        part, pieces = current.parts[-1]
+        text = "".join(pieces)
+        prefix, field_name = PART_EVENTS[part]
+        index = len(current.parts) - 1
+        extra = {"logprobs": []} if part == "output_text" else {}
+        done = {field_name: text, **extra}
+        return [self._event(f"{prefix}.done", **self._at(current), content_index=index, **done),
+                self._event("response.content_part.done", **self._at(current), content_index=index,
+                            part=_part(part, text))]
+
+    def _close_current(self) -> list[bytes]:
+        current, self.current = self.current, None
+        if current is None:
+            return []
+        out = self._close_part(current)
+        status = _item_status(self.finish) if current.item["type"] == "message" else "completed"
+        current.item.update(status=status, content=[_part(part, "".join(pieces)) for part, pieces in current.parts])
+        out.append(self._event("response.output_item.done", output_index=current.output_index, item=current.item))
+        return out
 
     def _call(self, fragment: dict) -> list[bytes]:
         out = []
@@ -464,36 +551,22 @@ class ResponsesEvents:
         function = fragment.get("function") or {}
         call = self.calls.get(index)
         if call is None:
-            out += self._close_message()
-            item = _call_item(self.shape.id, index, fragment.get("id") or "", function.get("name") or "", "",
-                              status="in_progress")
+            out += self._close_current()
+            item = _call_item(self.shape.id, len(self.output), fragment.get("id") or "", function.get("name") or "",
+                              "", status="in_progress")
             call, added = self._open(item)
             self.calls[index] = call
             out.append(added)
         if function.get("arguments"):
-            call.text.append(function["arguments"])
+            call.arguments.append(function["arguments"])
             out.append(self._event("response.function_call_arguments.delta", **self._at(call),
                                    delta=function["arguments"]))
         return out
 
-    def _at(self, opened: _OpenItem) -> dict:
-        return {"item_id": opened.item["id"], "output_index": opened.output_index}
-
-    def _close_message(self) -> list[bytes]:
-        message, self.message = self.message, None
-        if message is None:
-            return []
-        text = "".join(message.text)
-        part = _text_part(text)
-        message.item.update(status=_item_status(self.finish), content=[part])
-        return [self._event("response.output_text.done", **self._at(message), content_index=0, text=text, logprobs=[]),
-                self._event("response.content_part.done", **self._at(message), content_index=0, part=part),
-                self._event("response.output_item.done", output_index=message.output_index, item=message.item)]
-
     def _close_calls(self) -> list[bytes]:
         out = []
         for call in sorted(self.calls.values(), key=lambda c: c.output_index):
-            arguments = "".join(call.text)
+            arguments = "".join(call.arguments)
             call.item.update(status="completed", arguments=arguments)
             out += [self._event("response.function_call_arguments.done", **self._at(call), arguments=arguments,
                                 name=call.item["name"]),
@@ -502,9 +575,10 @@ class ResponsesEvents:
         return out
 
     def _close_all(self) -> list[bytes]:
-        # Nothing was said: still one (empty) message, as a whole answer has.
-        out = self._open_message() if not self.output else []
-        return out + self._close_message() + self._close_calls()
+        out = []
+        if not any(item["type"] != "reasoning" for item in self.output):
+            out += self._piece("message", "output_text", "")  # nothing said: one empty message, as a whole answer has
+        return out + self._close_current() + self._close_calls()
 
 
 class _Relay(ResponsesEvents):

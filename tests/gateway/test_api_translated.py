@@ -100,7 +100,7 @@ def test_responses_stream_helper_gathers_the_output(oai):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": "x", "store": True}, "store"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].type"),

@@ -180,3 +180,36 @@ def test_messages_tools_to_a_model_without_them_is_anthropics_400(claude):
                                messages=[{"role": "user", "content": QUESTION}])
     error = caught.value.body["error"]
     assert error["type"] == "invalid_request_error" and "'tools'" in error["message"]
+
+
+# ------------------------------------------------------------------------------ reasoning, refusals
+
+
+def test_responses_reasoning_comes_back_as_a_reasoning_item(oai, upstream):
+    r = oai.responses.create(model="agent", input="hello there", reasoning={"effort": "low"})
+    assert upstream.bodies("/v1/chat/completions")[-1]["reasoning_effort"] == "low"
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Thinking at low effort." and r.output_text == "hello there"
+    with oai.responses.stream(model="agent", input="hello there", reasoning={"effort": "high"}) as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds
+    assert final.output[0].content[0].text == "Thinking at high effort."
+
+
+def test_responses_refusal_is_a_refusal_part(oai):
+    r = oai.responses.create(model="agent", input="refuse: not this one")
+    [message] = r.output
+    assert [(p.type, p.refusal) for p in message.content] == [("refusal", "not this one")]
+    with oai.responses.stream(model="agent", input="refuse: nor this") as stream:
+        deltas = [e.delta for e in stream if e.type == "response.refusal.delta"]
+    assert deltas == ["nor this"]
+
+
+def test_messages_refusal_ends_as_a_refusal(claude):
+    m = claude.messages.create(model="agent", max_tokens=32, messages=[{"role": "user", "content": "refuse: no way"}])
+    assert (m.stop_reason, m.content[0].text) == ("refusal", "no way")
+    with claude.messages.stream(model="agent", max_tokens=32,
+                                messages=[{"role": "user", "content": "refuse: still no"}]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.content[0].text) == ("refusal", "still no")

@@ -204,3 +204,34 @@ def test_finish_reasons_map_onto_stop_reasons(finish, stop):
     chat = {"choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": "x"}}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
     assert translation.whole(shape(), chat)["stop_reason"] == stop
+
+
+def test_thinking_sent_back_is_taken_and_not_sent_on():
+    parsed = parse_messages(body(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "redacted_thinking", "data": "xyz"},
+                                          {"type": "text", "text": "a"}]},
+        {"role": "user", "content": "q2"}]), LIMITS)
+    assert [m["content"] for m in parsed.messages] == ["q", "a", "q2"]
+
+
+def test_streamed_reasoning_is_a_thinking_block_and_a_refusal_ends_as_one():
+    out = _stream([chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Hm"}),
+                   chunk({"reasoning_content": "m."}), chunk({"refusal": "I won't."}), chunk({}, "stop"), usage_chunk()])
+    starts = [e["content_block"]["type"] for e in out if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    thinking = "".join(e["delta"]["thinking"] for e in out if e["type"] == "content_block_delta" and e["index"] == 0)
+    text = "".join(e["delta"]["text"] for e in out if e["type"] == "content_block_delta" and e["index"] == 1)
+    assert (thinking, text) == ("Hmm.", "I won't.")
+    assert out[-2]["delta"]["stop_reason"] == "refusal"
+
+
+def test_a_whole_answer_with_reasoning_has_a_thinking_block_first():
+    translation = parse_messages(body(), LIMITS).translation
+    chat = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "42", "reasoning_content": "Let me think."}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}}
+    message = Message.model_validate(translation.whole(shape(), chat))
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "Let me think." and message.stop_reason == "end_turn"

@@ -105,7 +105,10 @@ def test_text_format_becomes_the_chat_response_format():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "m", "input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type"),
+    ({"model": "m", "input": [{"role": "user", "content": "x"}, {"type": "web_search_call", "id": "w"}]},
+     "input[1].type"),
+    ({"model": "m", "input": "x", "reasoning": {"effort": "enormous"}}, "reasoning.effort"),
+    ({"model": "m", "input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"model": "m", "input": [{"type": 7}]}, "input[0].type"),
     ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content[0].type"),
@@ -220,3 +223,43 @@ def test_a_whole_answer_with_tool_calls_is_a_response_with_function_call_items()
     response = Response.model_validate(body)
     assert response.status == "completed" and [o.type for o in response.output] == ["function_call"]
     assert response.output[0].call_id == "call_9" and response.usage.input_tokens_details.cached_tokens == 2
+
+
+def test_reasoning_effort_goes_on_and_reasoning_items_sent_back_do_not():
+    parsed = parse_responses({"model": "m", "reasoning": {"effort": "low"}, "input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}, LIMITS)
+    assert parsed.reasoning_effort == "low"
+    assert [m["content"] for m in parsed.messages] == ["q", "a", "q2"]
+
+
+def test_streamed_reasoning_and_refusal_are_their_own_item_and_part():
+    out = _run({}, [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Think"}),
+                    chunk({"reasoning_content": "ing."}), chunk({"content": "No"}), chunk({"refusal": "I can't."}),
+                    chunk({}, "stop"), usage_chunk()])
+    kinds = [e["type"] for e in out]
+    assert kinds[2:] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.content_part.added",
+        "response.refusal.delta", "response.refusal.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    final = Response.model_validate(out[-1]["response"])
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Thinking."
+    assert [p.type for p in final.output[1].content] == ["output_text", "refusal"]
+    assert final.output[1].content[1].refusal == "I can't."
+    assert len({o.id for o in final.output}) == 2
+
+
+def test_a_whole_answer_with_reasoning_has_a_reasoning_item_first():
+    parsed = parse_responses({"model": "m", "input": "x"}, LIMITS)
+    chat = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "42", "reasoning_content": "Let me think."}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}}
+    response = Response.model_validate(parsed.translation.whole(shape(), chat))
+    assert [o.type for o in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "Let me think." and response.output_text == "42"
