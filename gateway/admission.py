@@ -18,6 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from gateway.breaker import HALF_OPEN
 from gateway.errors import Overloaded
 
 RECHECK_S = 0.02  # backends' load changes without telling us: waiters re-check this often
@@ -41,6 +42,9 @@ class _Waiter:
     ticket: Ticket = field(compare=False)
     request: object = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    # Its grant claimed a half-open deployment's one probe (take() picks a half-open deployment
+    # only while no probe is out, and claims it): a grant nobody uses must give it back.
+    probe: bool = field(default=False, compare=False)
 
 
 class PoolAdmission:
@@ -101,7 +105,10 @@ class PoolAdmission:
     def _forget(self, waiter: _Waiter) -> None:
         """A waiter leaves (cancelled, or out of time): out of the heap now, so churn cannot grow it."""
         if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
-            self.pool.release(waiter.future.result())  # granted but nobody will use it
+            deployment = waiter.future.result()  # granted, but nobody will use it
+            if waiter.probe:  # else the deployment is never routed to again: no probe, no verdict
+                deployment.breaker.release_probe()
+            self.pool.release(deployment)
         elif not waiter.future.done():
             waiter.future.cancel()
         try:
@@ -121,6 +128,7 @@ class PoolAdmission:
             if deployment is None:
                 break
             heapq.heappop(self._heap)
+            waiter.probe = deployment.breaker.state == HALF_OPEN
             waiter.future.set_result(deployment)
         self._schedule_recheck()
 

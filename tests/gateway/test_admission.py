@@ -132,3 +132,62 @@ def test_priority_reaches_the_backend(gw):
     complete(gw, sla="interactive")
     complete(gw, sla="batch")
     assert seen == [0, 10]
+
+
+class OneSlotPool:
+    """ModelPool's side of admission for one deployment of one slot (take claims the breaker's
+    probe the way ModelPool.take does); the breaker and the admission queue are the real ones."""
+
+    name = "m"
+
+    def __init__(self, deployment):
+        self.deployment = deployment
+        self.admission = None
+
+    def take(self, request):
+        d = self.deployment
+        if d.in_flight >= 1 or not d.breaker.allows():
+            return None
+        d.in_flight += 1
+        d.breaker.claim()
+        return d
+
+    def any_available(self, needs=None):
+        return self.deployment.breaker.allows()
+
+    def release(self, deployment):
+        deployment.in_flight -= 1
+        self.admission.wake()
+
+
+def test_a_waiter_cancelled_as_it_is_granted_the_probe_gives_the_probe_back():
+    """The race, made deterministic: a half-open deployment's slot frees, wake() grants it (and
+    with it the one probe) to a queued request, and that request is cancelled before it runs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.admission import PoolAdmission, Ticket
+    from gateway.breaker import CircuitBreaker
+
+    async def main():
+        now = [0.0]
+        breaker = CircuitBreaker(failures=1, cooldown_s=10, clock=lambda: now[0])
+        breaker.record_failure()  # open
+        deployment = SimpleNamespace(name="d", breaker=breaker, in_flight=1)  # and busy
+        pool = OneSlotPool(deployment)
+        pool.admission = admission = PoolAdmission(pool, max_queue=4)
+        now[0] = 11.0  # cool-down over: half-open, the next request sent is the probe
+        waiter = asyncio.create_task(admission.acquire(SimpleNamespace(needs=None), Ticket(0, False, 30)))
+        await asyncio.sleep(0)
+        assert admission.queued == 1
+        waiter.cancel()  # the client leaves; before its task runs again, in the same turn of the loop,
+        deployment.in_flight = 0
+        admission.wake()  # the slot frees and is granted to it, and with it the probe
+        assert breaker.probe_in_flight
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert deployment.in_flight == 0
+        assert not breaker.probe_in_flight and breaker.allows()  # another request may probe it
+        assert pool.take(SimpleNamespace(needs=None)) is deployment
+
+    asyncio.run(main())
