@@ -33,7 +33,8 @@ from pydantic import Field, model_validator
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
-from gateway.translate.common import named_event, parse_translated, renames, typed, validated
+from gateway.translate.common import (
+    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
 
 # ---------------------------------------------------------------------------------- errors
 
@@ -177,15 +178,9 @@ def parse_messages(body: Any, limits: RequestLimits) -> ParsedRequest:
 
 def chat_body(req: MessagesBody) -> dict:
     """The chat completions body that asks for what `req` asks."""
-    body: dict = {"model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stream": req.stream}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}  # the usage goes into message_delta
-    if req.stop_sequences:
-        body["stop"] = req.stop_sequences
-    for chat_name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
-                             ("user", req.metadata.user_id if req.metadata else None)):
-        if value is not None:
-            body[chat_name] = value
+    body = chat_request(req.model, _messages(req), req.stream, max_tokens=req.max_tokens,
+                        stop=req.stop_sequences or None, temperature=req.temperature, top_p=req.top_p,
+                        top_k=req.top_k, user=req.metadata.user_id if req.metadata else None)
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -246,12 +241,7 @@ def _text(content: str | list, at: tuple) -> str:
 
 def _chat_tool(tool: Any, i: int) -> dict:
     t = typed(tool, ("tools", i), {"custom": AnthropicTool}, "tool (server tools are not served here)", default="custom")
-    function = {"name": t.name, "parameters": t.input_schema}
-    if t.description is not None:
-        function["description"] = t.description
-    if t.strict is not None:
-        function["strict"] = t.strict
-    return {"type": "function", "function": function}
+    return chat_tool(t.name, t.input_schema, t.description, t.strict)
 
 
 def _chat_tool_choice(choice: AnthropicToolChoice) -> str | dict:
@@ -349,25 +339,22 @@ class AnthropicEvents:
 
     def chunk(self, chunk: dict) -> bytes:
         out = self._start()
-        choices = chunk.get("choices")
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._text(delta["reasoning_content"], "thinking")
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            if delta.get("refusal"):
-                self.refused = True
-                out += self._text(delta["refusal"])
-            for call in delta.get("tool_calls") or ():
-                out += self._tool(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                out += self._text("") if not self.said else []  # an empty reply is one empty text block
-                out += self._close()
-        elif chunk.get("usage") is not None:
-            final = usage(chunk["usage"])
+        delta, finish, chat_usage = chunk_parts(chunk)
+        if delta.get("reasoning_content"):
+            out += self._text(delta["reasoning_content"], "thinking")
+        if delta.get("content"):
+            out += self._text(delta["content"])
+        if delta.get("refusal"):
+            self.refused = True
+            out += self._text(delta["refusal"])
+        for call in delta.get("tool_calls") or ():
+            out += self._tool(call)
+        if finish:
+            self.finish = finish
+            out += self._text("") if not self.said else []  # an empty reply is one empty text block
+            out += self._close()
+        if chat_usage is not None:
+            final = usage(chat_usage)
             out += [named_event("message_delta", {"type": "message_delta",
                                                   "delta": {"stop_reason": stop_reason(self.finish, self.refused),
                                                             "stop_sequence": None},

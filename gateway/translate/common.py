@@ -46,6 +46,35 @@ def typed(value: Any, at: tuple, models: dict[str, type[BaseModel]], what: str, 
     return validated(model, value, at)
 
 
+def chat_request(model: str, messages: list[dict], stream: bool, **fields) -> dict:
+    """A chat completions body with the `fields` that are set (None: left out). A stream asks
+    for its usage: the translated stream ends with it (response.completed, message_delta)."""
+    body = {"model": model, "messages": messages, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update((name, value) for name, value in fields.items() if value is not None)
+    return body
+
+
+def chat_tool(name: str, parameters: dict | None = None, description: str | None = None,
+              strict: bool | None = None) -> dict:
+    """A function tool in chat's shape, with the fields that are set."""
+    function = {"name": name}
+    for key, value in (("description", description), ("parameters", parameters), ("strict", strict)):
+        if value is not None:
+            function[key] = value
+    return {"type": "function", "function": function}
+
+
+def chunk_parts(chunk: dict) -> tuple[dict, str | None, dict | None]:
+    """(delta, finish_reason, usage) of a chat stream chunk of one choice: the usage chunk has
+    no choices, the others no usage."""
+    choices = chunk.get("choices")
+    if choices:
+        return choices[0].get("delta") or {}, choices[0].get("finish_reason"), None
+    return {}, None, chunk.get("usage")
+
+
 def parse_translated(chat_body: dict, limits: RequestLimits, renamed: Renames, translation) -> ParsedRequest:
     """The translated chat body checked as a chat request (limits, tools, formats), carrying
     `translation` (what turns the chat answer back into the client's API); a refusal that names

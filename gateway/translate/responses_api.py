@@ -33,7 +33,8 @@ from gateway import fastjson
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
-from gateway.translate.common import named_event, parse_translated, renames, typed, validated
+from gateway.translate.common import (
+    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
 
 ID_PREFIX = "resp_"
 
@@ -211,15 +212,10 @@ def _input_items(value: str | list) -> list:
 
 def chat_body(req: ResponsesBody, items: list) -> dict:
     """The chat completions body that asks for what `req` asks."""
-    body: dict = {"model": req.model, "messages": _messages(req.instructions, items), "stream": req.stream}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}  # the usage goes into response.completed
-    for chat_name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                             ("top_p", req.top_p), ("user", req.user),
-                             ("parallel_tool_calls", req.parallel_tool_calls),
-                             ("reasoning_effort", req.reasoning.effort if req.reasoning else None)):
-        if value is not None:
-            body[chat_name] = value
+    body = chat_request(req.model, _messages(req.instructions, items), req.stream,
+                        max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                        user=req.user, parallel_tool_calls=req.parallel_tool_calls,
+                        reasoning_effort=req.reasoning.effort if req.reasoning else None)
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -257,11 +253,7 @@ def _text(content: str | list, at: tuple) -> str:
 
 def _chat_tool(tool: Any, i: int) -> dict:
     t = typed(tool, ("tools", i), {"function": ResponsesFunctionTool}, "tool")
-    function = {"name": t.name}
-    for name in ("description", "parameters", "strict"):
-        if getattr(t, name) is not None:
-            function[name] = getattr(t, name)
-    return {"type": "function", "function": function}
+    return chat_tool(t.name, t.parameters, t.description, t.strict)
 
 
 def _chat_tool_choice(choice: str | dict) -> str | dict:
@@ -448,21 +440,18 @@ class ResponsesEvents:
 
     def chunk(self, chunk: dict) -> bytes:
         out = self._start()
-        choices = chunk.get("choices")
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            for field_name, item, part in (("reasoning_content", "reasoning", "reasoning_text"),
-                                           ("content", "message", "output_text"), ("refusal", "message", "refusal")):
-                if delta.get(field_name):
-                    out += self._piece(item, part, delta[field_name])
-            for call in delta.get("tool_calls") or ():
-                out += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                out += self._close_all()
-        elif chunk.get("usage") is not None:
-            response = response_object(self.request, self.shape, self.output, chunk["usage"], self.finish)
+        delta, finish, usage = chunk_parts(chunk)
+        for field_name, item, part in (("reasoning_content", "reasoning", "reasoning_text"),
+                                       ("content", "message", "output_text"), ("refusal", "message", "refusal")):
+            if delta.get(field_name):
+                out += self._piece(item, part, delta[field_name])
+        for call in delta.get("tool_calls") or ():
+            out += self._call(call)
+        if finish:
+            self.finish = finish
+            out += self._close_all()
+        if usage is not None:
+            response = response_object(self.request, self.shape, self.output, usage, self.finish)
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             out.append(self._event(kind, response=response))
         return b"".join(out)

@@ -1,19 +1,17 @@
 """The Anthropic Messages translation: requests to chat bodies, chat answers and stream chunks
 to Anthropic's shapes, each checked against the `anthropic` SDK's own types."""
 
-import json
-from typing import get_args
-
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
 from gateway.config import RequestLimits
 from gateway.errors import BackendError, InvalidRequestError, RateLimited
-from gateway.responses import ResponseShape
 from gateway.translate.anthropic import MessagesBody, chat_body, error_body, parse_messages
+from translated_streams import chunk, named_events, sdk_event_types, usage_chunk
+from translated_streams import shape as shape_of
 
 LIMITS = RequestLimits()
-EVENT_TYPES = {get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(get_args(RawMessageStreamEvent)[0])}
+EVENT_TYPES = sdk_event_types(RawMessageStreamEvent)  # (ping and error are not in it)
 
 
 def refusal(body: dict) -> InvalidRequestError:
@@ -23,29 +21,11 @@ def refusal(body: dict) -> InvalidRequestError:
 
 
 def events(raw: bytes) -> list[dict]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block:
-            name, data = block.split("\n")
-            payload = json.loads(data.removeprefix("data: "))
-            assert name == f"event: {payload['type']}"
-            if payload["type"] in EVENT_TYPES:  # ping and error are not in the SDK's union
-                EVENT_TYPES[payload["type"]].model_validate(payload)
-            out.append(payload)
-    return out
+    return named_events(raw, EVENT_TYPES)
 
 
-def shape() -> ResponseShape:
-    return ResponseShape(chat=True, id="msg_abc", model="m", created=1)
-
-
-def chunk(delta: dict | None = None, finish: str | None = None) -> dict:
-    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
-
-
-def usage_chunk(prompt=3, completion=2) -> dict:
-    return {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion}}
+def shape():
+    return shape_of("msg_abc")
 
 
 def body(**fields) -> dict:

@@ -1,25 +1,17 @@
 """The Responses API translation: requests to chat bodies, chat answers and stream chunks to the
 Responses shapes, each event checked against the `openai` SDK's own types."""
 
-import json
-from typing import get_args
-
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.config import RequestLimits
 from gateway.errors import BackendError, InvalidRequestError
-from gateway.responses import ResponseShape
 from gateway.translate.responses_api import ResponsesBody, chat_body, parse_responses
+from translated_streams import chunk, named_events, sdk_event_types, usage_chunk
+from translated_streams import shape as shape_of
 
 LIMITS = RequestLimits()
-# The SDK's class of each event type (ResponseStreamEvent is an annotated union of them).
-EVENT_TYPES = {get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(get_args(ResponseStreamEvent)[0])}
-
-
-def check_event(data: dict) -> None:
-    """The event is one the SDK knows, with every field its type requires."""
-    EVENT_TYPES[data["type"]].model_validate(data)
+EVENT_TYPES = sdk_event_types(ResponseStreamEvent)
 
 
 def refusal(body: dict) -> InvalidRequestError:
@@ -29,29 +21,13 @@ def refusal(body: dict) -> InvalidRequestError:
 
 
 def events(raw: bytes) -> list[dict]:
-    """(SSE bytes) -> the data of each event, checked: its `event:` line names its type."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if not block:
-            continue
-        name, data = block.split("\n")
-        payload = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {payload['type']}"
-        out.append(payload)
+    out = named_events(raw, EVENT_TYPES)
+    assert all(e["type"] in EVENT_TYPES for e in out)  # every event is one the SDK knows
     return out
 
 
-def shape() -> ResponseShape:
-    return ResponseShape(chat=True, id="resp_abc", model="m", created=1)
-
-
-def chunk(delta: dict | None = None, finish: str | None = None) -> dict:
-    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
-
-
-def usage_chunk(prompt=3, completion=2) -> dict:
-    return {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion}}
+def shape():
+    return shape_of("resp_abc")
 
 
 def test_a_string_input_is_one_user_message_after_the_instructions():
@@ -145,8 +121,6 @@ def _run(translation_input: dict, chunks: list[dict]) -> list[dict]:
     out = []
     for c in chunks:
         out += events(writer.chunk(c))
-    for e in out:
-        check_event(e)
     return out
 
 
@@ -205,8 +179,6 @@ def test_a_failure_after_the_start_is_an_error_then_response_failed():
     parsed = parse_responses({"model": "m", "input": "x", "stream": True}, LIMITS)
     writer = parsed.translation.stream(shape())
     out = events(writer.chunk(chunk({"content": "a"})) + writer.error(BackendError("the backend died")))
-    for e in out:
-        check_event(e)
     assert [e["type"] for e in out][-2:] == ["error", "response.failed"]
     assert out[-1]["response"]["error"]["message"] == "the backend died"
     assert writer.done == b""
