@@ -83,7 +83,8 @@ class KeyStore:
             for where, k in file_entries if sla else ():
                 check_key_classes(where, k, *sla)
             entries += file_entries
-        keys = [_resolve(where, k, env) for where, k in entries]
+        default_class = sla[1] if sla else GatewayConfig.model_fields["default_sla_class"].default
+        keys = [_resolve(where, k, env, default_class) for where, k in entries]
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise ValueError("auth.keys: two keys share a name")
@@ -118,12 +119,14 @@ def _keys_file_entries(env_name: str, env) -> list[tuple[str, ApiKeyConfig]]:
     return [(f"keys file [{env_name}][{i}]", k) for i, k in enumerate(parsed)]
 
 
-def _resolve(where: str, k: ApiKeyConfig, env) -> ApiKey:
+def _resolve(where: str, k: ApiKeyConfig, env, default_class: str) -> ApiKey:
     secret = k.key if k.key is not None else _env_secret(f"{where}.key_env", k.key_env, env)
     if len(secret) < 8:
         raise ValueError(f"{where}: the key is shorter than 8 characters")
     models = None if "*" in k.models else frozenset(k.models)
-    sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes)
+    # No list: the key's default class alone (opt in to the others), so a key cannot jump the
+    # queue with x-sla-class unless it was given that class.
+    sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes or [k.sla_class or default_class])
     return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
                   k.tokens_per_minute, k.max_concurrency, sla_classes, frozenset(k.scopes))
 

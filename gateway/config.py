@@ -242,9 +242,10 @@ class ApiKeyConfig(StrictModel):
     models: list[str] = Field(default_factory=lambda: ["*"], description="Allowed models; '*' for all.")
     sla_class: str | None = Field(None, description="Default SLA class of this key's requests.")
     sla_classes: list[str] = Field(
-        default_factory=lambda: ["*"], min_length=1,
-        description="SLA classes this key may ask for with x-sla-class ('*': any); another is refused "
-        "with 403, never lowered silently.")
+        default_factory=list,
+        description="SLA classes this key may ask for with x-sla-class ('*': any). Default: none but its "
+        "own default class (sla_class, else default_sla_class): a key opts in to the others. Another class "
+        "is refused with 403, never lowered silently.")
     requests_per_minute: int | None = Field(None, gt=0)
     scopes: list[Literal["metrics"]] = Field(
         default_factory=list, description="metrics: may also read /metrics, /status and /status.json for "
@@ -349,7 +350,7 @@ def check_key_classes(where: str, key: ApiKeyConfig, classes: set[str], default_
     if key.sla_class is not None and key.sla_class not in classes:
         raise ValueError(f"{where}.sla_class: unknown class '{key.sla_class}'")
     default = key.sla_class or default_class
-    if "*" not in key.sla_classes and default not in key.sla_classes:
+    if key.sla_classes and "*" not in key.sla_classes and default not in key.sla_classes:
         raise ValueError(f"{where}.sla_classes: the key's default class '{default}' is not among them "
                          "(set sla_class to one of them)")
 

@@ -21,7 +21,7 @@ auth:
   admin_key_env: TEST_ADMIN_KEY
   keys_file_env: TEST_KEYS_FILE
   keys:
-    - {name: alice, key_env: TEST_ALICE_KEY, models: ["*"], sla_class: interactive}
+    - {name: alice, key_env: TEST_ALICE_KEY, models: ["*"], sla_class: interactive, sla_classes: ["*"]}
     - {name: bob, key_env: TEST_BOB_KEY, models: [echo], requests_per_minute: 3, sla_classes: [standard, batch]}
 models:
   - name: echo
@@ -141,7 +141,6 @@ def test_key_cannot_ask_for_a_class_above_its_allowance(gw):
      "auth.keys[0].sla_classes: the key's default class 'standard' is not among them (set sla_class to one of them)"),
     ("{name: k, key: sk-k-0123456789, sla_class: interactive, sla_classes: [batch]}",
      "auth.keys[0].sla_classes: the key's default class 'interactive' is not among them"),
-    ("{name: k, key: sk-k-0123456789, sla_classes: []}", "auth.keys[0].sla_classes: List should have at least 1 item"),
 ])
 def test_sla_allowance_is_checked_with_the_config(key, message):
     text = f"auth:\n  keys: [{key}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n"
@@ -285,3 +284,23 @@ def test_refused_requests_count_against_the_keys_minute(gw, bad):
         assert call(gw, "POST", "/v1/completions", key=BOB, json=bad).status_code in (400, 404)
     r = call(gw, "POST", "/v1/completions", key=BOB, json={"model": "echo", "prompt": "a", "max_tokens": 1})
     assert r.status_code == 429
+
+
+@pytest.mark.parametrize("entry, allowed", [
+    ("{name: k, key: sk-k-0123456789}", {"standard"}),  # the config's default class, no other
+    ("{name: k, key: sk-k-0123456789, sla_class: batch}", {"batch"}),
+    ("{name: k, key: sk-k-0123456789, sla_classes: [standard, interactive]}", {"standard", "interactive"}),
+    ("{name: k, key: sk-k-0123456789, sla_classes: ['*']}", {"standard", "interactive", "batch"}),
+])
+def test_a_key_may_use_its_default_class_and_only_the_classes_it_opted_in_to(entry, allowed):
+    """x-sla-class cannot lift a key above its default class unless the key lists the class."""
+    from gateway.errors import PermissionDenied
+
+    store = KeyStore.of(parse_config(f"auth:\n  keys: [{entry}]\nmodels:\n  - name: m\n    deployments: [{{name: d, backend: echo}}]\n"))
+    key = store.lookup("sk-k-0123456789")
+    for name in ("interactive", "standard", "batch"):
+        if name in allowed:
+            key.check_sla_class(name, "x-sla-class")
+        else:
+            with pytest.raises(PermissionDenied, match=f"may not use SLA class '{name}'"):
+                key.check_sla_class(name, "x-sla-class")
