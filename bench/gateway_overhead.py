@@ -78,17 +78,19 @@ def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     return proc, base
 
 
-async def one_request(client: httpx.AsyncClient, stream: bool) -> float:
-    body = {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
+async def one_request(client: httpx.AsyncClient, stream: bool, path: str = "/v1/completions",
+                      body: dict | None = None) -> float:
+    """Seconds until the whole answer (streams: until [DONE]); by default a completion of PROMPT."""
+    body = {**(body or {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS}), "stream": stream}
     start = time.perf_counter()
     if stream:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     break
     else:
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post(path, json=body)
         r.raise_for_status()
     return time.perf_counter() - start
 

@@ -113,18 +113,7 @@ async def case_request(client: httpx.AsyncClient, stream: bool, case: str) -> fl
     """One request of `case`: seconds until the whole answer (streams: until [DONE])."""
     if case == "plain":
         return await one_request(client, stream)
-    body = {**TOOLS_BODY, "stream": stream}
-    start = time.perf_counter()
-    if stream:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    break
-    else:
-        r = await client.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
-    return time.perf_counter() - start
+    return await one_request(client, stream, "/v1/chat/completions", TOOLS_BODY)
 
 
 def serving(servers: dict, case: str) -> dict:

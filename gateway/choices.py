@@ -146,6 +146,21 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
                       ticket: Ticket, recorder) -> OpenChoice:
     """Admit the choice to `pool` (waiting in its queue if needed), then fail over: other
     deployments of the pool, then the fallback models, each without queueing."""
+
+    async def attempt(current: ModelPool, deployment: Deployment, sent: GenerationRequest, span, attempts: int):
+        choice = await _open_on(current, deployment, index, sent)
+        choice.attempts, choice.span, choice.recorder = attempts, span, recorder
+        return choice
+
+    return await with_failover(registry, pool, request, ticket, recorder, attempt)
+
+
+async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticket: Ticket, recorder, attempt):
+    """What `attempt(pool, deployment, request as sent, span, attempt number)` returns on the
+    first deployment where it succeeds: `request` admitted to `pool` (waiting in its queue if
+    needed), then on its other deployments, then on the fallback models' (without queueing).
+    The deployment's slot is released here when an attempt fails; on success it is the
+    attempt's to keep or release. An error the request caused ends the search at once."""
     deployment = await admit(pool, request, ticket, recorder)
     last_error: APIError | None = None
     attempts = 0
@@ -159,24 +174,23 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
             recorder.routed(current, deployment, _scores(current) if recorder.trace is not None else None)
             span = recorder.attempt(deployment, deployment.upstream_model, attempts)
             try:
-                choice = await _open_on(current, deployment, index, traced(request, recorder, span))
+                result = await attempt(current, deployment, traced(request, recorder, span), span, attempts)
             except APIError as exc:
                 current.release(deployment)
                 recorder.attempt_failed(span, deployment, exc, retried=not _request_fault(exc))
                 if _request_fault(exc):
                     raise  # the request itself is bad: another backend will say the same
                 last_error = exc
-                log.warning("choice %s failed on %s before its first token (%s); failing over",
+                log.warning("request %s failed on %s before its first token (%s); failing over",
                             request.request_id, deployment.name, exc.code)
             except BaseException:  # cancelled (the client left): give the slot back, then go
                 current.release(deployment)
                 recorder.attempt_failed(span, deployment, None, retried=False)
                 raise
             else:
-                choice.attempts, choice.span, choice.recorder = attempts, span, recorder
                 if current is not pool:
                     recorder.fallback_used(current.name)
-                return choice
+                return result
             deployment = current.take(request, exclude=frozenset(tried))
     raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
 

@@ -26,8 +26,8 @@ from gateway import api
 from gateway.admission import Ticket
 from gateway.asgi import run_until_disconnect
 from gateway.backend import DetokenizeRequest, EmbeddingRequest, EmbeddingResult, TokenizeRequest, TokenizeResult
-from gateway.choices import LOAD_ERRORS, admit, pools_to_try, traced
-from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError, Overloaded
+from gateway.choices import with_failover
+from gateway.errors import APIError, BackendError, BackendTimeout, InvalidRequestError
 from gateway.plugins import notify
 from gateway.recorder import RequestRecorder
 from gateway.token_schemas import parse_detokenize, parse_embeddings, parse_tokenize
@@ -55,15 +55,7 @@ async def embeddings(request: Request):
 
 
 async def tokenize(request: Request):
-    limits = request.app.state.kvgate.config.server.limits
-    parsed = parse_tokenize(await api._json_body(request, limits), limits)
-    model = _model_or_only_one(request, parsed.model)
-
-    def build(request_id, priority, trace):
-        return TokenizeRequest(request_id=request_id, model=model, priority=priority, trace_context=trace,
-                               needs=parsed.needs, **parsed.fields)
-
-    call = await _serve(request, model, parsed.needs, "tokenize", "tok", build, _tokenize)
+    call = await _token_call(request, parse_tokenize, TokenizeRequest, "tokenize", _tokenize)
     if call.answer is None:
         return call.closed()
     result: TokenizeResult = call.answer
@@ -74,20 +66,25 @@ async def tokenize(request: Request):
 
 
 async def detokenize(request: Request):
+    call = await _token_call(request, parse_detokenize, DetokenizeRequest, "detokenize", _detokenize)
+    if call.answer is None:
+        return call.closed()
+    tokens = len(call.backend_request.tokens)
+    call.recorder.finish(200, {"prompt_tokens": tokens, "total_tokens": tokens})
+    return api.FastJSONResponse({"prompt": call.answer})
+
+
+async def _token_call(request: Request, parse, request_type, operation: str, method) -> "_Call":
+    """Parse a /tokenize or /detokenize body and make its call (the model may be left out)."""
     limits = request.app.state.kvgate.config.server.limits
-    parsed = parse_detokenize(await api._json_body(request, limits), limits)
+    parsed = parse(await api._json_body(request, limits), limits)
     model = _model_or_only_one(request, parsed.model)
 
     def build(request_id, priority, trace):
-        return DetokenizeRequest(request_id=request_id, model=model, priority=priority, trace_context=trace,
-                                 **parsed.fields)
+        return request_type(request_id=request_id, model=model, priority=priority, trace_context=trace,
+                            needs=parsed.needs, **parsed.fields)
 
-    call = await _serve(request, model, parsed.needs, "detokenize", "detok", build, _detokenize)
-    if call.answer is None:
-        return call.closed()
-    tokens = len(parsed.fields["tokens"])
-    call.recorder.finish(200, {"prompt_tokens": tokens, "total_tokens": tokens})
-    return api.FastJSONResponse({"prompt": call.answer})
+    return await _serve(request, model, parsed.needs, operation, operation[:5], build, method)
 
 
 async def _embed(backend, request):
@@ -105,8 +102,9 @@ async def _detokenize(backend, request):
 class _Call:
     """The outcome of `_serve`: the backend's answer (None: the client left) and its books."""
 
-    def __init__(self, answer, recorder: RequestRecorder, pool, request_id: str, deployment=None):
-        self.answer, self.recorder, self.pool, self.request_id = answer, recorder, pool, request_id
+    def __init__(self, answer, recorder: RequestRecorder, pool, backend_request, deployment=None):
+        self.answer, self.recorder, self.pool, self.backend_request = answer, recorder, pool, backend_request
+        self.request_id = backend_request.request_id
         self.deployment = deployment
 
     def closed(self) -> JSONResponse:
@@ -137,49 +135,23 @@ async def _serve(request: Request, model: str, needs, operation: str, id_prefix:
         api._finish_failed(recorder, exc)
         raise
     if not finished:
-        return _Call(None, recorder, pool, request_id)
+        return _Call(None, recorder, pool, backend_request)
     answer, deployment = outcome
-    return _Call(answer, recorder, pool, request_id, deployment)
+    return _Call(answer, recorder, pool, backend_request, deployment)
 
 
 async def call_with_failover(registry, pool, request, ticket: Ticket, recorder, call):
-    """(call(backend, request)'s answer, the deployment that gave it): admitted to `pool`, then
-    on another deployment of it, then of its fallback models, while deployments fail."""
-    deployment = await admit(pool, request, ticket, recorder)
-    last_error: APIError | None = None
-    attempts = 0
-    for current in pools_to_try(registry, pool):
-        if current is not pool:
-            deployment = current.take(request)
-        tried: set[str] = set()
-        while deployment is not None:
-            tried.add(deployment.name)
-            attempts += 1
-            recorder.routed(current, deployment, None)
-            span = recorder.attempt(deployment, deployment.upstream_model, attempts)
-            sent = replace(traced(request, recorder, span), model=deployment.upstream_model)
-            try:
-                answer = await _attempt(current, deployment, sent, call)
-            except APIError as exc:
-                current.release(deployment)
-                request_fault = not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)
-                recorder.attempt_failed(span, deployment, exc, retried=not request_fault)
-                if request_fault:
-                    raise
-                last_error = exc
-            except BaseException:
-                current.release(deployment)
-                recorder.attempt_failed(span, deployment, None, retried=False)
-                raise
-            else:
-                current.release(deployment)
-                if span is not None:
-                    span.end()
-                if current is not pool:
-                    recorder.fallback_used(current.name)
-                return answer, deployment
-            deployment = current.take(request, exclude=frozenset(tried))
-    raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
+    """(call(backend, request)'s answer, the deployment that gave it), failing over as a
+    generation's choice does (choices.with_failover)."""
+
+    async def attempt(current, deployment, sent, span, attempts: int):
+        answer = await _attempt(current, deployment, replace(sent, model=deployment.upstream_model), call)
+        current.release(deployment)
+        if span is not None:
+            span.end()
+        return answer, deployment
+
+    return await with_failover(registry, pool, request, ticket, recorder, attempt)
 
 
 async def _attempt(pool, deployment, request, call):

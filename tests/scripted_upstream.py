@@ -25,23 +25,22 @@ finish_reason, the usage chunk when asked for, and [DONE]. `seen` holds every bo
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import math
-import threading
 import time
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from servers import AppServer
+
 DEFAULT_DIMENSIONS = 8
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(AppServer):
     def __init__(self, model: str = "scripted", max_model_len: int = 2048, fragment_chars: int = 7):
         self.model = model
         self.max_model_len = max_model_len
@@ -57,22 +56,7 @@ class ScriptedUpstream:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
         ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.base_url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(app)
 
     def bodies(self, path: str) -> list[dict]:
         return [body for p, body in self.seen if p == path]

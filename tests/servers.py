@@ -93,6 +93,29 @@ class GatewayServer:
         self.close()
 
 
+class AppServer:
+    """Any ASGI app (an upstream a test scripts) served by uvicorn on a free loopback port, in its
+    own thread and event loop, until `close()`."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,6 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -34,7 +33,7 @@ from gateway.errors import (
     RequestTooLarge,
 )
 from kvgate_openai import make_openai_backend, metrics
-from servers import ECHO_GATEWAY, OPENAI_FRONT, GatewayServer
+from servers import ECHO_GATEWAY, OPENAI_FRONT, AppServer, GatewayServer
 
 PROMPT = "the quick brown fox jumps"
 SECRET = "sk-test-5ecret-value-0042"
@@ -106,16 +105,11 @@ class Upstream:
             Route("/v1/chat/completions", self.completions, methods=["POST"]),
             Route("/metrics", self.metrics),
         ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.base_url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        self.app_server = AppServer(app)
+        self.base_url = self.app_server.base_url
 
     def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.app_server.close()
 
     async def metrics(self, request: Request):
         while self.metrics_hang:

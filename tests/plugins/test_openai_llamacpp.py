@@ -7,6 +7,7 @@ deterministic, so the answer through kvgate must equal the answer from llama.cpp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import tempfile
@@ -40,13 +41,20 @@ models:
 
 @pytest.fixture(scope="module")
 def llamacpp():
+    with llamacpp_server("serve") as base:
+        yield base
+
+
+@contextlib.contextmanager
+def llamacpp_server(mode: str):
+    """The script's `mode` (serve, serve-features) on a free port: its base URL once it serves."""
     python = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True).stdout.strip()
     if not python:
         pytest.skip("llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
     port = free_port()
     # Its log goes to a file: llama.cpp prints more than a pipe holds, and a full pipe stalls it.
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(["bash", str(SCRIPT), "serve", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(["bash", str(SCRIPT), mode, str(port)], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for_models(base, proc, log)
@@ -137,22 +145,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def features():
-    python = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True).stdout.strip()
-    if not python:
-        pytest.skip("llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(["bash", str(SCRIPT), "serve-features", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_models(base, proc, log)
-        with GatewayServer(FEATURES.format(base=base)) as front:
-            direct = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180)
-            yield base, direct, front
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with llamacpp_server("serve-features") as base, GatewayServer(FEATURES.format(base=base)) as front:
+        yield base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180), front
 
 
 def test_forced_tool_call_and_the_tool_result_round_trip_equal_llamacpp(features):

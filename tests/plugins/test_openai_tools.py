@@ -42,6 +42,13 @@ models:
         backend: openai
         upstream_model: scripted
         settings: {{base_url: "{base}/v1", server: trtllm, metrics: none}}
+  - name: within
+    deployments:
+      - name: echo-2
+        backend: echo
+      - name: vllm-dead
+        backend: openai
+        settings: {{base_url: "http://127.0.0.1:{dead}/v1", server: vllm, metrics: none, connect_s: 1}}
 """
 
 WEATHER = {"type": "function", "function": {
@@ -64,7 +71,9 @@ def upstream():
 
 @pytest.fixture(scope="module")
 def gw(upstream):
-    with GatewayServer(CONFIG.format(base=upstream.base_url)) as server:
+    from servers import free_port
+
+    with GatewayServer(CONFIG.format(base=upstream.base_url, dead=free_port())) as server:
         yield server
 
 
@@ -176,6 +185,14 @@ def test_requests_that_need_tools_go_only_to_deployments_that_have_them(client, 
     for _ in range(4):
         client.chat.completions.create(model="mixed", messages=ASK, max_tokens=2)
     assert len(upstream.bodies("/v1/chat/completions")) == before + 8
+
+
+def test_failover_stays_within_the_deployments_that_declare_the_feature(gw):
+    body = {"model": "within", "messages": ASK, "tools": [WEATHER]}
+    r = httpx.post(gw.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"  # never echo-2's words
+    plain = httpx.post(gw.base_url + "/v1/chat/completions", json={"model": "within", "messages": ASK}, timeout=30)
+    assert plain.status_code == 200  # echo-2 answers (after vllm-dead fails, if it was tried first)
 
 
 @pytest.mark.parametrize("extra, param, fragment", [

@@ -120,11 +120,7 @@ class OpenAIBackend(TokenCalls):
         chunks per read)."""
         path, body = wire.request_body(request, self.settings.chat_max_tokens_field)
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
-        pool = self._pool
-        if pool is None:
-            raise BackendError(f"The backend '{self.name}' is not started.")
-        pool.take()
-        self.tracker.inflight += 1
+        pool = self._claim()
         response = None
         idle = IdleWatch(self.settings.idle_s)  # the gaps between chunks, once the first token is in
         try:
@@ -143,22 +139,13 @@ class OpenAIBackend(TokenCalls):
                 yield [await self._whole(response, request, path == wire.CHAT, deadline)]
         finally:
             idle.close()
-            pool.give_back()
-            self.tracker.inflight -= 1
-            self._responses.pop(request.request_id, None)
-            self._aborted.discard(request.request_id)
-            if response is not None:
-                await response.aclose()
+            await self._free(pool, request, response)
 
     async def post_once(self, url: str, body: dict, request) -> object:
         """One JSON call that generates nothing (embeddings, tokenize): sent as a generation is,
         on the same connections and deadline, its answer read whole; the same errors."""
-        pool = self._pool
-        if pool is None:
-            raise BackendError(f"The backend '{self.name}' is not started.")
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
-        pool.take()
-        self.tracker.inflight += 1
+        pool = self._claim()
         response = None
         try:
             response = await self._send(pool, url, body, request, deadline)
@@ -168,12 +155,24 @@ class OpenAIBackend(TokenCalls):
             except StreamBroken as exc:
                 raise self._broken(exc) from None
         finally:
-            pool.give_back()
-            self.tracker.inflight -= 1
-            self._responses.pop(request.request_id, None)
-            self._aborted.discard(request.request_id)
-            if response is not None:
-                await response.aclose()
+            await self._free(pool, request, response)
+
+    def _claim(self) -> ClientPool:
+        """The connection pool, with this request counted in flight (until `_free`)."""
+        pool = self._pool
+        if pool is None:
+            raise BackendError(f"The backend '{self.name}' is not started.")
+        pool.take()
+        self.tracker.inflight += 1
+        return pool
+
+    async def _free(self, pool: ClientPool, request, response: UpstreamResponse | None) -> None:
+        pool.give_back()
+        self.tracker.inflight -= 1
+        self._responses.pop(request.request_id, None)
+        self._aborted.discard(request.request_id)
+        if response is not None:
+            await response.aclose()
 
     async def _send(self, pool: ClientPool, url: str, body: dict, request, deadline: float) -> UpstreamResponse:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
