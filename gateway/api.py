@@ -268,10 +268,7 @@ class OpenAIEvents:
     another API's events (`ParsedRequest.translation.stream`), with the same three members."""
 
     done = SSE_DONE
-
-    @staticmethod
-    def chunk(chunk: dict) -> bytes:
-        return sse(chunk)
+    chunk = staticmethod(sse)  # sse itself: no extra call per token
 
     @staticmethod
     def error(exc: APIError) -> bytes:

@@ -14,12 +14,14 @@ from kvgate_echo import reply_pieces
 from servers import GatewayServer
 
 KEY, LIMITED, ADMIN = "sk-translate-0123456789", "sk-limited-0123456789", "sk-admin-translate-0123"
+METERED = "sk-metered-0123456789"
 CONFIG = f"""
 auth:
   admin_key_env: TRANSLATE_ADMIN_KEY
   keys:
     - {{name: team, key: {KEY}}}
     - {{name: limited, key: {LIMITED}, requests_per_minute: 2}}
+    - {{name: metered, key: {METERED}, tokens_per_minute: 30}}
 models:
   - name: echo
     deployments: [{{name: echo-0, backend: echo}}]
@@ -175,6 +177,16 @@ def test_messages_count_against_the_keys_requests_per_minute(gw):
         limited.messages.create(model="echo", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert caught.value.body["error"]["type"] == "rate_limit_error"
     assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_responses_count_against_the_keys_tokens_per_minute(gw):
+    metered = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=METERED, max_retries=0)
+    r = metered.responses.create(model="echo", input=PROMPT, max_output_tokens=12)
+    assert r.usage.total_tokens == 17
+    metered.responses.create(model="echo", input=PROMPT, max_output_tokens=12)  # 34 tokens now: over 30
+    with pytest.raises(openai.RateLimitError) as caught:
+        metered.responses.create(model="echo", input=PROMPT, max_output_tokens=1)
+    assert "tokens per minute" in caught.value.body["message"]
 
 
 def test_bad_input_is_never_charged_to_a_breaker(gw, claude, oai):
