@@ -10,7 +10,15 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_echo import reply_pieces
-from servers import ECHO_GATEWAY, GatewayServer, free_port
+from servers import GatewayServer, free_port
+
+BACK = """
+models:
+  - name: echo
+    deployments: [{name: echo-0, backend: echo}]
+  - name: failing
+    deployments: [{name: failing-0, backend: echo, settings: {fail_after_tokens: 2}}]
+"""
 
 FRONT = """
 models:
@@ -32,6 +40,12 @@ models:
         upstream_model: echo
         settings: {{base_url: "{base}/v1", server: kvgate, metrics: none,
                     capabilities: {{endpoints: [chat, completions]}}}}
+  - name: failing
+    deployments:
+      - name: failing-up
+        backend: openai
+        upstream_model: failing
+        settings: {{base_url: "{base}/v1", server: kvgate, metrics: none}}
 """
 PROMPT = "the quick brown fox jumps"
 
@@ -43,7 +57,7 @@ def expected(max_tokens: int) -> str:
 @pytest.fixture(scope="module")
 def gateways():
     exporter = InMemorySpanExporter()
-    with GatewayServer(ECHO_GATEWAY, span_exporter=exporter) as back:
+    with GatewayServer(BACK, span_exporter=exporter) as back:
         with GatewayServer(FRONT.format(base=back.base_url, dead=free_port())) as front:
             yield front, back, exporter
 
@@ -82,6 +96,17 @@ def test_a_passed_through_stream_is_the_upstreams_events_as_they_came(gateways):
         (e.type, e.sequence_number, getattr(e, "delta", None)) for e in direct]
     assert relayed[-1].response.output_text == expected(4)
     assert _completion_tokens(front) == before + 4  # its usage was read on the way
+
+
+def test_an_upstream_failure_mid_stream_is_relayed_as_it_said_it(gateways):
+    front, back, _ = gateways
+    body = {"model": "failing", "input": PROMPT, "max_output_tokens": 4, "stream": True}
+    kinds = []
+    for gw in (back, front):
+        with httpx.stream("POST", gw.base_url + "/v1/responses", json=body) as r:
+            kinds.append([line for line in r.iter_lines() if line.startswith("event: ")])
+    direct, relayed = kinds
+    assert relayed == direct and direct[-2:] == ["event: error", "event: response.failed"]
 
 
 def test_requests_fail_over_before_the_first_byte(gateways):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gateway.backend import Usage
-from kvgate_openai.relay import stream_event, whole_event
+from kvgate_openai.relay import is_error, stream_event, whole_event
 
 
 def payload(data: dict) -> bytes:
@@ -45,3 +45,9 @@ def test_a_whole_response_is_relayed_as_its_bytes():
     raw = payload(body)
     event = whole_event(body, raw)
     assert (event.raw, event.text, event.finish_reason, event.usage) == (raw, "a b", "stop", Usage(2, 2))
+
+
+def test_an_error_event_is_relayed_and_known_but_does_not_end_the_stream():
+    event = stream_event(payload({"type": "error", "sequence_number": 3, "code": "x", "message": "m", "param": None}))
+    assert is_error(event) and event.finish_reason is None  # a response.failed may follow
+    assert not is_error(stream_event(payload({"type": "response.in_progress", "sequence_number": 1})))

@@ -269,7 +269,7 @@ class OpenAIBackend(TokenCalls):
         """A passed-through stream (relay.py): lists of its events as they came, one per upstream
         read, up to the event that ends the response."""
         decoder, chunks = SSEDecoder(self.settings.max_event_bytes), response.aiter_bytes()
-        sent = 0
+        sent, failed = 0, False
         while True:
             try:
                 data = await self._next_chunk(chunks, deadline if not sent else None, idle)
@@ -289,10 +289,14 @@ class OpenAIBackend(TokenCalls):
                                        "typed JSON object.") from None
                 batch.append(event)
                 sent += 1
+                failed = failed or relay.is_error(event)
                 if event.finish_reason:
                     yield batch
                     await self._drain(chunks)
                     return
+            if data is None and failed:  # it said why it stopped: that was its last word
+                yield batch + [TokenEvent(finish_reason="stop")]
+                return
             if batch:
                 yield batch
             if data is None:

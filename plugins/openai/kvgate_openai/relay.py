@@ -29,9 +29,13 @@ def stream_event(payload: bytes) -> TokenEvent:
     if kind in ENDS:
         response = data.get("response") or {}
         return TokenEvent(raw=raw, finish_reason=finish_of(response), usage=usage_of(response))
-    if kind == "error":  # the upstream failed mid-stream and says so: the client reads it, it ends
-        return TokenEvent(raw=raw, finish_reason="stop")
     return TokenEvent(raw=raw)
+
+
+def is_error(event: TokenEvent) -> bool:
+    """An `error` event: the upstream failed mid-stream and said so (response.failed may follow,
+    or the stream just ends)."""
+    return event.raw.startswith(b"event: error\n")
 
 
 def whole_event(body: dict, raw: bytes) -> TokenEvent:
