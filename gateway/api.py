@@ -26,6 +26,7 @@ from gateway.responses import (
     ResponseShape,
     full_body,
     has_more,
+    running_usage,
     sse,
     stream_chunk,
     total_usage,
@@ -56,18 +57,31 @@ async def list_models(request: Request) -> JSONResponse:
     key = _api_key(request)
     created = int(state.started_at)
     data = [
-        {"id": pool.name, "object": "model", "created": created, "owned_by": "kvgate", **_weights(pool)}
+        {"id": pool.name, "object": "model", "created": created, "owned_by": "kvgate", **_model_card(pool)}
         for pool in state.registry.pools
         if key is None or key.may_use([pool.name, *pool.aliases])
     ]
     return JSONResponse({"object": "list", "data": data})
 
 
-def _weights(pool) -> dict[str, str]:
-    """{"weights": "int4 AWQ g64"} when the model's running backends say how its weights are stored
-    (LoadSnapshot.info; the native engine does), several formats joined; else nothing."""
-    formats = sorted({d.backend.load().info.get("weights") for d in pool.deployments if d.started} - {None})
-    return {"weights": ", ".join(formats)} if formats else {}
+def _model_card(pool) -> dict:
+    """vLLM's fields of a /v1/models entry (`vllm bench serve` reads `root`), from what the running
+    backends report in LoadSnapshot.info: `root`, the model they serve (a file, a directory, an
+    upstream's model name: the deployment's upstream name when the backend says nothing), and
+    `max_model_len`, the context length in tokens (the smallest of the deployments': what every
+    route can take; null when none says). Plus {"weights": "int4 AWQ g64"} when they say how
+    their weights are stored (several formats joined)."""
+    running = [(d, d.backend.load().info) for d in pool.deployments if d.started]
+    lengths = [int(info["max_model_len"]) for _, info in running if info.get("max_model_len")]
+    card = {"root": _root(pool, running), "parent": None, "max_model_len": min(lengths, default=None)}
+    formats = sorted({info.get("weights") for _, info in running} - {None})
+    return {**card, "weights": ", ".join(formats)} if formats else card
+
+
+def _root(pool, running: list) -> str:
+    for d, info in running:
+        return info.get("root") or d.upstream_model
+    return pool.deployments[0].upstream_model if pool.deployments else pool.name
 
 
 async def completions(request: Request):
@@ -287,17 +301,23 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
     # this generator, or closed it at a failed write).
     status, usage, error = CLIENT_CLOSED, None, None
     try:
+        continuous = parsed.continuous_usage
         if parsed.chat and parsed.passthrough is None:
             for c in choices:
-                yield write(stream_chunk(shape, c.index, None, first=True))
+                yield write(_opener(shape, c, continuous))
         async for index, batch in merged_events(choices):
             recorder.tokens(index, batch)
             state, chunks = states[index], []
             for event in batch:
                 state.add(event)
                 if event.text or event.finish_reason or event.logprobs or has_more(event):
-                    # (a passed-through answer goes as it came)
-                    chunks.append(event.raw or write(stream_chunk(shape, index, event, first=False)))
+                    if event.raw:  # a passed-through answer goes as it came
+                        chunks.append(event.raw)
+                        continue
+                    chunk = stream_chunk(shape, index, event, first=False)
+                    if continuous:
+                        chunk["usage"] = running_usage(state)
+                    chunks.append(write(chunk))
             if chunks:  # the events that arrived together leave together
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if data:  # (a translation may hold a chunk back)
@@ -318,6 +338,16 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
         recorder.finish(status, usage, [st.finish_reason for st in states], error=error)
     if out.done:
         yield out.done
+
+
+def _opener(shape: ResponseShape, choice: OpenChoice, continuous: bool) -> dict:
+    """The chat role opener of one choice; with continuous usage, its prompt tokens (known by
+    now: every choice was opened up to its first event)."""
+    chunk = stream_chunk(shape, choice.index, None, first=True)
+    if continuous:
+        usage = next((e.usage for e in choice.first if e.usage), None)
+        chunk["usage"] = running_usage(ChoiceState(choice.index, usage=usage), opened=False)
+    return chunk
 
 
 def _prompt_tokens(states: list[ChoiceState], n: int) -> dict[int, int]:

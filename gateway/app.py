@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+import gateway
 from gateway import api, login, token_api
 from gateway.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
@@ -111,6 +112,21 @@ async def health_ready(request: Request) -> JSONResponse:
     )
 
 
+async def health(request: Request) -> JSONResponse:
+    """vLLM's and SGLang's `GET /health`, which benchmark clients (GuideLLM, `vllm bench serve`)
+    probe before any load: 200 when every model has a deployment up, so that any request for a
+    listed model can be served now; 503 naming the models that cannot be."""
+    down = request.app.state.kvgate.registry.unservable()
+    if down:
+        return JSONResponse({"status": "unavailable", "models_down": down}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def version(request: Request) -> JSONResponse:
+    """vLLM's `GET /version`: this gateway's version."""
+    return JSONResponse({"version": gateway.__version__})
+
+
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.kvgate.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -149,6 +165,8 @@ ROUTES = [
     Route("/v1/models", api.list_models, methods=["GET"]),
     Route("/v1/completions", api.completions, methods=["POST"]),
     Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
     Route("/v1/responses", api.responses, methods=["POST"]),
     Route("/v1/messages", api.messages, methods=["POST"]),
     Route("/v1/embeddings", token_api.embeddings, methods=["POST"]),

@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig, check_key_classes, format_path
 from gateway.errors import AuthenticationError, InvalidRequestError, PermissionDenied, RateLimited
 
-OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/version"})
 # The operator's read-only pages: every model's numbers. With keys configured they take the admin
 # key, a key with the metrics scope, or a status-page session (sessions.py); another key sees
 # only its own models on /status.json and gets no /metrics.

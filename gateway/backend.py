@@ -78,6 +78,9 @@ class GenerationRequest:
     # e.g. "responses"): sent as it is, with `model` set. `messages` then holds the same
     # conversation translated onto chat, for the books; the answer comes back in `TokenEvent.raw`.
     passthrough: dict | None = None
+    # The client wants usage in every chunk (vLLM's stream_options.continuous_usage_stats): a
+    # backend that can count as it goes sets `usage` on every event, not only on the last.
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,10 @@ class TokenEvent:
 
     `finish_reason` is None until the last event, then one of "stop", "length", "abort",
     "tool_calls" (the model called tools: `tool_calls` fragments came before or with it),
-    "content_filter". `usage` is set on the last event. `reasoning` is the model's reasoning
-    text (vLLM's and SGLang's `reasoning_content`), `refusal` a refusal message, both in pieces.
+    "content_filter". `usage` is set on the last event (the totals); it may be set on earlier ones
+    too: the counts so far (the gateway's continuous usage stats show them). `reasoning` is the
+    model's reasoning text (vLLM's and SGLang's `reasoning_content`), `refusal` a refusal message,
+    both in pieces.
     """
 
     text: str = ""
@@ -157,7 +162,9 @@ class LoadSnapshot:
     healthy: bool = True  # False once the backend knows it cannot serve (engine died, restarting)
     extra: dict[str, float] = field(default_factory=dict)  # engine counters (prefix hits, ...)
     # What does not change while it runs, as text (the KV cache's block_size, cache_dtype,
-    # num_gpu_blocks): exported as labels of info-style metrics.
+    # num_gpu_blocks): exported as labels of info-style metrics. /v1/models shows "root" (the
+    # model served: a file, a directory or an upstream's name), "max_model_len" (the context
+    # length in tokens, prompt and output) and "weights" (how they are stored) when given.
     info: dict[str, str] = field(default_factory=dict)
     problem: str | None = None  # why it is not healthy, for operators (status page, readiness body)
     # True when it cannot recover by itself (an engine in a crash loop): the gateway's liveness

@@ -108,6 +108,7 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
         tools=parsed.tools, tool_choice=parsed.tool_choice, parallel_tool_calls=parsed.parallel_tool_calls,
         response_format=parsed.response_format, reasoning_effort=parsed.reasoning_effort,
         extra=parsed.extra or {}, needs=parsed.needs, passthrough=parsed.passthrough,
+        continuous_usage=parsed.continuous_usage,
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []

@@ -159,9 +159,13 @@ class ModelRegistry:
         """Every deployment up ("all"), or at least one per model ("any"). A discovery group
         counts as one deployment, up while one of its members is."""
         if mode == "any":
-            return all(any(_up(d) for d in p.deployments) for p in self.pools)
+            return not self.unservable()
         return all(_up(d) for d in self.deployments()) and all(
             any(_up(d) for d in g.members()) for g in self.groups())
+
+    def unservable(self) -> list[str]:
+        """The models none of whose deployments is up: no request for them can be served now."""
+        return [p.name for p in self.pools if not any(_up(d) for d in p.deployments)]
 
     async def start(self) -> None:
         """Start every backend not yet started, and every discovery group, concurrently. A

@@ -55,6 +55,9 @@ def openapi_document(models: list[str], limits: RequestLimits, served: Capabilit
                                              _messages_body(defs, models, limits, served), error="AnthropicError")},
         **token_paths,
         "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
+        "/health": {"get": {"summary": "Can serve every model (vLLM's health check)",
+                            "responses": _responses({"type": "object"})}},
+        "/version": {"get": {"summary": "Version", "responses": _responses({"type": "object"})}},
         "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
         "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
     }

@@ -23,8 +23,10 @@ class ChoiceState:
     reasoning: list[str] = field(default_factory=list)
     refusal: list[str] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)  # a passed-through answer, as it came
+    tokens: int = 0  # output tokens counted here (token ids, or text pieces when there are none)
 
     def add(self, event: TokenEvent) -> None:
+        self.tokens += len(event.token_ids) or bool(event.text)
         if event.text:
             self.text.append(event.text)
         self.logprobs.extend(event.logprobs)
@@ -92,6 +94,16 @@ def total_usage(choices: list[ChoiceState], prompt_tokens_per_prompt: dict[int, 
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def running_usage(state: ChoiceState, opened: bool = True) -> dict:
+    """One choice's counts so far, for vLLM's continuous usage stats: the backend's own when its
+    events carry them (native, echo, an upstream that sends them), else the tokens counted here
+    (prompt tokens 0 until the backend says). The chat role opener (`opened` false) has none yet."""
+    u = state.usage
+    prompt = u.prompt_tokens if u else 0
+    completion = (u.completion_tokens if u else state.tokens) if opened else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def full_body(shape: ResponseShape, choices: list[ChoiceState], usage: dict) -> dict:

@@ -65,6 +65,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension (GuideLLM sends it): usage in every chunk, not only in the last one.
+    # As in vLLM it takes effect with include_usage.
+    continuous_usage_stats: bool = False
 
 
 class _Common(_Strict):
@@ -200,6 +203,7 @@ class ParsedRequest:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # usage in every stream chunk (stream_options.continuous_usage_stats)
     prompts: list[str | list[int]] | None = None  # completions: one entry per prompt
     messages: list[dict] | None = None  # chat
     user: str | None = None
@@ -235,7 +239,8 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
         sampling=_sampling(req, req.max_tokens, req.logprobs, limits),
         n=req.n,
         stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        include_usage=_include_usage(req),
+        continuous_usage=_continuous_usage(req),
         prompts=prompts,
         user=req.user,
         extra=extra,
@@ -262,7 +267,8 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
         sampling=_sampling(req, max_tokens, logprobs, limits),
         n=req.n,
         stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        include_usage=_include_usage(req),
+        continuous_usage=_continuous_usage(req),
         messages=[_message_dict(m) for m in req.messages],
         user=req.user,
         tools=tools,
@@ -320,6 +326,14 @@ def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
             raise InvalidRequestError(f"'{name}' is {size} bytes of JSON, over this server's limit of "
                                       f"{limits.max_extra_bytes} for a vendor field.", param=name)
     return dict(extra)
+
+
+def _include_usage(req: _Common) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _continuous_usage(req: _Common) -> bool:
+    return _include_usage(req) and req.stream_options.continuous_usage_stats
 
 
 def _validate(model: type[BaseModel], body: Any):

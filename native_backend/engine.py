@@ -202,6 +202,7 @@ class LLMEngine:
             block_size=self.plan.block_size,
             kv_cache_dtype=self.config.kv_cache_dtype,
             weights=self.executor.weights,
+            max_model_len=self.max_model_len,
             **_spec_decode_stats(s.spec_decode),
         )
 

@@ -68,6 +68,7 @@ class EngineStats:
     block_size: int = 0  # tokens per KV block
     kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
     weights: str = ""  # the decoder linears' format: float32, bfloat16, int4 AWQ g64, int4 GGUF Q4_1 g32, ...
+    max_model_len: int = 0  # the context length a request may use, prompt + output tokens
     # Speculative decoding, since start (vLLM's vllm:spec_decode_*): verifications, drafted tokens,
     # accepted drafts, and accepted drafts by position (a tuple: not a float in LoadSnapshot.extra).
     spec_decode_num_speculative_tokens: int = 0  # k of the deployment; 0: speculation is off

@@ -149,6 +149,35 @@ def test_load_snapshot_carries_engine_counters(gw, client):
     assert extra["prefix_cache_queries"] > 0
 
 
+def test_models_show_the_gguf_context_length_and_file_as_vllm_does(gw, client):
+    """/v1/models: `max_model_len` is the model's own context (the GGUF's llama.context_length, read
+    here with the gguf package), `root` the model file the engine serves."""
+    from gguf import GGUFReader
+
+    ask(client, "Hello", max_tokens=1)
+    path = gw.backend("native-0").config.model.path
+    field = GGUFReader(path).fields["llama.context_length"]
+    wait_until(lambda: "max_model_len" in gw.backend("native-0").load().info, 30, "the engine's stats")
+    card = next(m for m in httpx.get(gw.base_url + "/v1/models").json()["data"] if m["id"] == "smollm2")
+    assert card["max_model_len"] == int(field.parts[field.data[0]][0]) == 8192
+    assert card["root"] == path and path.endswith(".gguf")
+
+
+def test_continuous_usage_gives_the_engines_counts_in_every_chunk(gw):
+    """GuideLLM's chat body: usage in every chunk (prompt tokens from the role opener on), and
+    ignore_eos honoured (exactly the tokens asked for)."""
+    body = {"model": "smollm2", "stream": True, "max_completion_tokens": 12, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]}
+    r = httpx.post(gw.base_url + "/v1/chat/completions", json=body, timeout=120)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 12
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] > 0 for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 12
+
+
 SUPERVISED = """
 models:
   - name: smollm2

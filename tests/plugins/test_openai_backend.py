@@ -78,6 +78,23 @@ def test_through_kvgate_equals_echo_directly(echo_pair, kind, kw, stream):
     assert _call(front, kind, kw, stream) == _call(direct, kind, kw, stream)
 
 
+@pytest.mark.parametrize("kind,kw", [CASES[0], CASES[4], CASES[5]], ids=["completions", "completions-n2", "chat"])
+def test_continuous_usage_through_kvgate_equals_echo_directly(echo_pair, kind, kw):
+    """vLLM's usage in every chunk is asked of a kvgate upstream, which counts exactly (prompt
+    tokens from the first chunk on), and passed on as it comes."""
+    def chunks(client):
+        api = client.completions if kind == "completions" else client.chat.completions
+        stream = api.create(model="echo", stream=True, **kw,
+                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+        dumped = [c.model_dump(exclude={"id", "created"}) for c in stream]
+        return sorted(dumped, key=lambda c: c["choices"][0]["index"] if c["choices"] else 1 << 30)
+
+    direct, front = echo_pair
+    via_front = chunks(front)
+    assert all(c["usage"]["prompt_tokens"] > 0 for c in via_front)
+    assert via_front == chunks(direct)
+
+
 def test_upstream_refusal_reaches_the_client_unchanged(echo_pair):
     direct, front = echo_pair
     kw = dict(model="echo", prompt="word " * 100, max_tokens=4000)  # over echo's 4096-word context
@@ -586,3 +603,22 @@ def test_upstream_streams_only_for_streaming_clients(front, upstream):
         r.read()
     assert upstream.seen_bodies[-1]["stream"] is True
     assert upstream.seen_bodies[-1]["stream_options"] == {"include_usage": True}
+
+
+def test_continuous_usage_is_asked_of_the_upstream_only_when_the_client_asks(upstream):
+    for continuous, options in [(False, {"include_usage": True}),
+                                (True, {"include_usage": True, "continuous_usage_stats": True})]:
+        run(lambda b: _collect(b, _request("ok", continuous_usage=continuous)), _backend(upstream))
+        assert upstream.seen_bodies[-1]["stream_options"] == options
+
+
+def test_an_upstream_that_ignores_continuous_usage_gets_the_output_counted_by_the_gateway(front):
+    """This upstream sends usage only at the end (as llama.cpp's server): the chunks before say
+    the output tokens counted so far, prompt tokens 0 until the upstream's totals come."""
+    body = {"model": "m", "prompt": "ok", "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = httpx.post(front.base_url + "/v1/completions", json=body, timeout=10)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks[:3]] == [1, 2, 3]
+    assert {c["usage"]["prompt_tokens"] for c in chunks[:3]} == {0}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 5

@@ -57,6 +57,7 @@ class EchoBackend:
         self._aborted: set[str] = set()
         self.started = False
         self.aborted_ids: list[str] = []  # every id ever aborted, for tests and debugging
+        self.info = {"max_model_len": str(settings.max_context)}  # /v1/models shows it
         self._words: dict[int, str] = {}  # token id -> word, for detokenize
 
     def capabilities(self) -> Capabilities:
@@ -80,6 +81,7 @@ class EchoBackend:
             running=len(self._running),
             capacity=self.settings.max_concurrency,
             kv_cache_usage=_usage(len(self._running), self.settings.max_concurrency),
+            info=self.info,
         )
 
     async def generate(self, request: GenerationRequest):
@@ -128,7 +130,7 @@ class EchoBackend:
                 token_ids=(token_id(word),),
                 logprobs=_logprobs(request, word),
                 finish_reason=finish_reason if last else None,
-                usage=Usage(len(words), len(pieces)) if last else None,
+                usage=Usage(len(words), i + 1) if last or request.continuous_usage else None,
                 timings={**marks, "finished": time.time(), "prefill_chunks": 1.0} if last else None,
             )
         if not pieces:  # a stop string matched at the very start: nothing to send

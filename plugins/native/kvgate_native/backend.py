@@ -229,7 +229,7 @@ class NativeBackend:
             capacity=self.settings.max_num_seqs,
             healthy=up,
             extra=extra,
-            info=_engine_info(stats),
+            info={**_engine_info(stats), "root": self.config.model.path},
             problem=None if sup.state == UP else _problem(sup),
             fatal=sup.crash_looped,
             incarnation=sup.incarnation,
@@ -250,7 +250,7 @@ class NativeBackend:
         try:
             async with contextlib.aclosing(client.generate(engine_request)) as outputs:
                 async for out in outputs:
-                    yield _token_event(out, want_logprobs)
+                    yield _token_event(out, want_logprobs, request.continuous_usage)
         except EngineError as exc:
             raise _api_error(exc) from None
         except EngineDeadError as exc:
@@ -348,9 +348,11 @@ def _engine_sampling(request: GenerationRequest) -> EngineSampling:
     return EngineSampling(**{k: v for k, v in dataclasses.asdict(request.sampling).items() if k in fields})
 
 
-def _token_event(out: RequestOutput, want_logprobs: bool) -> TokenEvent:
+def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = False) -> TokenEvent:
+    """One engine output as a token event; usage on the last (or, with `every_usage`, on each:
+    the counts so far)."""
     usage = None
-    if out.finished:
+    if out.finished or every_usage:
         usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
     logprobs = ()
     if want_logprobs and out.logprobs:
@@ -385,11 +387,14 @@ def _named_field(message: str) -> str | None:
 
 
 def _engine_info(stats: dict) -> dict[str, str]:
-    """What does not change while it runs: the KV cache's configuration and the weights' format
-    (`weights`, e.g. "int4 AWQ g64": /v1/models shows it)."""
+    """What does not change while it runs: the KV cache's configuration, the weights' format
+    (`weights`, e.g. "int4 AWQ g64") and the context length (`max_model_len`): /v1/models shows
+    the last two."""
     info = _cache_info(stats)
     if stats.get("weights"):
         info["weights"] = stats["weights"]
+    if stats.get("max_model_len"):
+        info["max_model_len"] = str(stats["max_model_len"])
     return info
 
 

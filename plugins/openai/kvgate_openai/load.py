@@ -31,6 +31,8 @@ class LoadTracker:
         self.failures = 0
         self.polling = False
         self.throttled_until = 0.0  # the upstream said 429/503: it is full until then
+        # /v1/models shows the upstream's context length when the operator gives it.
+        self.info = {"max_model_len": str(settings.max_model_len)} if settings.max_model_len else {}
 
     def snapshot(self) -> LoadSnapshot:
         now = time.monotonic()
@@ -41,9 +43,10 @@ class LoadTracker:
             extra["metrics_age_s"] = now - self.read_at
         if self.reading is not None and now - self.read_at <= self.settings.stale_after_s:
             r = self.reading
-            return LoadSnapshot(r.waiting, r.running, r.kv_cache_usage, self.settings.capacity, self.healthy, extra)
+            return LoadSnapshot(r.waiting, r.running, r.kv_cache_usage, self.settings.capacity, self.healthy, extra,
+                                self.info)
         extra["metrics_stale"] = 1.0
-        return LoadSnapshot(0, self.inflight, 0.0, self.settings.capacity, self.healthy, extra)
+        return LoadSnapshot(0, self.inflight, 0.0, self.settings.capacity, self.healthy, extra, self.info)
 
     @property
     def healthy(self) -> bool:

@@ -59,6 +59,10 @@ class OpenAISettings(BaseModel):
         64 * 1024 * 1024, gt=0, description="Largest non-streamed answer accepted from the upstream, in bytes."
     )
     capacity: int = Field(0, ge=0, description="Concurrent requests the upstream can run; 0: unknown.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="The upstream model's context length in tokens (prompt + output), shown "
+        "in /v1/models as vLLM shows it; unknown when unset."
+    )
     metrics: MetricsPreset = Field(
         "auto", description="Which Prometheus names carry the upstream's load; none: in-flight counts only."
     )

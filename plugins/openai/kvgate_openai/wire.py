@@ -23,6 +23,9 @@ from kvgate_openai.relay import PATHS
 COMPLETIONS = "/completions"
 CHAT = "/chat/completions"
 STREAM_OPTIONS = {"include_usage": True}
+# The client asked for vLLM's usage in every chunk: so is the upstream (vLLM, SGLang, kvgate honour
+# it; an upstream that ignores it leaves the gateway to count; one that refuses it says so).
+CONTINUOUS_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_tokens") -> tuple[str, dict]:
@@ -34,7 +37,7 @@ def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_t
         return PATHS[request.needs.endpoint], {**request.passthrough, "model": request.model}
     body: dict = {"model": request.model, "stream": request.stream}
     if request.stream:
-        body["stream_options"] = STREAM_OPTIONS
+        body["stream_options"] = CONTINUOUS_STREAM_OPTIONS if request.continuous_usage else STREAM_OPTIONS
     chat = request.messages is not None
     if chat:
         body["messages"] = request.messages
@@ -119,7 +122,9 @@ def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
         return _event_with_more(delta, text, token_ids, logprobs, reason, streamed=True)
     if not (text or logprobs or reason or token_ids):
         return None
-    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    # The counts so far, when the upstream sends them in every chunk (continuous usage stats).
+    usage = usage_of(chunk) if "usage" in chunk else None
+    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, usage=usage)
 
 
 def _event_with_more(message: dict, text: str, token_ids, logprobs, reason, streamed: bool) -> TokenEvent | None:
