@@ -22,6 +22,10 @@ writes its result as JSON, this script collects them):
   prompts, median). Decode-only rate = (new tokens - 1) / (time of last token - time of first token),
   i.e. prefill and the first token excluded; the total rate (new tokens / whole request) is reported too.
 
+The kvgate run is also reported under `vllm bench serve --save-result`'s keys
+(`kvgate_vllm_bench_serve`, bench/serve_metrics.py: every request sent at t=0, its chunks at the
+steps that produced its tokens), so it can be put beside a `vllm bench serve` run.
+
 "tok/s" is OUTPUT tokens per second of wall time (prompt tokens not counted) unless it says
 `total` (prompt + output). Warm-up requests (small, different text) run first in every child and
 are not timed. With --repeats R each throughput child runs R times (fresh process each: no warm
@@ -56,6 +60,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from serve_metrics import RequestSample, serve_metrics  # noqa: E402
 
 # From /work/shared/ANCHORS.md (2-core box): output tok/s.
 ANCHORS = {
@@ -269,10 +275,19 @@ def kvgate_throughput(spec) -> dict:
                                                                                "prefix_cache", "num_preempt"))
                          else stats[k] for k in stats},
         "engine": engine.describe(),
+        "vllm_bench_serve": _vllm_keys(run, w["prompts"]),
         "rss_after_load_mib": rss_loaded,
         "measure_peak_rss_mib": hwm_mib() if reset_ok else None,
         "tokens": tokens,
     }
+
+
+def _vllm_keys(run: dict, prompts: list[list[int]]) -> dict:
+    """The run under `vllm bench serve`'s keys: every request sent at the run's start, its output
+    chunks at the steps that produced tokens for it."""
+    samples = [RequestSample(run["start"], sorted(set(run["times"][rid])), output_tokens=len(run["tokens"][rid]),
+                             prompt_tokens=len(prompt)) for rid, prompt in zip(run["ids"], prompts)]
+    return serve_metrics(samples, run["wall"])
 
 
 def _b1_summary(per_prompt: list[dict]) -> dict:
@@ -599,6 +614,9 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
         "ratio_vs_hf_sequential": ratio(kv, seq),
         "hf_static16_computed_tok_s": med("hf_static16", "computed_tok_s"),
         "wall_s": {s: med(s, "wall_s") for s in ("kvgate", "hf_static16", "hf_sequential") if s in runs},
+        # kvgate's median run (by output tok/s) under `vllm bench serve --save-result`'s keys.
+        "kvgate_vllm_bench_serve": sorted(runs["kvgate"], key=lambda r: r["out_tok_s"])[len(runs["kvgate"]) // 2][
+            "vllm_bench_serve"],
         "batch1": {
             "definition": f"{args.b1_prompt}-token prompt, {args.b1_new} new tokens, greedy; decode_tok_s = "
                           "(new - 1) / (last token time - first token time), prefill and first token excluded; "

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
 from servers import free_port, wait_ready  # noqa: E402
 
 MAX_TOKENS = 16
@@ -79,8 +79,10 @@ def start_server(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 async def one_request(client: httpx.AsyncClient, stream: bool, path: str = "/v1/completions",
-                      body: dict | None = None) -> float:
-    """Seconds until the whole answer (streams: until [DONE]); by default a completion of PROMPT."""
+                      body: dict | None = None, chunk_times: list[float] | None = None) -> float:
+    """Seconds until the whole answer (streams: until [DONE]); by default a completion of PROMPT.
+    `chunk_times` collects when each stream chunk (or the whole answer) arrived, for `vllm bench
+    serve`'s TTFT and ITL."""
     body = {**(body or {"model": "echo", "prompt": PROMPT, "max_tokens": MAX_TOKENS}), "stream": stream}
     start = time.perf_counter()
     if stream:
@@ -89,9 +91,13 @@ async def one_request(client: httpx.AsyncClient, stream: bool, path: str = "/v1/
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     break
+                if chunk_times is not None and line.startswith("data: "):
+                    chunk_times.append(time.perf_counter())
     else:
         r = await client.post(path, json=body)
         r.raise_for_status()
+        if chunk_times is not None:
+            chunk_times.append(time.perf_counter())
     return time.perf_counter() - start
 
 

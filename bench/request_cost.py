@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
 sys.path.insert(0, str(ROOT / "bench"))
 from gateway_overhead import MAX_TOKENS, one_request  # noqa: E402
 from servers import free_port  # noqa: E402

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
 from servers import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))

@@ -14,6 +14,9 @@ json_schema response_format, max_tokens 16) that the upstream answers with one t
 arguments in 16 fragments: what the gateway's checks of tools and schemas and its carrying of
 tool-call deltas cost. A target that refuses a case (an older kvgate as --baseline) is left out
 of that case, saying so. Warm-up requests are excluded; each cell is the median of --repeats runs.
+Each row also holds the cell under `vllm bench serve --save-result`'s keys (`vllm_bench_serve`,
+bench/serve_metrics.py; TTFT/ITL from the stream's chunks; total_input_tokens is 0: the
+fixed-response upstream counts no prompt tokens).
 Reported: requests/s (and as a share of direct's), client-side latency p50/p99 (streams: until
 [DONE]), the latency each gateway adds over `direct` (as a difference of the cells' medians, and
 paired: the median of each repeat's difference, steadier when the machine's speed drifts), and the CPU time the server process (with its children) spent per
@@ -40,11 +43,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
 from servers import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from gateway_overhead import MAX_TOKENS, PROMPT, one_request  # noqa: E402  (the same requests as that bench)
+from serve_metrics import RequestSample, serve_metrics  # noqa: E402
 
 LITELLM_VENV = Path(os.environ.get("KVGATE_LITELLM_VENV", "/tmp/kvgate-litellm-venv"))
 CONCURRENCY = (1, 32, 128)
@@ -109,11 +113,13 @@ TOOLS_BODY = {
 }
 
 
-async def case_request(client: httpx.AsyncClient, stream: bool, case: str) -> float:
-    """One request of `case`: seconds until the whole answer (streams: until [DONE])."""
+async def case_request(client: httpx.AsyncClient, stream: bool, case: str,
+                       chunk_times: list[float] | None = None) -> float:
+    """One request of `case`: seconds until the whole answer (streams: until [DONE]);
+    `chunk_times` collects when its chunks arrived (see one_request)."""
     if case == "plain":
-        return await one_request(client, stream)
-    return await one_request(client, stream, "/v1/chat/completions", TOOLS_BODY)
+        return await one_request(client, stream, chunk_times=chunk_times)
+    return await one_request(client, stream, "/v1/chat/completions", TOOLS_BODY, chunk_times)
 
 
 def serving(servers: dict, case: str) -> dict:
@@ -270,14 +276,18 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int,
         await asyncio.gather(*(case_request(c, stream, case) for c in warm))  # warm-up
         latencies: list[float] = []
         errors: list[str] = []
+        samples: list[RequestSample] = []
         remaining = [total]
 
         async def worker(client: httpx.AsyncClient):
             while remaining[0] > 0:
                 remaining[0] -= 1
+                sample = RequestSample(time.perf_counter(), output_tokens=MAX_TOKENS)
+                samples.append(sample)
                 try:
-                    latencies.append(await case_request(client, stream, case))
+                    latencies.append(await case_request(client, stream, case, sample.chunk_times_s))
                 except httpx.HTTPError as exc:  # counted and reported, not fatal to the run
+                    sample.success = False
                     status = getattr(getattr(exc, "response", None), "status_code", None)
                     errors.append(f"{type(exc).__name__}{f' {status}' if status else ''}")
 
@@ -293,14 +303,21 @@ async def drive(base: str, concurrency: int, total: int, stream: bool, pid: int,
     return {"rps": len(latencies) / elapsed, "errors": len(errors), "error_kinds": sorted(set(errors)),
             "p50_ms": 1000 * statistics.median(latencies),
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "cpu_ms_per_req": 1000 * cpu / total}
+            "cpu_ms_per_req": 1000 * cpu / total, "vllm_bench_serve": serve_metrics(samples, elapsed)}
 
 
 def median_of(runs: list[dict]) -> dict:
-    """Medians of the numbers; lists (the kinds of errors seen) are merged (an even number of
-    repeats would otherwise average two lists)."""
-    return {k: sorted({v for r in runs for v in r[k]}) if isinstance(runs[0][k], list)
-            else statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Medians of the numbers, key by key (nested: the `vllm bench serve` keys); lists (the kinds
+    of errors seen) are merged (an even number of repeats would otherwise average two lists)."""
+    return {k: _median([r[k] for r in runs]) for k in runs[0]}
+
+
+def _median(values: list):
+    if isinstance(values[0], list):
+        return sorted({v for vs in values for v in vs})
+    if isinstance(values[0], dict):
+        return median_of(values)
+    return None if values[0] is None else statistics.median(values)
 
 
 def measure(servers: dict, repeats: int, quick: bool, streams=(False, True), shared: bool = True,
