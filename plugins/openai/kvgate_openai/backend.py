@@ -26,7 +26,7 @@ from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, R
 from gateway.idle import IdleWatch
 from kvgate_openai import relay, upstream_errors, wire
 from kvgate_openai.load import LoadTracker, poll_forever
-from kvgate_openai.pool import ClientPool, StreamBroken, UpstreamResponse, UpstreamUnreachable
+from kvgate_openai.pool import AnswerTooLarge, ClientPool, HeadLimits, StreamBroken, UpstreamResponse, UpstreamUnreachable
 from kvgate_openai.settings import OpenAISettings
 from kvgate_openai.sse import EventTooLarge, SSEDecoder
 from kvgate_openai.token_calls import TokenCalls
@@ -69,7 +69,8 @@ class OpenAIBackend(TokenCalls):
         # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
         # a pooled connection counts towards the first byte.
         self._pool = ClientPool(s.max_connections, s.keepalive_expiry_s, headers=headers,
-                                connect_s=s.connect_s, scrape_timeout_s=s.stale_after_s)
+                                connect_s=s.connect_s, scrape_timeout_s=s.stale_after_s,
+                                head_limits=HeadLimits(s.max_response_headers, s.max_response_head_bytes))
         url = s.scrape_url()
         if url:
             self._poller = asyncio.create_task(poll_forever(self._pool.any, url, self.tracker, self.name))
@@ -184,6 +185,8 @@ class OpenAIBackend(TokenCalls):
             if pool.saturated:  # it waited for a connection, not for the upstream
                 raise Overloaded(f"All {self.settings.max_connections} connections to '{self.name}' are busy.") from None
             raise self._first_byte_timeout() from None
+        except AnswerTooLarge as exc:
+            raise self._over_limits(exc) from None
         except UpstreamUnreachable as exc:
             raise self._connection_failed(exc) from None
         self.tracker.succeeded()
@@ -237,7 +240,7 @@ class OpenAIBackend(TokenCalls):
                         break
                     chunk = self._decode(payload, sent)
                     if chunk.get("usage"):  # most chunks carry none
-                        usage = wire.usage_of(chunk) or usage
+                        usage = self._usage(chunk) or usage
                     event = wire.chunk_event(chunk, chat)
                     if event is None:
                         continue
@@ -302,6 +305,13 @@ class OpenAIBackend(TokenCalls):
             if data is None:
                 raise BackendError(f"The backend '{self.name}' ended the stream before it finished.")
 
+    def _usage(self, chunk: dict) -> Usage | None:
+        try:
+            return wire.usage_of(chunk)
+        except ValueError as exc:
+            log.warning("deployment %s: upstream usage refused: %s", self.name, exc)
+            raise BackendError(f"The backend '{self.name}' sent an invalid usage: {exc}.") from None
+
     def _payloads(self, decoder: SSEDecoder, data: bytes | None) -> list[bytes]:
         try:
             return decoder.close() if data is None else decoder.feed(data)
@@ -324,7 +334,10 @@ class OpenAIBackend(TokenCalls):
             raise self._broken(exc) from None
         try:
             return wire.whole_event(body, chat)
-        except (ValueError, AttributeError, TypeError):
+        except ValueError as exc:  # a field we read and cannot trust (a usage count)
+            raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response: "
+                               f"{exc}.") from None
+        except (AttributeError, TypeError):
             raise BackendError(f"The backend '{self.name}' sent an answer that is not an OpenAI response.") from None
 
     def _relayed_whole(self, raw: bytes) -> TokenEvent:
@@ -365,8 +378,14 @@ class OpenAIBackend(TokenCalls):
         return raw
 
     def _broken(self, exc: Exception) -> BackendError:
+        if isinstance(exc, AnswerTooLarge):
+            return self._over_limits(exc)
         log.warning("deployment %s: upstream answer broke: %s", self.name, type(exc).__name__)
         return BackendError(f"The backend '{self.name}' dropped the connection.")
+
+    def _over_limits(self, exc: AnswerTooLarge) -> BackendError:
+        log.warning("deployment %s: upstream answer refused: %s", self.name, exc)
+        return BackendError(f"The backend '{self.name}' sent an answer this gateway refuses: {exc}.")
 
     async def _drain(self, chunks) -> None:
         """Read the stream to its end after [DONE]: a response read to the end returns its
@@ -394,6 +413,8 @@ class OpenAIBackend(TokenCalls):
                     f"The backend '{self.name}' sent nothing for {self.settings.idle_s:g} s mid-stream."
                 ) from None
             raise self._first_byte_timeout() from None
+        except AnswerTooLarge as exc:
+            raise self._over_limits(exc) from None
         except StreamBroken as exc:
             log.warning("deployment %s: upstream stream broke: %s", self.name, exc)
             raise BackendError(f"The backend '{self.name}' dropped the stream.") from None

@@ -43,6 +43,17 @@ HIGH_WATER = 256 * 1024
 COMPRESSED = ("gzip", "x-gzip", "deflate")
 # A host name's addresses are looked up (in a thread: getaddrinfo) at most this often.
 DNS_TTL_S = 10.0
+# A compressed answer is inflated at most this much at a time: a small body that inflates to
+# gigabytes (a "gzip bomb") reaches the readers, and their bounds, in pieces, never whole.
+INFLATE_PIECE = 64 * 1024
+
+
+class HeadLimits:
+    """What an upstream's response head may hold (httptools itself bounds neither)."""
+
+    def __init__(self, max_headers: int = 100, max_bytes: int = 64 * 1024):
+        self.max_headers = max_headers
+        self.max_bytes = max_bytes
 
 
 class UpstreamUnreachable(Exception):
@@ -51,6 +62,10 @@ class UpstreamUnreachable(Exception):
 
 class StreamBroken(Exception):
     """The response body broke off (reset, truncated, malformed framing)."""
+
+
+class AnswerTooLarge(StreamBroken):
+    """An answer over one of our bounds (its head's size or count of headers); the message says which."""
 
 
 class _Dropped(Exception):
@@ -77,7 +92,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("client", "key", "transport", "parser", "reused", "once", "idle_since", "lost", "active",
                  "headers", "status", "head_done", "framed", "done", "reusable", "error",
-                 "got_bytes", "buf", "size", "paused", "waiter")
+                 "got_bytes", "buf", "size", "paused", "waiter", "head_count", "head_bytes", "too_large")
 
     def __init__(self, client: H1Client, key: tuple):
         self.client = client
@@ -102,6 +117,9 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
         self.error: str | None = None
         self.got_bytes = False
+        self.head_count = 0  # headers (and trailers) of this answer so far, and their bytes
+        self.head_bytes = 0
+        self.too_large = False  # error is an AnswerTooLarge
         self.buf: list[bytes] = []
         self.size = 0
         self.paused = False
@@ -145,11 +163,21 @@ class _Connection(asyncio.Protocol):
             self.reusable = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.client.head_limits
+        self.head_count += 1
+        self.head_bytes += len(name) + len(value)
+        if self.head_count > limits.max_headers or self.head_bytes > limits.max_bytes:
+            if not self.too_large:
+                self.too_large = True
+                self.close(f"its response head is over {limits.max_headers} headers or {limits.max_bytes} bytes")
+            return
         if not self.head_done:  # after it: trailers, which we ignore
             self.headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
+        if self.too_large:
+            return
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
             self.headers = Headers()
             return
@@ -220,9 +248,11 @@ class H1Response:
         inflate = zlib.decompressobj(wbits=zlib.MAX_WBITS | 32)  # gzip or zlib, told by the header
         try:
             async for part in self._raw_bytes():
-                data = inflate.decompress(part)
-                if data:
-                    yield data
+                while part:  # at most INFLATE_PIECE at a time: the readers' bounds see each piece
+                    data = inflate.decompress(part, INFLATE_PIECE)
+                    part = inflate.unconsumed_tail
+                    if data:
+                        yield data
             rest = inflate.flush()
         except zlib.error as exc:
             raise StreamBroken(f"bad compressed body: {exc}") from None
@@ -253,7 +283,7 @@ class H1Response:
                 return
             elif conn.error is not None:
                 self._give_back()
-                raise StreamBroken(conn.error)
+                raise (AnswerTooLarge if conn.too_large else StreamBroken)(conn.error)
             else:
                 await conn.wait()
 
@@ -313,8 +343,10 @@ def plain_http(url: str) -> bool:
 class H1Client:
     """A keep-alive pool of HTTP/1.1 connections to plain-http upstreams."""
 
-    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict):
+    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict,
+                 head_limits: HeadLimits | None = None):
         self.max_connections = max_connections
+        self.head_limits = head_limits or HeadLimits()
         self.keepalive_expiry_s = keepalive_expiry_s
         self.connect_s = connect_s
         self.reuse_retries = 0
@@ -379,6 +411,8 @@ class H1Client:
         try:
             while not conn.head_done:
                 if conn.error is not None:
+                    if conn.too_large:
+                        raise AnswerTooLarge(conn.error)
                     if not conn.got_bytes:
                         raise _Dropped(conn.error)
                     raise UpstreamUnreachable(conn.error)

@@ -76,12 +76,15 @@ async def poll_forever(client: httpx.AsyncClient, url: str, tracker: LoadTracker
     warned = False
     while True:
         try:
-            response = await client.get(url, timeout=timeout)
+            response, text = await _scrape(client, url, timeout, s.max_scrape_bytes)
         except httpx.HTTPError as exc:
             tracker.failed()
             log.debug("scrape of %s for %s failed: %s", url, deployment, type(exc).__name__)
         else:
-            reading = _reading_of(response, s.metrics)
+            if text is None and not warned:
+                log.warning("deployment %s: the metrics at %s are over max_scrape_bytes (%d); not read",
+                            deployment, url, s.max_scrape_bytes)
+            reading = None if text is None else _reading_of(response, text, s.metrics)
             tracker.record(reading)
             if reading is None and not warned:
                 warned = True
@@ -90,10 +93,23 @@ async def poll_forever(client: httpx.AsyncClient, url: str, tracker: LoadTracker
         await asyncio.sleep(s.metrics_poll_s)
 
 
-def _reading_of(response: httpx.Response, preset: str) -> metrics.Reading | None:
+async def _scrape(client: httpx.AsyncClient, url: str, timeout, limit: int) -> tuple[httpx.Response, str | None]:
+    """The answer and its text, read to at most `limit` bytes (None past it: a page that size is
+    no metrics page, and reading it whole would hold it all in memory)."""
+    async with client.stream("GET", url, timeout=timeout) as response:
+        parts, size = [], 0
+        async for part in response.aiter_bytes():
+            size += len(part)
+            if size > limit:
+                return response, None
+            parts.append(part)
+    return response, b"".join(parts).decode(response.encoding or "utf-8", errors="replace")
+
+
+def _reading_of(response: httpx.Response, text: str, preset: str) -> metrics.Reading | None:
     if response.status_code != 200 or "json" in response.headers.get("content-type", ""):
         return None  # no metrics, or trtllm-serve's JSON stats at /metrics
     try:
-        return metrics.parse(response.text, preset)
+        return metrics.parse(text, preset)
     except ValueError:
         return None

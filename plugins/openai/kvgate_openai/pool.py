@@ -31,9 +31,9 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from kvgate_openai import h1
-from kvgate_openai.h1 import StreamBroken, UpstreamUnreachable  # what both clients raise
+from kvgate_openai.h1 import AnswerTooLarge, HeadLimits, StreamBroken, UpstreamUnreachable  # what both clients raise
 
-__all__ = ["ClientPool", "StreamBroken", "UpstreamResponse", "UpstreamUnreachable"]
+__all__ = ["AnswerTooLarge", "ClientPool", "HeadLimits", "StreamBroken", "UpstreamResponse", "UpstreamUnreachable"]
 
 log = logging.getLogger("kvgate.openai")
 
@@ -92,7 +92,7 @@ class UpstreamResponse:
 
 class ClientPool:
     def __init__(self, max_connections: int, keepalive_expiry_s: float = 4.0, *, headers: dict,
-                 connect_s: float, scrape_timeout_s: float = 5.0):
+                 connect_s: float, scrape_timeout_s: float = 5.0, head_limits: HeadLimits | None = None):
         self.max_connections = max_connections
         self.in_flight = 0
         self._aiohttp_retries = 0
@@ -103,7 +103,8 @@ class ClientPool:
         self._session: aiohttp.ClientSession | None = None
         self._proxies: dict[str, str | None] = {}
         self._fresh: aiohttp.ClientSession | None = None
-        self._h1 = h1.H1Client(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers)
+        self._h1 = h1.H1Client(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers,
+                               head_limits=head_limits)
         self._plain: dict[str, bool] = {}  # by URL: whether h1 sends it
         self._scrapes = httpx.AsyncClient(headers=headers, verify=self._tls,
                                           timeout=httpx.Timeout(scrape_timeout_s, connect=connect_s))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gateway import fastjson
 from gateway.backend import TokenEvent, Usage
+from kvgate_openai.counts import token_count
 
 PATHS = {"responses": "/responses"}  # the upstream path of each API passed through
 # The events that end a Responses stream, each carrying the final response object.
@@ -54,6 +55,9 @@ def finish_of(response: dict) -> str:
 
 
 def usage_of(response: dict) -> Usage:
+    """The usage; ValueError naming a count that is not one (see wire.usage_of)."""
     usage = response.get("usage") or {}
-    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
-    return Usage(usage.get("input_tokens") or 0, usage.get("output_tokens") or 0, cached)
+    details = usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(token_count(usage, "input_tokens"), token_count(usage, "output_tokens"),
+                 token_count({"cached_tokens": cached}, "cached_tokens"))

@@ -58,6 +58,12 @@ class OpenAISettings(BaseModel):
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest non-streamed answer accepted from the upstream, in bytes."
     )
+    max_response_headers: int = Field(100, gt=0, description="Most headers in an upstream's response head.")
+    max_response_head_bytes: int = Field(
+        64 * 1024, gt=0, description="Largest upstream response head (header names and values), in bytes.")
+    max_scrape_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest metrics answer read from the upstream, in bytes; a larger "
+        "one is not read (no reading: routing falls back on in-flight counts).")
     capacity: int = Field(0, ge=0, description="Concurrent requests the upstream can run; 0: unknown.")
     max_model_len: int | None = Field(
         None, gt=0, description="The upstream model's context length in tokens (prompt + output), shown "

@@ -18,14 +18,23 @@ class EventTooLarge(ValueError):
 class SSEDecoder:
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT):
         self.max_event_bytes = max_event_bytes
-        self._tail = b""
+        # An unfinished line, in the pieces it came in: joined once, when its end arrives (copying
+        # it at every read would make one long line cost its length squared).
+        self._tail: list[bytes] = []
+        self._tail_bytes = 0
         self._data: list[bytes] = []
         self._held = 0  # bytes in self._data
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The payloads of every event completed by `chunk`; EventTooLarge past the bound."""
-        lines = (self._tail + chunk).split(b"\n")
-        self._tail = lines.pop()  # an unfinished line waits for the next chunk
+        if b"\n" not in chunk:
+            self._tail.append(chunk)
+            self._tail_bytes += len(chunk)
+            self._check_size()
+            return []
+        lines = (b"".join(self._tail) + chunk if self._tail else chunk).split(b"\n")
+        last = lines.pop()  # an unfinished line waits for the next chunk
+        self._tail, self._tail_bytes = ([last], len(last)) if last else ([], 0)
         out = []
         for line in lines:
             if line.endswith(b"\r"):
@@ -38,9 +47,12 @@ class SSEDecoder:
                 self._data.append(line[6:] if line[5:6] == b" " else line[5:])
                 self._held += len(line)
             # comments (":"), event:, id: and retry: lines carry nothing we use
-        if self._held + len(self._tail) > self.max_event_bytes:
-            raise EventTooLarge(f"a stream event is over {self.max_event_bytes} bytes")
+        self._check_size()
         return out
+
+    def _check_size(self) -> None:
+        if self._held + self._tail_bytes > self.max_event_bytes:
+            raise EventTooLarge(f"a stream event is over {self.max_event_bytes} bytes")
 
     def close(self) -> list[bytes]:
         """Whatever a stream that ended without a final blank line still holds."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import math
 import time
 
 from gateway.errors import (
@@ -112,23 +113,33 @@ def _invalid(message: str, param: str | None, code: str | None) -> APIError:
     return InvalidRequestError(message, param=param, code=code)
 
 
+MAX_RETRY_AFTER_S = 3600.0  # an upstream's wait is passed on at most this long
+
+
 def retry_after_s(headers, default: float = 1.0) -> float:
-    """Seconds to wait, from `retry-after-ms` or `Retry-After` (seconds or an HTTP date)."""
+    """Seconds to wait, from `retry-after-ms` or `Retry-After` (seconds or an HTTP date), in
+    [0, MAX_RETRY_AFTER_S]; inf, nan or garbage from the upstream is the default."""
     ms = headers.get("retry-after-ms")
     if ms:
         try:
-            return max(0.0, float(ms) / 1000)
+            return _bounded(float(ms) / 1000, default)
         except ValueError:
             pass
     value = headers.get("retry-after")
     if not value:
         return default
     try:
-        return max(0.0, float(value))
+        return _bounded(float(value), default)
     except ValueError:
         pass
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return default
-    return max(0.0, when.timestamp() - time.time())
+    return _bounded(when.timestamp() - time.time(), default)
+
+
+def _bounded(seconds: float, default: float) -> float:
+    if not math.isfinite(seconds):
+        return default
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from gateway import fastjson
 from gateway.backend import (
     GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
+from kvgate_openai.counts import token_count
 from kvgate_openai.relay import PATHS
 
 COMPLETIONS = "/completions"
@@ -197,11 +198,18 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def usage_of(chunk: dict) -> Usage | None:
+    """The chunk's usage; ValueError naming the field when a count is not a whole number in
+    [0, 2**31): it is charged to keys' tokens per minute (in Redis, for every replica), where a
+    negative, fractional or huge count would corrupt the window."""
     u = chunk.get("usage")
     if not u:
         return None
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Usage(u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0, cached)
+    if not isinstance(u, dict):
+        raise ValueError("usage is not an object")
+    details = u.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(token_count(u, "prompt_tokens"), token_count(u, "completion_tokens"),
+                 token_count({"cached_tokens": cached}, "cached_tokens"))
 
 
 def completion_logprobs(lp: dict | None) -> tuple[TokenLogprob, ...]:

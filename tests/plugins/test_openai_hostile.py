@@ -1,0 +1,144 @@
+"""A hostile upstream on loopback, one misbehaviour per model: each request gets a clear 502
+naming the reason (a 429 with a bounded wait for Retry-After: inf), the gateway's memory stays
+bounded, and a well-behaved model served beside it is unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import tracemalloc
+
+import httpx
+import pytest
+
+from kvgate_openai.sse import SSEDecoder
+from servers import GatewayServer, ScriptedServer, content_length
+
+BOMB = gzip.compress(b"a" * (128 << 20), compresslevel=9)  # ~130 KB that inflate to 128 MiB
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+def completion(usage=USAGE) -> bytes:
+    return json.dumps({"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
+                       "usage": usage}).encode()
+
+
+def answer(status: str, body: bytes, head: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: application/json\r\n" + head
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+ANSWERS = {
+    "fine": answer("200 OK", completion()),
+    "bomb": answer("200 OK", BOMB, b"content-encoding: gzip\r\n"),
+    "many-headers": answer("200 OK", completion(), b"".join(b"x-h%d: v\r\n" % i for i in range(5000))),
+    "huge-header": answer("200 OK", completion(), b"x-big: " + b"v" * (1 << 20) + b"\r\n"),
+    "negative-usage": answer("200 OK", completion({**USAGE, "prompt_tokens": -5})),
+    "fractional-usage": answer("200 OK", completion({**USAGE, "completion_tokens": 1.5})),
+    "retry-after-inf": answer("429 Too Many Requests", b'{"error": {"message": "slow down"}}', b"retry-after: inf\r\n"),
+}
+
+
+class Hostile(ScriptedServer):
+    """Answers each request as its model says (the deployment's upstream_model)."""
+
+    async def serve(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.readexactly(content_length(head))
+                if head.startswith(b"GET /huge-metrics"):
+                    writer.write(answer("200 OK", b"# HELP x\n" * (1 << 20), b"x-kind: metrics\r\n"))
+                elif head.startswith(b"GET"):
+                    writer.write(answer("200 OK", b"vllm:num_requests_running 3\n"))
+                else:
+                    writer.write(ANSWERS[json.loads(body)["model"]])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def config(base: str) -> str:
+    models = "".join(
+        f"  - name: {name}\n    deployments:\n      - {{name: {name}-0, backend: openai, upstream_model: {name},\n"
+        f"         settings: {{base_url: '{base}/v1', metrics: none, max_body_bytes: 1048576}}}}\n"
+        for name in ANSWERS)
+    return f"models:\n{models}"
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = Hostile()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def gw(upstream):
+    with GatewayServer(config(upstream.base_url)) as server:
+        yield server
+
+
+def complete(gw, model: str) -> httpx.Response:
+    return httpx.post(gw.base_url + "/v1/completions", json={"model": model, "prompt": "a b", "max_tokens": 2},
+                      timeout=30)
+
+
+@pytest.mark.parametrize("model,reason", [
+    ("bomb", "sent an answer over 1048576 bytes"),
+    ("many-headers", "its response head is over 100 headers or 65536 bytes"),
+    ("huge-header", "its response head is over 100 headers or 65536 bytes"),
+    ("negative-usage", "usage.prompt_tokens is -5, not a token count"),
+    ("fractional-usage", "usage.completion_tokens is 1.5, not a token count"),
+])
+def test_a_hostile_answer_is_a_502_naming_why_and_others_are_served(gw, model, reason):
+    r = complete(gw, model)
+    assert r.status_code == 502, r.text
+    assert reason in r.json()["error"]["message"]
+    assert complete(gw, "fine").status_code == 200
+
+
+def test_a_decompression_bomb_never_inflates_whole(gw):
+    tracemalloc.start()
+    try:
+        assert complete(gw, "bomb").status_code == 502
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"{peak >> 20} MiB at the peak for a 128 MiB bomb"
+
+
+def test_retry_after_inf_is_a_bounded_wait_not_a_crash(gw):
+    r = complete(gw, "retry-after-inf")
+    assert r.status_code == 429, r.text
+    assert 1 <= int(r.headers["retry-after"]) <= 3600
+
+
+def test_a_long_line_in_many_pieces_is_decoded_in_linear_time():
+    """32 MiB in 4 KiB reads: copying the unfinished line at every read would move ~137 GB
+    (the per-test timeout ends that); joined once, it is one copy."""
+    decoder = SSEDecoder(max_event_bytes=64 << 20)
+    piece = b"x" * 4096
+    decoder.feed(b"data: ")
+    for _ in range((32 << 20) // len(piece)):
+        assert decoder.feed(piece) == []
+    [payload] = decoder.feed(b"\n\n")
+    assert len(payload) == 32 << 20
+
+
+def test_a_metrics_page_over_the_bound_is_not_read(upstream):
+    from kvgate_openai.load import _scrape
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            _, huge = await _scrape(client, upstream.base_url + "/huge-metrics", 10, limit=1 << 20)
+            _, page = await _scrape(client, upstream.base_url + "/metrics", 10, limit=1 << 20)
+        return huge, page
+
+    huge, page = asyncio.run(main())
+    assert huge is None  # 9 MiB: stopped at 1 MiB, never held whole
+    assert page == "vllm:num_requests_running 3\n"
