@@ -252,7 +252,12 @@ class Backend(Protocol):
     completions with logprobs and n. A backend that declares "embeddings" has
     `async embed(EmbeddingRequest) -> EmbeddingResult`; one that declares "tokenize" has
     `async tokenize(TokenizeRequest) -> TokenizeResult` and `async detokenize(DetokenizeRequest)
-    -> str` (see below). These raise the same errors as `generate`.
+    -> str` (see below). These raise the same errors as `generate`. One that declares "responses"
+    serves OpenAI's Responses API itself: `generate` then gets requests with `passthrough` (the
+    client's body) and answers with events whose `raw` is that API's own answer (its SSE events,
+    or its JSON body), with text, finish_reason and usage filled in for the books. Requests to
+    backends that do not declare it are translated onto chat (gateway.translate), as are all of
+    Anthropic's Messages requests.
 
     Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
     the events that became ready together (one network read of an upstream stream). The gateway
