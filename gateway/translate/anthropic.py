@@ -240,7 +240,8 @@ def _text(content: str | list, at: tuple) -> str:
 
 
 def _chat_tool(tool: Any, i: int) -> dict:
-    t = typed(tool, ("tools", i), {"custom": AnthropicTool}, "tool (server tools are not served here)", default="custom")
+    t = typed(tool, ("tools", i), {"custom": AnthropicTool}, "tool (server tools are not served here)",
+              default="custom")
     return chat_tool(t.name, t.input_schema, t.description, t.strict)
 
 

@@ -287,7 +287,8 @@ class ResponsesTranslation:
         if not any(caps.serves(needs) for _, caps in declared):
             return parsed
         body = self.request.model_dump(by_alias=True, exclude_unset=True)
-        return replace(parsed, needs=needs, passthrough=body, include_usage=False, translation=PassedThrough(self.request))
+        return replace(parsed, needs=needs, passthrough=body, include_usage=False,
+                       translation=PassedThrough(self.request))
 
     def whole(self, shape, chat: dict, states=()) -> dict:
         choice = chat["choices"][0]
@@ -320,7 +321,8 @@ def output_items(response_id: str, message: dict, status: str = "completed") -> 
     message, unless the model only called tools), then one function_call item per call."""
     items = []
     if message.get("reasoning_content"):
-        items.append(_item("reasoning", response_id, len(items), [_part("reasoning_text", message["reasoning_content"])]))
+        reasoning = [_part("reasoning_text", message["reasoning_content"])]
+        items.append(_item("reasoning", response_id, len(items), reasoning))
     calls = message.get("tool_calls") or []
     parts = [_part(kind, message[field]) for kind, field in (("output_text", "content"), ("refusal", "refusal"))
              if message.get(field)]

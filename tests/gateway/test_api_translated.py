@@ -192,7 +192,8 @@ def test_responses_count_against_the_keys_tokens_per_minute(gw):
 def test_bad_input_is_never_charged_to_a_breaker(gw, claude, oai):
     for _ in range(5):
         with pytest.raises(anthropic.BadRequestError):
-            claude.messages.create(model="echo", max_tokens=2, messages=[{"role": "user", "content": [{"type": "image"}]}])
+            claude.messages.create(model="echo", max_tokens=2,
+                                   messages=[{"role": "user", "content": [{"type": "image"}]}])
         with pytest.raises(openai.BadRequestError):
             oai.responses.create(model="echo", input=[{"type": "unknown"}])
     breaker = next(d.breaker for d in gw.state.registry.deployments() if d.name == "echo-0")

@@ -72,10 +72,12 @@ def test_tool_use_and_tool_result_blocks_become_tool_calls_and_tool_messages():
     assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)
 
 
-@pytest.mark.parametrize("choice, chat", [({"type": "auto"}, "auto"), ({"type": "none"}, "none"),
-                                          ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}})])
+@pytest.mark.parametrize("choice, chat", [
+    ({"type": "auto"}, "auto"), ({"type": "none"}, "none"),
+    ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}})])
 def test_tool_choice_maps_onto_chat(choice, chat):
-    req = MessagesBody.model_validate(body(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice=choice))
+    req = MessagesBody.model_validate(body(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                           tool_choice=choice))
     assert chat_body(req)["tool_choice"] == chat
 
 
@@ -134,10 +136,12 @@ def test_a_text_stream_is_anthropics_event_sequence():
 def test_streamed_tool_calls_are_tool_use_blocks_one_after_the_other():
     out = _stream([
         chunk({"content": "Sure."}),
-        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "f", "arguments": ""}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
-        chunk({"tool_calls": [{"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "call_2", "type": "function",
+                               "function": {"name": "g", "arguments": "{}"}}]}),
         chunk({}, "tool_calls"), usage_chunk()])
     starts = [e for e in out if e["type"] == "content_block_start"]
     assert [(e["index"], e["content_block"]["type"]) for e in starts] == [(0, "text"), (1, "tool_use"), (2, "tool_use")]
@@ -145,7 +149,7 @@ def test_streamed_tool_calls_are_tool_use_blocks_one_after_the_other():
     json_parts = [e["delta"]["partial_json"] for e in out if e["type"] == "content_block_delta" and e["index"] == 1]
     assert "".join(json_parts) == '{"a": 1}'
     # each block stops before the next starts
-    kinds = [(e["type"], e.get("index")) for e in out if e["type"].startswith("content_block_") and e["type"] != "content_block_delta"]
+    kinds = [(e["type"], e["index"]) for e in out if e["type"] in ("content_block_start", "content_block_stop")]
     assert kinds == [("content_block_start", 0), ("content_block_stop", 0), ("content_block_start", 1),
                      ("content_block_stop", 1), ("content_block_start", 2), ("content_block_stop", 2)]
     assert out[-2]["delta"]["stop_reason"] == "tool_use"
@@ -198,7 +202,8 @@ def test_thinking_sent_back_is_taken_and_not_sent_on():
 
 def test_streamed_reasoning_is_a_thinking_block_and_a_refusal_ends_as_one():
     out = _stream([chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Hm"}),
-                   chunk({"reasoning_content": "m."}), chunk({"refusal": "I won't."}), chunk({}, "stop"), usage_chunk()])
+                   chunk({"reasoning_content": "m."}), chunk({"refusal": "I won't."}), chunk({}, "stop"),
+                   usage_chunk()])
     starts = [e["content_block"]["type"] for e in out if e["type"] == "content_block_start"]
     assert starts == ["thinking", "text"]
     thinking = "".join(e["delta"]["thinking"] for e in out if e["type"] == "content_block_delta" and e["index"] == 0)

@@ -52,7 +52,8 @@ def test_message_items_keep_their_roles_and_join_their_text_parts():
 
 def test_function_items_become_the_assistant_tool_calls_and_tool_messages():
     req = ResponsesBody.model_validate({"model": "m", "input": "x", "tools": [
-        {"type": "function", "name": "add", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "add"}})
+        {"type": "function", "name": "add", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "add"}})
     from gateway.translate.responses_api import _input_items
 
     items = _input_items([
@@ -162,7 +163,8 @@ def test_streamed_tool_calls_are_function_call_items_after_the_text():
                       and e["item"]["type"] == "function_call")
     assert message_done < first_call
     args = [e for e in out if e["type"] == "response.function_call_arguments.done"]
-    assert [(e["name"], e["arguments"], e["output_index"]) for e in args] == [("add", '{"a":2}', 1), ("neg", '{"x":1}', 2)]
+    assert [(e["name"], e["arguments"], e["output_index"]) for e in args] == [("add", '{"a":2}', 1),
+                                                                            ("neg", '{"x":1}', 2)]
     final = Response.model_validate(out[-1]["response"])
     assert [o.type for o in final.output] == ["message", "function_call", "function_call"]
     assert [(o.call_id, o.name, o.arguments) for o in final.output[1:]] == [("call_1", "add", '{"a":2}'),
