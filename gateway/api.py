@@ -25,7 +25,6 @@ from gateway.responses import (
     ChoiceState,
     ResponseShape,
     full_body,
-    has_more,
     running_usage,
     sse,
     stream_chunk,
@@ -310,7 +309,8 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
             state, chunks = states[index], []
             for event in batch:
                 state.add(event)
-                if event.text or event.finish_reason or event.logprobs or has_more(event):
+                if event.text or event.finish_reason or event.logprobs or event.tool_calls or event.reasoning \
+                        or event.refusal or event.raw:
                     if event.raw:  # a passed-through answer goes as it came
                         chunks.append(event.raw)
                         continue

@@ -34,7 +34,7 @@ class ChoiceState:
             self.finish_reason = event.finish_reason
         if event.usage:
             self.usage = event.usage
-        if has_more(event):
+        if event.tool_calls or event.reasoning or event.refusal or event.raw:  # more than text (inline: per token)
             self._add_more(event)
 
     def _add_more(self, event: TokenEvent) -> None:
@@ -50,11 +50,6 @@ class ChoiceState:
             self.refusal.append(event.refusal)
         if event.raw:
             self.raw.append(event.raw)
-
-
-def has_more(event: TokenEvent) -> bool:
-    """Whether the event carries more than text: tool calls, reasoning, a refusal or raw bytes."""
-    return bool(event.tool_calls or event.reasoning or event.refusal or event.raw)
 
 
 @dataclass
@@ -172,7 +167,7 @@ def stream_chunk(shape: ResponseShape, index: int, event: TokenEvent | None, fir
     reason = finish_reason(event.finish_reason) if event and event.finish_reason else None
     if shape.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        if event is not None and has_more(event):
+        if event is not None and (event.tool_calls or event.reasoning or event.refusal):
             _more_delta(delta, event)
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
