@@ -7,14 +7,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import re
 import shutil
 import subprocess
 import time
 
 import httpx
-import pytest
+
+from skips import required
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -26,9 +26,7 @@ def chromium() -> str:
     tests skip, unless KVGATE_REQUIRE_CHROMIUM is set (.ci/run installs it and sets it)."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        if os.environ.get("KVGATE_REQUIRE_CHROMIUM"):
-            pytest.fail("Chromium is missing but KVGATE_REQUIRE_CHROMIUM is set")
-        pytest.skip("Chromium is not installed (.ci/run installs the Debian package 'chromium')")
+        required("KVGATE_REQUIRE_CHROMIUM", "Chromium is not installed (.ci/run installs the Debian package 'chromium')")
     return path
 
 

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 import time
 
-import pytest
-
 from servers import free_port
+from skips import required
 
 BINARY = shutil.which("redis-server")
 
 
 def redis_or_skip() -> "RedisServer":
-    if BINARY is None:
-        if os.environ.get("KVGATE_REQUIRE_REDIS"):  # CI installs it: a skip there would hide a failure
-            pytest.fail("redis-server is required here (KVGATE_REQUIRE_REDIS) but not installed")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    if BINARY is None:  # CI installs it and sets KVGATE_REQUIRE_REDIS: a skip there would hide a failure
+        required("KVGATE_REQUIRE_REDIS", "redis-server is not installed (apt-get install redis-server)")
     return RedisServer()
 
 

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from servers import free_port, wait_ready
 
@@ -19,7 +20,7 @@ OLD = """
 auth: {admin_key_env: RELOAD_ADMIN_KEY}
 models:
   - name: chat
-    deployments: [{name: old-0, backend: echo, settings: {tokens_per_second: 40}}]
+    deployments: [{name: old-0, backend: echo, settings: {tokens_per_second: 10}}]
 """
 
 NEW = """
@@ -58,6 +59,16 @@ def model_ids(base):
     return sorted(m["id"] for m in httpx.get(base + "/v1/models").json()["data"])
 
 
+def metric(base, name: str, **labels) -> float:
+    """One sample of /metrics (0 when the series does not exist yet)."""
+    text = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
 def wait_for(predicate, timeout=10):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -82,7 +93,9 @@ def test_sighup_reload_under_load_loses_no_stream(server):
     threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(12)]
     for t in threads:
         t.start()
-    time.sleep(0.2)  # the streams are under way on old-0 (40 tokens/s, 20 tokens each)
+    # Every stream under way before the reload: the pool of `chat` is old-0 alone until then, and
+    # at 10 tokens/s each stream holds it for 2 s.
+    wait_for(lambda: metric(base, "kvgate_in_flight_requests", model="chat") == 12)
     config.write_text(NEW)
     proc.send_signal(signal.SIGHUP)
     wait_for(lambda: model_ids(base) == ["chat", "extra"])
@@ -93,6 +106,10 @@ def test_sighup_reload_under_load_loses_no_stream(server):
     assert errors == []
     assert len(results) == 12
     assert sorted(results) == sorted(" ".join(([f"w{i}", "x", "y", "z"] * 5)) for i in range(12))
+    # ... and old-0 served all of them: the new deployment answers the same echo text, so the
+    # text alone cannot tell a stream that survived the reload from one that started after it.
+    assert metric(base, "kvgate_requests_total", deployment="old-0", status="200") == 12
+    assert metric(base, "kvgate_requests_total", deployment="new-0", status="200") == 1
     wait_for(lambda: "retired deployment old-0 of model chat stopped" in log_path.read_text())
 
 

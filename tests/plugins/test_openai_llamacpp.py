@@ -1,7 +1,8 @@
 """Slow tier: kvgate's openai backend in front of a real third-party server, llama.cpp.
 
 Needs llama-cpp-python built by `bash bench/llamacpp_server.sh install` (about 6 minutes on
-2 cores); skipped, saying so, when that build is absent. Greedy decoding makes llama.cpp's answer
+2 cores); skipped, saying so, when that build is absent (a failure where KVGATE_REQUIRE_LLAMACPP
+is set, as .ci/run sets it). Greedy decoding makes llama.cpp's answer
 deterministic, so the answer through kvgate must equal the answer from llama.cpp directly.
 """
 
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from servers import GatewayServer, free_port
+from skips import required
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +52,8 @@ def llamacpp_server(mode: str):
     """The script's `mode` (serve, serve-features) on a free port: its base URL once it serves."""
     python = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True).stdout.strip()
     if not python:
-        pytest.skip("llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
+        required("KVGATE_REQUIRE_LLAMACPP",
+                 "llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
     port = free_port()
     # Its log goes to a file: llama.cpp prints more than a pipe holds, and a full pipe stalls it.
     log = tempfile.TemporaryFile()
