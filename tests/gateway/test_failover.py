@@ -1,7 +1,5 @@
 """Failover before the first token, fallback models, timeouts and the circuit breaker."""
 
-import time
-
 import httpx
 import openai
 import pytest
@@ -49,6 +47,26 @@ def gw():
         yield server
 
 
+class ManualClock:
+    """The breaker's clock, moved only by the test: its cool-down passes when the test says so,
+    never because a loaded machine took 0.4 s over a few requests."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def breaker_of(gw, deployment: str) -> tuple:
+    breaker = next(d for d in gw.state.registry.deployments() if d.name == deployment).breaker
+    breaker.clock = clock = ManualClock()
+    return breaker, clock
+
+
 def count_calls(backend):
     calls = []
     original = backend.generate
@@ -76,14 +94,15 @@ def test_breaker_opens_then_probes_back_in(gw):
     client = gw.openai()
     bad = gw.backend("bad")
     bad_calls = count_calls(bad)
-    breaker = next(d for d in gw.state.registry.deployments() if d.name == "bad").breaker
+    breaker, clock = breaker_of(gw, "bad")
     while breaker.state != "open":
         client.completions.create(model="flaky", prompt=PROMPT, max_tokens=2)
     tried = len(bad_calls)
     for _ in range(6):
         client.completions.create(model="flaky", prompt=PROMPT, max_tokens=2)
     assert len(bad_calls) == tried  # out of rotation while open
-    time.sleep(0.5)
+    assert breaker.state == "open"
+    clock.advance(0.5)  # the cool-down (0.4 s) has passed
     assert breaker.state == "half_open"
     bad.settings = bad.settings.model_copy(update={"fail_after_tokens": None})  # it recovered
     for _ in range(4):
@@ -94,11 +113,11 @@ def test_breaker_opens_then_probes_back_in(gw):
 
 def test_failed_probe_reopens_the_breaker(gw):
     client = gw.openai()
-    breaker = next(d for d in gw.state.registry.deployments() if d.name == "bad").breaker
+    breaker, clock = breaker_of(gw, "bad")
     while breaker.state != "open":
         client.completions.create(model="flaky", prompt=PROMPT, max_tokens=2)
     opened = breaker.times_opened
-    time.sleep(0.5)
+    clock.advance(0.5)
     for _ in range(3):
         client.completions.create(model="flaky", prompt=PROMPT, max_tokens=2)
     assert breaker.state == "open"

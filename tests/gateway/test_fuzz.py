@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from fuzz_run import fuzz
+from fuzz_run import assert_each_pair_ran, fuzz
 from servers import GatewayServer
 
 FUZZ_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "60"))
@@ -48,7 +48,7 @@ def test_the_schema_is_the_request_models_with_this_servers_limits(gw):
 def test_no_input_reaches_a_500_and_every_refusal_is_an_openai_error(gw):
     result = fuzz(gw.base_url, FUZZ_EXAMPLES)
     print(f"fuzz (echo): {result}")
-    assert result["cases"] >= FUZZ_EXAMPLES  # really ran
+    assert_each_pair_ran(result, FUZZ_EXAMPLES)  # really ran
     assert any(400 <= s < 500 for s in result["statuses"]) and 200 in result["statuses"]
     assert httpx.get(gw.base_url + "/health/live").status_code == 200
     r = httpx.post(gw.base_url + "/v1/completions", json={"model": "echo", "prompt": "still here", "max_tokens": 2}, timeout=10)
@@ -63,6 +63,7 @@ def test_fuzz_tier_ten_thousand_cases(gw):
     result = fuzz(gw.base_url, 2500)  # 2 operations x 2 generation modes x 2500
     print(f"fuzz tier (echo): {result}")
     assert result["cases"] >= 10_000
+    assert_each_pair_ran(result, 2500)
     assert httpx.get(gw.base_url + "/health/live").status_code == 200
 
 

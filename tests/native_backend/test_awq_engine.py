@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M) quantized to int4 (RTN, group 64) and served by the whole
 engine: the start-up line says the format and the bytes; the C kernel's greedy tokens equal the
-torch reference's token for token; the text stays close to the float model's."""
+torch reference's token for token; on held-out text it predicts nearly as well as the float
+model (a measured bound on top-1 agreement and perplexity)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 
 from native_backend.engine import LLMEngine
 from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
+from native_backend.loader import default_gguf_path, load_model
 from native_backend import cpu_kernels
 from native_backend.protocol import EngineRequest
 from native_backend.quantization.quantize import QuantizeOptions, quantize_model
 from native_backend.sampling_params import SamplingParams
+from perplexity import held_out_windows, score
 
 pytestmark = pytest.mark.timeout(900)
 NEW_TOKENS = 16
@@ -37,6 +39,11 @@ def make_engine(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def int4_engine(int4_dir, make_engine):
+    return make_engine(int4_dir)
+
+
 def run(engine: LLMEngine, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, GREEDY))
@@ -48,8 +55,8 @@ def run(engine: LLMEngine, prompts) -> list[list[int]]:
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_int4_engine_greedy_equals_the_torch_reference_and_stays_near_fp32(int4_dir, make_engine):
-    kernel = make_engine(int4_dir)
+def test_int4_engine_greedy_equals_the_torch_reference(int4_dir, int4_engine, make_engine):
+    kernel = int4_engine
     line = kernel.describe()
     assert "linears int4 AWQ g64" in line and "210 linears" in line and "weights" in line
     assert ("one-call decode steps" in line) == cpu_kernels.int4_available()
@@ -62,8 +69,18 @@ def test_int4_engine_greedy_equals_the_torch_reference_and_stays_near_fp32(int4_
         reference = make_engine(int4_dir, cpu_kernels=False)
         assert "torch reference" in reference.describe()
         assert run(reference, prompts) == int4
-    fp32_engine = make_engine(default_gguf_path())
-    assert fp32_engine.stats().weights == "float32"
-    fp32 = run(fp32_engine, prompts)
-    first_divergence = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), NEW_TOKENS) for x, y in zip(int4, fp32)]
-    assert sum(first_divergence) >= 2 * len(prompts), first_divergence  # int4 is close, not identical
+
+
+def test_int4_engine_predicts_held_out_text_nearly_as_well_as_fp32(int4_engine):
+    """Teacher-forced on 510 held-out tokens, the engine's int4 model against the fp32 model it
+    was rounded from. Measured (RTN g64): top-1 agreement 0.708, perplexity 22.05 against 15.70
+    (x1.40; bench/awq.py on 20,440 tokens: 72.6 %, x1.29). A broken int4 path (a wrong zero
+    point, scale or group) lands far outside both bounds; int4 equal to fp32 would be a sign the
+    weights were never rounded."""
+    windows = held_out_windows(int4_engine.tokenizer, count=2, length=256)
+    fp32 = score(load_model(default_gguf_path()), windows)
+    int4 = score(int4_engine.executor.model, windows)
+    agreement, ratio = int4.top1_agreement(fp32), int4.perplexity / fp32.perplexity
+    print(f"int4 RTN g64 vs fp32: top-1 {agreement:.3f}, perplexity {int4.perplexity:.2f} / {fp32.perplexity:.2f}")
+    assert 0.65 <= agreement < 0.95, agreement
+    assert 1.05 < ratio <= 1.55, ratio

@@ -1,7 +1,7 @@
 """The AWQ search on a tiny random Llama: its float forward is transformers', folding a scale
 leaves the float function as it was, the clip search finds a clip where an outlier costs the
-rest of the group, and the searched model loses less to int4 rounding than plain RTN. The
-calibration text is apart from the evaluation text."""
+rest of the group, and the searched model loses less to int4 rounding than plain RTN on tokens it
+was not calibrated on. The calibration text is apart from the evaluation text."""
 
 from __future__ import annotations
 
@@ -83,14 +83,30 @@ def test_clip_search_clips_a_lone_outlier():
     assert err(clipped) < err(w)
 
 
-def test_awq_loses_less_to_int4_than_rtn(models):
+def with_outlier_channels(model, channels=(3, 17, 40, 61), gain: float = 8.0):
+    """A few input channels of every linear group made large, as trained LLMs have them (the
+    activations AWQ protects). A random Llama has none: there the search only fits its own
+    calibration tokens (measured: 0.87 of RTN's error on them, 0.96-0.99 on held-out tokens)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[list(channels)] *= gain
+    return model
+
+
+def test_awq_loses_less_to_int4_than_rtn_on_held_out_tokens(models):
+    """Searched on the calibration tokens, judged on others. Measured with these outliers: AWQ's
+    error 0.59 of RTN's on the calibration tokens, 0.51 on these held-out ones (0.60-0.65 on
+    other seeds); without the search's scales and clips it is RTN's, 1.0."""
     _, model, tokens = models
-    reference = logits(model, tokens)
+    model = with_outlier_channels(copy.deepcopy(model))
+    held_out = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7))
     searched = copy.deepcopy(model)
     awq.awq_search(searched, tokens, GROUP)
-    rtn_error = float((logits(fake_quantize_all(copy.deepcopy(model)), tokens) - reference).pow(2).mean())
-    awq_error = float((logits(fake_quantize_all(searched), tokens) - reference).pow(2).mean())
-    assert awq_error < 0.95 * rtn_error, (awq_error, rtn_error)
+    rtn_error, awq_error = (float((logits(fake_quantize_all(m), held_out) - logits(model, held_out)).pow(2).mean())
+                            for m in (copy.deepcopy(model), searched))
+    print(f"held out: AWQ {awq_error:.3e}, RTN {rtn_error:.3e} ({awq_error / rtn_error:.3f})")
+    assert awq_error < 0.8 * rtn_error, (awq_error, rtn_error)
 
 
 def test_calibration_text_is_held_apart_from_the_evaluation_text():

@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from fuzz_run import fuzz
+from fuzz_run import assert_each_pair_ran, fuzz
 from servers import GatewayServer
 
 pytestmark = pytest.mark.timeout(1800)
@@ -47,7 +47,8 @@ def check_engine_unharmed(gw):
 def test_fuzzing_the_native_engine_never_reaches_a_500(gw):
     result = fuzz(gw.base_url, FUZZ_EXAMPLES)
     print(f"fuzz (native): {result}")
-    assert result["cases"] >= FUZZ_EXAMPLES and 200 in result["statuses"]
+    assert_each_pair_ran(result, FUZZ_EXAMPLES)
+    assert 200 in result["statuses"]
     check_engine_unharmed(gw)
 
 
@@ -55,4 +56,5 @@ def test_fuzzing_the_native_engine_never_reaches_a_500(gw):
 def test_fuzz_tier_native(gw):
     result = fuzz(gw.base_url, 500)
     print(f"fuzz tier (native): {result}")
+    assert_each_pair_ran(result, 500)
     check_engine_unharmed(gw)
