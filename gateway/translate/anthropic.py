@@ -40,8 +40,8 @@ from gateway.translate.common import (
 
 # Anthropic's error types by HTTP status (its docs' table); other statuses are api_error.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
 def error_body(status: int, message: str) -> dict:

@@ -113,6 +113,7 @@ def test_the_error_shape_is_anthropics():
     assert error_body(429, "slow")["error"]["type"] == "rate_limit_error"
     assert error_body(503, "busy")["error"]["type"] == "overloaded_error"
     assert error_body(502, "down")["error"]["type"] == "api_error"
+    assert error_body(504, "late")["error"]["type"] == "timeout_error"
 
 
 def _stream(chunks: list[dict]) -> list[dict]:
