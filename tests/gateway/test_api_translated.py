@@ -25,6 +25,8 @@ auth:
 models:
   - name: echo
     deployments: [{{name: echo-0, backend: echo}}]
+  - name: slow
+    deployments: [{{name: slow-0, backend: echo, settings: {{tokens_per_second: 40}}}}]
 """
 PROMPT = "the quick brown fox jumps"
 
@@ -198,6 +200,32 @@ def test_bad_input_is_never_charged_to_a_breaker(gw, claude, oai):
             oai.responses.create(model="echo", input=[{"type": "unknown"}])
     breaker = next(d.breaker for d in gw.state.registry.deployments() if d.name == "echo-0")
     assert breaker.consecutive_failures == 0 and breaker.state == "closed"
+
+
+def test_bad_input_leaves_the_requests_in_flight_alone(claude, oai):
+    import threading
+
+    texts = {}
+
+    def stream_messages():
+        with claude.messages.stream(model="slow", max_tokens=12, messages=[{"role": "user", "content": PROMPT}]) as s:
+            texts["messages"] = "".join(s.text_stream)
+
+    def stream_responses():
+        with oai.responses.stream(model="slow", input=PROMPT, max_output_tokens=12) as s:
+            texts["responses"] = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+
+    threads = [threading.Thread(target=stream_messages), threading.Thread(target=stream_responses)]
+    for t in threads:
+        t.start()
+    for _ in range(10):  # while both stream (12 tokens at 40/s each)
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.create(model="slow", max_tokens=2, messages=[{"role": "user", "content": [{"type": "x"}]}])
+        with pytest.raises(openai.BadRequestError):
+            oai.responses.create(model="slow", input=[{"type": "x"}])
+    for t in threads:
+        t.join(30)
+    assert texts == {"messages": expected(PROMPT, 12), "responses": expected(PROMPT, 12)}
 
 
 def test_both_are_metered_and_traced_like_chat(served, claude, oai):
