@@ -78,6 +78,13 @@ class CircuitBreaker:
                 self.times_opened += 1
             self.opened_at = self.clock()
 
+    def inherit(self, other: "CircuitBreaker") -> None:
+        """Take another breaker's verdict (the same upstream, back under a new member): an open
+        breaker stays open, and its failures keep counting."""
+        self.consecutive_failures = other.consecutive_failures
+        self.opened_at = other.opened_at
+        self.times_opened = other.times_opened
+
     def release_probe(self) -> None:
         """A probe that ended with neither verdict (client went away): let another probe in."""
         self.probe_in_flight = False

@@ -100,6 +100,24 @@ class DiscoveryConfig(StrictModel):
         "/health/ready); null: routable once its backend has started.")
     resolver: str | None = Field(
         None, description="DNS server as host:port (tests, a non-default resolver); default: /etc/resolv.conf.")
+    allowed_cidrs: list[str] | None = Field(
+        None, description="Networks a member's address must be in (members are sent the deployment's key). "
+        "Default: any address but loopback, link-local (169.254.0.0/16: cloud metadata), unspecified and "
+        "multicast ones.")
+    max_members: int = Field(64, gt=0, description="Most members; a larger answer is cut (lowest addresses "
+                             "kept), with a warning and the metric kvgate_discovery_addresses_dropped.")
+    remember_s: float = Field(60.0, ge=0, description="Seconds a member is remembered after it left DNS and "
+                              "drained: one back within them keeps its circuit breaker's state.")
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _networks(cls, cidrs: list[str] | None) -> list[str] | None:
+        for cidr in cidrs or ():
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"'{cidr}' is not a network (e.g. 10.0.0.0/8)") from None
+        return cidrs
 
     @field_validator("dns")
     @classmethod

@@ -67,22 +67,27 @@ class DnsResolver:
         return self._resolver
 
     async def addresses(self, name: str) -> list[str]:
-        v4, v6 = await asyncio.gather(self._query(name, "A"), self._query(name, "AAAA"))
-        return sorted(set(v4) | set(v6), key=address_order)
+        return (await self.lookup(name))[0]
 
-    async def _query(self, name: str, rdtype: str) -> list[str]:
+    async def lookup(self, name: str) -> tuple[list[str], float | None]:
+        """The addresses, in address order, and the answer's TTL in seconds (None: no records)."""
+        (v4, ttl4), (v6, ttl6) = await asyncio.gather(self._query(name, "A"), self._query(name, "AAAA"))
+        ttls = [t for t in (ttl4, ttl6) if t is not None]
+        return sorted(set(v4) | set(v6), key=address_order), min(ttls, default=None)
+
+    async def _query(self, name: str, rdtype: str) -> tuple[list[str], float | None]:
         resolver = self._get()
         try:
             answer = await resolver.resolve(name, rdtype, lifetime=self.timeout_s, search=True)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            return []
+            return [], None
         except dns.exception.Timeout:
             raise DiscoveryFailed(f"no answer within {self.timeout_s:g} s") from None
         except dns.resolver.NoNameservers:
             raise DiscoveryFailed("every DNS server failed (SERVFAIL, refused or unreachable)") from None
         except (dns.exception.DNSException, OSError) as exc:
             raise DiscoveryFailed(f"{type(exc).__name__}: {exc}") from None
-        return [record.address for record in answer]
+        return [record.address for record in answer], float(answer.rrset.ttl)
 
 
 class DiscoveryGroup:
@@ -114,6 +119,10 @@ class DiscoveryGroup:
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # drains and stops under way (held: asyncio keeps weak refs)
         self._http: httpx.AsyncClient | None = None
+        self.allowed = _networks(self.discovery.allowed_cidrs)
+        self.dropped = {"not_allowed": 0, "over_max_members": 0}  # addresses left out of the last answer
+        self.ttl_s: float | None = None  # of the last answer
+        self._left: dict[str, tuple[float, object]] = {}  # address -> (forget at, breaker) of a drained member
 
     # -- what the pool sees ------------------------------------------------------------------
 
@@ -173,7 +182,7 @@ class DiscoveryGroup:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.discovery.refresh_s)
+            await asyncio.sleep(self.next_refresh_s())
             try:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad refresh
@@ -181,10 +190,19 @@ class DiscoveryGroup:
 
     # -- one refresh -------------------------------------------------------------------------
 
+    def next_refresh_s(self) -> float:
+        """refresh_s, shortened to the answer's TTL (a record is not trusted past it), though
+        never under a second (or refresh_s, if shorter) for a TTL of 0."""
+        every = self.discovery.refresh_s
+        if self.ttl_s is None:
+            return every
+        return max(min(every, self.ttl_s), min(every, 1.0))
+
     async def refresh(self) -> None:
         """Resolve, drain what is gone, then start and health-check what is new."""
         try:
-            addresses = await self.resolver.addresses(self.discovery.dns)
+            found, self.ttl_s = await self.resolver.lookup(self.discovery.dns)
+            addresses = self._admissible(found)
         except DiscoveryFailed as exc:
             self._failed(str(exc))
             addresses = None  # keep every known member
@@ -197,6 +215,22 @@ class DiscoveryGroup:
             if address not in self.routable and address not in self.pending:
                 self._add(address)
         await self._admit_pending()
+
+    def _admissible(self, addresses: list[str]) -> list[str]:
+        """The answer's addresses a member may have: in the allowed networks (the members get the
+        deployment's key: DNS must not point it at the metadata service or this host), at most
+        max_members of them. What is left out is logged when it changes and counted."""
+        allowed = [a for a in addresses if _allowed(a, self.allowed)]
+        cap = self.discovery.max_members
+        dropped = {"not_allowed": len(addresses) - len(allowed), "over_max_members": max(0, len(allowed) - cap)}
+        if dropped != self.dropped and any(dropped.values()):
+            refused = [a for a in addresses if a not in allowed]
+            log.warning("discovery of %s (model %s): %s lists %d addresses; left out %d not in the allowed "
+                        "networks%s and %d over max_members %d", self.name, self.model, self.discovery.dns,
+                        len(addresses), dropped["not_allowed"], f" ({', '.join(refused[:5])})" if refused else "",
+                        dropped["over_max_members"], cap)
+        self.dropped = dropped
+        return allowed[:cap]
 
     def _answered(self, addresses: list[str]) -> None:
         if self.up is False:
@@ -225,7 +259,10 @@ class DiscoveryGroup:
             log.info("member %s of model %s is back in DNS: routable again", draining.name, self.model)
             self._changed()
             return
-        self.pending[address] = self.make_member(f"{self.name}@{address}", self.base_url(address))
+        member = self.pending[address] = self.make_member(f"{self.name}@{address}", self.base_url(address))
+        forget_at, breaker = self._left.pop(address, (0.0, None))
+        if breaker is not None and time.monotonic() < forget_at:  # a flapping member stays judged
+            member.breaker.inherit(breaker)
 
     def _remove_gone(self, addresses: set[str]) -> None:
         gone = [a for a in self.routable if a not in addresses]
@@ -252,6 +289,8 @@ class DiscoveryGroup:
         if self.draining.get(address) is not member:
             return  # back in DNS, or stopped by close()
         del self.draining[address]
+        self._left = {a: kept for a, kept in self._left.items() if kept[0] > time.monotonic()}
+        self._left[address] = (time.monotonic() + self.discovery.remember_s, member.breaker)
         await member.stop()
         log.info("member %s of model %s drained and stopped", member.name, self.model)
 
@@ -328,12 +367,28 @@ class DiscoveryGroup:
         """For the status page and /status.json."""
         return {
             "deployment": self.name, "dns": self.discovery.dns, "port": self.discovery.port,
-            "refresh_s": self.discovery.refresh_s, "up": self.up, "problem": self.problem,
+            "refresh_s": self.discovery.refresh_s, "ttl_s": self.ttl_s, "dropped": dict(self.dropped),
+            "up": self.up, "problem": self.problem,
             "down_since": self.down_since, "resolved_at": self.resolved_at, "failures": self.failures,
             "routable": [d.name for d in self.routable.values()],
             "pending": [{"name": d.name, "problem": self.problems.get(a)} for a, d in self.pending.items()],
             "draining": [{"name": d.name, "in_flight": d.in_flight} for d in self.draining.values()],
         }
+
+
+# Refused unless allowed_cidrs says otherwise: this host, cloud metadata, no address, broadcast.
+REFUSED_BY_DEFAULT = ("is_loopback", "is_link_local", "is_unspecified", "is_multicast")
+
+
+def _networks(cidrs: list[str] | None):
+    return None if cidrs is None else [ipaddress.ip_network(c, strict=False) for c in cidrs]
+
+
+def _allowed(address: str, networks) -> bool:
+    ip = ipaddress.ip_address(address)
+    if networks is None:
+        return not any(getattr(ip, kind) for kind in REFUSED_BY_DEFAULT)
+    return any(ip in net for net in networks if net.version == ip.version)
 
 
 def address_order(address: str) -> tuple[int, int]:

@@ -172,14 +172,19 @@ def _discovery_metrics(registry):
                                 labels=["model", "deployment", "state"])
     failures = CounterMetricFamily("kvgate_discovery_failures", "DNS lookups of a discovered deployment that got no "
                                    "answer.", labels=["model", "deployment"])
+    dropped = GaugeMetricFamily("kvgate_discovery_addresses_dropped", "Addresses of the last DNS answer left out: "
+                                "not in the allowed networks, or over max_members.", labels=["model", "deployment", "reason"])
     for model, g in groups:
         up.add_metric([model, g.name], 1.0 if g.up else 0.0)
+        for reason, count in g.dropped.items():
+            dropped.add_metric([model, g.name, reason], count)
         for state, found in (("routable", g.routable), ("pending", g.pending), ("draining", g.draining)):
             members.add_metric([model, g.name, state], len(found))
         failures.add_metric([model, g.name], g.failures)
     yield up
     yield members
     yield failures
+    yield dropped
 
 
 # (our name, vLLM's name or None, help, kind, key in LoadSnapshot.extra or attribute)

@@ -737,7 +737,8 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
             for d in model["deployments"]:
                 if "discovery" in d:  # the engines: the rendered name, served by the test's DNS
                     engines_dns = d["discovery"]["dns"]
-                    d["discovery"].update(port=pod_port, resolver=dns.address, refresh_s=0.2)
+                    d["discovery"].update(port=pod_port, resolver=dns.address, refresh_s=0.2,
+                                          allowed_cidrs=["127.0.0.0/8"])  # the "pods" are on loopback
                 else:  # the remote model
                     d["settings"]["base_url"] = pods[0].base_url + "/v1"
                 d["settings"]["metrics_poll_s"] = 0.2

@@ -44,8 +44,9 @@ models:
         upstream_model: echo
         settings: {{metrics: none}}
         discovery: {{dns: {name}, port: {port}, refresh_s: 0.5, timeout_s: 1, health_path: /health/ready,
-                     resolver: "{resolver}"}}
+                     resolver: "{resolver}", {extra}}}
 """
+LOOPBACK = 'allowed_cidrs: ["127.0.0.0/8", "::1/128"]'  # the test's "pods" live on loopback
 
 
 class Arrivals:
@@ -103,8 +104,8 @@ def start_upstream(stack, host, port) -> Upstream:
     return upstream
 
 
-def start_front(stack, dns, port) -> GatewayServer:
-    front = GatewayServer(FRONT.format(name=NAME, port=port, resolver=dns.address))
+def start_front(stack, dns, port, extra: str = LOOPBACK) -> GatewayServer:
+    front = GatewayServer(FRONT.format(name=NAME, port=port, resolver=dns.address, extra=extra))
     stack.enter_context(front)
     return front
 
@@ -391,7 +392,7 @@ def test_reload_keeps_a_group_and_its_members_or_stops_it(dns, port, stack, tmp_
     group = group_of(front)
     member = front.state.registry.deployments()[0]
     config = tmp_path / "front.yaml"
-    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address))
+    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address, extra=LOOPBACK))
     front.state.config_path = str(config)
 
     def reload():
@@ -403,8 +404,66 @@ def test_reload_keeps_a_group_and_its_members_or_stops_it(dns, port, stack, tmp_
     start_upstream(stack, B, port)
     wait_for(lambda: routed_names(front) == [f"engines@{A}", f"engines@{B}"], "B in the reloaded pool")
 
-    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address).replace("refresh_s: 0.5", "refresh_s: 0.4"))
+    config.write_text(FRONT.format(name=NAME, port=port, resolver=dns.address, extra=LOOPBACK).replace("refresh_s: 0.5", "refresh_s: 0.4"))
     assert reload()[0]
     assert group_of(front) is not group and not group.running
     wait_for(lambda: not member.started, "the old group's member to be retired")
     assert routed_names(front) == [f"engines@{A}", f"engines@{B}"]  # the new group found them again
+
+
+# ------------------------------------------------------------------------------ what DNS may not do
+
+def metric(front, name: str, **labels) -> float:
+    for line in httpx.get(front.base_url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} {labels}")
+
+
+def test_dns_cannot_make_loopback_metadata_or_unspecified_addresses_members(dns, port, stack, caplog):
+    """Members are sent the deployment's key: by default an answer naming this host, the cloud
+    metadata service, 0.0.0.0 or a multicast group gets no member there (logged and counted)."""
+    dns.set(NAME, ["0.0.0.0", "10.255.0.9", "127.0.0.2", "169.254.169.254", "224.0.0.1"])
+    with caplog.at_level(logging.WARNING, logger="kvgate.discovery"):
+        front = start_front(stack, dns, port, extra="")
+    group = group_of(front)
+    assert list(group.pending) + list(group.routable) == ["10.255.0.9"]
+    assert metric(front, "kvgate_discovery_addresses_dropped", reason="not_allowed") == 4
+    assert "left out 4 not in the allowed networks" in caplog.text
+
+
+def test_an_answer_over_max_members_is_cut_with_a_warning_and_a_metric(dns, port, stack, caplog):
+    dns.set(NAME, [f"10.255.0.{i}" for i in range(1, 6)])
+    with caplog.at_level(logging.WARNING, logger="kvgate.discovery"):
+        front = start_front(stack, dns, port, extra="max_members: 2")
+    group = group_of(front)
+    assert sorted(list(group.pending) + list(group.routable)) == ["10.255.0.1", "10.255.0.2"]
+    assert metric(front, "kvgate_discovery_addresses_dropped", reason="over_max_members") == 3
+    assert "3 over max_members 2" in caplog.text
+
+
+def test_the_records_ttl_bounds_the_refresh_interval(dns, port, stack):
+    dns.set(NAME, [A])  # the test server's records live 1 s
+    start_upstream(stack, A, port)
+    front = GatewayServer(FRONT.format(name=NAME, port=port, resolver=dns.address, extra=LOOPBACK).replace(
+        "refresh_s: 0.5", "refresh_s: 30"))
+    stack.enter_context(front)
+    group = group_of(front)
+    assert group.ttl_s == 1.0 and group.next_refresh_s() == 1.0  # not 30 s on a stale answer
+
+
+def test_a_flapping_member_keeps_its_open_breaker_through_its_drain(dns, port, stack):
+    dns.set(NAME, [A])
+    start_upstream(stack, A, port)
+    front = start_front(stack, dns, port)
+    group = group_of(front)
+    member = group.routable[A]
+    for _ in range(member.breaker.threshold):
+        member.breaker.record_failure()
+    assert member.breaker.state == "open"
+    dns.set(NAME, [])
+    wait_for(lambda: A not in group.routable and A not in group.draining, "the member to drain")
+    dns.set(NAME, [A])
+    wait_for(lambda: A in group.pending or A in group.routable, "the member to come back")
+    back = group.pending.get(A) or group.routable.get(A)
+    assert back is not member and back.breaker.state == "open"  # not a fresh, trusted member
