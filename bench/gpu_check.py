@@ -21,6 +21,8 @@ measured) and prints a summary. Without a CUDA GPU it prints why and exits 0, wr
    512-token context: bytes read per token (weights once, lm_head included, plus the KV read) x
    tokens/s / the GPU's peak bandwidth (H200 4.8 TB/s). With and without CUDA graphs when the
    engine's runner has them (it does not yet: reported as such).
+5. trtllm: tests/plugins/test_tensorrt_llm_contract.py with tensorrt_llm required: the stand-in
+   the TensorRT-LLM adapter's tests use has the real package's fields, keywords and defaults.
 
     .venv/bin/python bench/gpu_check.py                 # everything
     .venv/bin/python bench/gpu_check.py --only kernels  # one section
@@ -32,9 +34,11 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -47,7 +51,7 @@ for path in (ROOT, ROOT / "bench", ROOT / "tests"):
         sys.path.insert(0, str(path))
 
 OUT = ROOT / "bench" / "results" / "gpu_check.json"
-SECTIONS = ("kernels", "parity", "throughput", "bandwidth")
+SECTIONS = ("kernels", "parity", "throughput", "bandwidth", "trtllm")
 PEAK_TBPS = {"H200": 4.8, "H100 SXM": 3.35, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.04,
              "A100": 1.55, "L40S": 0.864, "L4": 0.3}
 # Llama-3.2-1B's shape: 1.24 B parameters, tied embeddings, GQA 32/8, head_dim 64.
@@ -455,6 +459,16 @@ def gpu_info() -> dict:
     return info
 
 
+def trtllm_contract() -> dict:
+    """The TensorRT-LLM stand-in the adapter's tests run against, compared with the real package
+    (tests/plugins/test_tensorrt_llm_contract.py) with the package required: a GPU machine without
+    tensorrt_llm fails this section, saying so."""
+    test = ROOT / "tests" / "plugins" / "test_tensorrt_llm_contract.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=ROOT,
+                          env={**os.environ, "KVGATE_REQUIRE_TRTLLM": "1"}, capture_output=True, text=True, timeout=600)
+    return {"ok": proc.returncode == 0, "output": proc.stdout[-3000:]}
+
+
 def run_sections(names, args) -> dict:
     from native_backend.loader import default_gguf_path
 
@@ -475,6 +489,7 @@ def run_sections(names, args) -> dict:
                 "parity": lambda: parity(model_path, hf),
                 "throughput": lambda: throughput(model_path, hf),
                 "bandwidth": lambda: bandwidth(peak_tbps=args.peak_tbps),
+                "trtllm": trtllm_contract,
             }[name]()
         except Exception as exc:  # noqa: BLE001 - one section's failure is reported, the rest run
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
@@ -496,6 +511,8 @@ def summary_line(name: str, r: dict) -> str:
     head = f"{name:<11} {'ok  ' if r.get('ok') else 'FAIL'} {r.get('seconds', 0):6.1f} s"
     if "error" in r or "skipped" in r:
         return f"{head}  {r.get('error') or r.get('skipped')}"
+    if name == "trtllm":
+        return f"{head}  the stand-in {'declares' if r['ok'] else 'differs from'} what tensorrt_llm declares"
     if name == "kernels":
         worst = max((c.get("attention_max_err", 0) for c in r["results"]), default=0)
         return f"{head}  {r['cases'] - r['failed']}/{r['cases']} cases, worst attention error {worst:.2e}"

@@ -123,3 +123,11 @@ def test_the_summary_names_each_section_figure():
     line = gpu_check.summary_line("bandwidth", {"ok": True, "seconds": 5.0, "runs": [
         {"tok_s": 200.0, "achieved_tbps": 0.5, "utilisation": 0.104}]})
     assert "200 tok/s, 0.50 TB/s, 10.4% of peak" in line
+
+
+def test_the_trtllm_section_runs_the_contract_with_the_real_package_required():
+    result = gpu_check.trtllm_contract()
+    if importlib.util.find_spec("tensorrt_llm") is None:  # here: the section fails, saying why
+        assert not result["ok"] and "required here: KVGATE_REQUIRE_TRTLLM is set" in result["output"]
+    else:
+        assert result["ok"], result["output"]
