@@ -4,6 +4,7 @@ onto chat (gateway.translate), OpenAI's /v1/responses and Anthropic's /v1/messag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 
@@ -126,15 +127,10 @@ async def _serve(request: Request, parse, id_prefix: str):
     state = request.app.state.kvgate
     registry, config = state.registry, state.config  # one consistent view across a reload
     key = _api_key(request)
-    if key is not None:
-        await _check_key(state, key)  # a key at its limit costs no body read and no parsing
-    try:
+    await check_key_before_parsing(request)
+    with refusals_counted(request):
         limits = config.server.limits
         parsed, pool, sla = _parse_and_route(request, state, key, parse, await _json_body(request, limits), limits)
-    except APIError:
-        if key is not None:
-            state.limiter.count_refused(key)  # a refused request is still one of the key's minute
-        raise
     if key is not None:
         await _admit_key(state, key, parsed.num_choices, (parsed.sampling.max_tokens or 0) * parsed.num_choices)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
@@ -236,6 +232,26 @@ def _parse_and_route(request: Request, state, key: ApiKey | None, parse, body, l
         parsed = parsed.translation.routed(parsed, pool.declared())
     pool.check_servable(parsed.needs)
     return parsed, pool, _sla_class(request, state, key)
+
+
+async def check_key_before_parsing(request: Request) -> None:
+    """A key at its limit is refused (429) before its body is read or parsed: it costs nothing."""
+    key = _api_key(request)
+    if key is not None:
+        await _check_key(request.app.state.kvgate, key)
+
+
+@contextlib.contextmanager
+def refusals_counted(request: Request):
+    """A request refused before admission (an APIError: 400, 403, 404, 413) still counts as one
+    of its key's requests per minute."""
+    try:
+        yield
+    except APIError:
+        key = _api_key(request)
+        if key is not None:
+            request.app.state.kvgate.limiter.count_refused(key)
+        raise
 
 
 async def _check_key(state, key: ApiKey) -> None:

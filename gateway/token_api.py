@@ -35,7 +35,9 @@ from gateway.token_schemas import parse_detokenize, parse_embeddings, parse_toke
 
 async def embeddings(request: Request):
     limits = request.app.state.kvgate.config.server.limits
-    parsed = parse_embeddings(await api._json_body(request, limits), limits)
+    await api.check_key_before_parsing(request)
+    with api.refusals_counted(request):
+        parsed = parse_embeddings(await api._json_body(request, limits), limits)
 
     def build(request_id, priority, trace):
         return EmbeddingRequest(request_id=request_id, model=parsed.model, inputs=parsed.inputs,
@@ -77,8 +79,10 @@ async def detokenize(request: Request):
 async def _token_call(request: Request, parse, request_type, operation: str, method) -> "_Call":
     """Parse a /tokenize or /detokenize body and make its call (the model may be left out)."""
     limits = request.app.state.kvgate.config.server.limits
-    parsed = parse(await api._json_body(request, limits), limits)
-    model = _model_or_only_one(request, parsed.model)
+    await api.check_key_before_parsing(request)
+    with api.refusals_counted(request):
+        parsed = parse(await api._json_body(request, limits), limits)
+        model = _model_or_only_one(request, parsed.model)
 
     def build(request_id, priority, trace):
         return request_type(request_id=request_id, model=model, priority=priority, trace_context=trace,
@@ -115,9 +119,10 @@ class _Call:
 async def _serve(request: Request, model: str, needs, operation: str, id_prefix: str, build, call) -> _Call:
     state = request.app.state.kvgate
     key = api._api_key(request)
-    pool = api._resolve_pool(state, key, model)
-    pool.check_servable(needs)
-    sla = api._sla_class(request, state, key)
+    with api.refusals_counted(request):
+        pool = api._resolve_pool(state, key, model)
+        pool.check_servable(needs)
+        sla = api._sla_class(request, state, key)
     if key is not None:
         await api._admit_key(state, key, 1, 0)  # nothing is generated: no tokens reserved up front
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"

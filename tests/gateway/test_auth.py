@@ -306,3 +306,17 @@ def test_a_key_may_use_its_default_class_and_only_the_classes_it_opted_in_to(ent
         else:
             with pytest.raises(PermissionDenied, match=f"may not use SLA class '{name}'"):
                 key.check_sla_class(name, "x-sla-class")
+
+
+@pytest.mark.parametrize("path,good,bad", [
+    ("/v1/embeddings", {"model": "echo", "input": "a b"}, {"model": "echo", "input": "a", "dimensions": 0}),
+    ("/tokenize", {"model": "echo", "prompt": "a b"}, {"model": "echo", "prompt": "a", "nonsense": 1}),
+])
+def test_the_token_endpoints_admit_keys_before_parsing_and_count_refusals(gw, path, good, bad):
+    """bob: 3 requests/min, spent here on refused bodies; then even a good one is a 429, and a
+    body that could not be parsed is refused as a 429 before it is."""
+    for _ in range(3):
+        assert call(gw, "POST", path, key=BOB, json=bad).status_code == 400
+    assert call(gw, "POST", path, key=BOB, json=good).status_code == 429
+    r = call(gw, "POST", path, key=BOB, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 429
