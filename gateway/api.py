@@ -73,9 +73,18 @@ def _model_card(pool) -> dict:
     their weights are stored (several formats joined)."""
     running = [(d, d.backend.load().info) for d in pool.deployments if d.started]
     lengths = [int(info["max_model_len"]) for _, info in running if info.get("max_model_len")]
-    card = {"root": _root(pool, running), "parent": None, "max_model_len": min(lengths, default=None)}
+    card = {"root": _root(pool, running), "parent": None, "max_model_len": min(lengths, default=None),
+            "capabilities": _capabilities(pool)}
     formats = sorted({info.get("weights") for _, info in running} - {None})
     return {**card, "weights": ", ".join(formats)} if formats else card
+
+
+def _capabilities(pool) -> dict:
+    """What some deployment of the model serves (gateway.capabilities): the endpoints (whether
+    it embeds, tokenizes) and request features (tools, json_schema, ...)."""
+    declared = [caps for _, caps in pool.declared()]
+    return {"endpoints": sorted(set().union(*(c.endpoints for c in declared))),
+            "features": sorted(set().union(*(c.features for c in declared)))}
 
 
 def _root(pool, running: list) -> str:

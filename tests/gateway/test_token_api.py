@@ -169,3 +169,12 @@ def test_metered_and_traced_like_completions(gw, exporter):
 def test_openapi_lists_the_new_endpoints(gw):
     paths = httpx.get(gw.base_url + "/openapi.json", headers={"authorization": "Bearer sk-open-00001"}).json()["paths"]
     assert {"/v1/embeddings", "/tokenize", "/detokenize"} <= set(paths)
+
+
+def test_models_say_which_models_embed_and_tokenize(gw):
+    cards = {m["id"]: m for m in httpx.get(gw.base_url + "/v1/models", timeout=10,
+                                            headers={"authorization": "Bearer sk-open-00001"}).json()["data"]}
+    assert {"embeddings", "tokenize"} <= set(cards["echo"]["capabilities"]["endpoints"])
+    assert "embeddings" not in cards["chat-only"]["capabilities"]["endpoints"]
+    assert "tools" not in cards["chat-only"]["capabilities"]["features"]
+    assert "tools" in cards["scripted"]["capabilities"]["features"]

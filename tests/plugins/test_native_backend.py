@@ -343,6 +343,7 @@ def test_tokenize_counts_exactly_the_tokens_a_chat_reads(gw, client):
     tokens = _tokenize(gw, messages=messages, return_token_strs=True)
     out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
     assert tokens["count"] == len(tokens["tokens"]) == out.usage.prompt_tokens
+    assert tokens["max_model_len"] >= tokens["count"]  # the engine's context, as /v1/models shows it
     assert "".join(tokens["token_strs"]).endswith("<|im_start|>assistant\n")
     r = httpx.post(gw.base_url + "/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]}, timeout=60)
     text = r.json()["prompt"]
