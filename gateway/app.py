@@ -171,6 +171,7 @@ ROUTES = [
     Route("/v1/messages", api.messages, methods=["POST"]),
     Route("/v1/embeddings", token_api.embeddings, methods=["POST"]),
     Route("/tokenize", token_api.tokenize, methods=["POST"]),
+    Route("/v1/messages/count_tokens", token_api.count_message_tokens, methods=["POST"]),
     Route("/detokenize", token_api.detokenize, methods=["POST"]),
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
@@ -212,7 +213,7 @@ def create_app(state: GatewayState):
     app = HotRoutes(app, {"/v1/completions": api.completions, "/v1/chat/completions": api.chat_completions})
     app = AuthMiddleware(app, keys_of=lambda: state.keys)
     app = BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
-    return AnthropicErrors(app, paths=frozenset({"/v1/messages"}))
+    return AnthropicErrors(app, paths=frozenset({"/v1/messages", "/v1/messages/count_tokens"}))
 
 
 class HotRoutes:

@@ -54,6 +54,7 @@ def openapi_document(models: list[str], limits: RequestLimits, served: Capabilit
         "/v1/messages": {"post": _generation("Create a message (Anthropic Messages API)",
                                              _messages_body(defs, models, limits, served), error="AnthropicError")},
         **token_paths,
+        **_count_tokens_path(defs, models, limits, served),
         "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
         "/health": {"get": {"summary": "Can serve every model (vLLM's health check)",
                             "responses": _responses({"type": "object"})}},
@@ -206,22 +207,37 @@ def _responses_body(defs: dict, models: list[str], limits: RequestLimits, served
     return body
 
 
-def _messages_body(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
-    """The Anthropic Messages request, its blocks filled in as for Responses."""
+def _count_tokens_path(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
+    """Anthropic's count_tokens, where some deployment serves tokenize (it counts with it)."""
+    if "tokenize" not in served.endpoints:
+        return {}
+    body = _messages_body(defs, models, limits, served, anthropic.CountTokensBody)
+    return {"/v1/messages/count_tokens": {"post": {
+        "summary": "Count a message's input tokens (Anthropic Messages API)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": _responses({"type": "object"}, error="AnthropicError")}}}
+
+
+def _messages_body(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities,
+                   model=anthropic.MessagesBody) -> dict:
+    """The Anthropic Messages request (or `model`: count_tokens'), its blocks filled in as for
+    Responses."""
     a = anthropic
-    body = _body_schema(a.MessagesBody, defs, models, limits, DEFAULT_CAPABILITIES)
+    body = _body_schema(model, defs, models, limits, DEFAULT_CAPABILITIES)
     props = body["properties"]
     props["messages"]["items"] = _one_of([a.MessageParam], defs)
-    defs["MessageParam"]["properties"]["content"] = _text_or(_one_of([a.TextBlock, a.ToolUseBlock,
-                                                                       a.ToolResultBlock], defs))
+    defs["MessageParam"]["properties"]["content"] = _text_or(_one_of(
+        [a.TextBlock, a.ToolUseBlock, a.ToolResultBlock, a.ThinkingBlock, a.RedactedThinkingBlock], defs))
     defs["ToolResultBlock"]["properties"]["content"] = _optional(_text_or(_one_of([a.TextBlock], defs)))
     props["system"] = _optional(_text_or(_one_of([a.TextBlock], defs)))
     props["tools"] = _tools(_one_of([a.AnthropicTool], defs), limits, served)
     props["tool_choice"] = _optional(_one_of([a.AnthropicToolChoice], defs))
-    text = {"type": "string", "maxLength": limits.max_stop_chars}
-    props["stop_sequences"] = _optional({"type": "array", "items": text, "maxItems": limits.max_stop})
+    if "stop_sequences" in props:
+        text = {"type": "string", "maxLength": limits.max_stop_chars}
+        props["stop_sequences"] = _optional({"type": "array", "items": text, "maxItems": limits.max_stop})
     for name in ("container", "mcp_servers", "context_management"):
-        props[name] = {"type": "null", "description": "Not supported."}
+        if name in props:
+            props[name] = {"type": "null", "description": "Not supported."}
     return body
 
 

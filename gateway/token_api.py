@@ -31,6 +31,7 @@ from gateway.errors import APIError, BackendError, BackendTimeout, InvalidReques
 from gateway.plugins import notify
 from gateway.recorder import RequestRecorder
 from gateway.token_schemas import parse_detokenize, parse_embeddings, parse_tokenize
+from gateway.translate.anthropic import parse_count_tokens
 
 
 async def embeddings(request: Request):
@@ -74,6 +75,24 @@ async def detokenize(request: Request):
     tokens = len(call.backend_request.tokens)
     call.recorder.finish(200, {"prompt_tokens": tokens, "total_tokens": tokens})
     return api.FastJSONResponse({"prompt": call.answer})
+
+
+async def count_message_tokens(request: Request):
+    """Anthropic's POST /v1/messages/count_tokens: the conversation tokenized by a deployment
+    that serves tokenize, with the model's own chat template; answered {"input_tokens": n}."""
+    limits = request.app.state.kvgate.config.server.limits
+    parsed = parse_count_tokens(await api._json_body(request, limits), limits)
+
+    def build(request_id, priority, trace):
+        return TokenizeRequest(request_id=request_id, model=parsed.model, priority=priority, trace_context=trace,
+                               needs=parsed.needs, **parsed.fields)
+
+    call = await _serve(request, parsed.model, parsed.needs, "tokenize", "msg", build, _tokenize)
+    if call.answer is None:
+        return call.closed()
+    count = len(call.answer.tokens)
+    call.recorder.finish(200, {"prompt_tokens": count, "total_tokens": count})
+    return api.FastJSONResponse({"input_tokens": count})
 
 
 async def _token_call(request: Request, parse, request_type, operation: str, method) -> "_Call":

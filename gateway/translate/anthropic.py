@@ -33,8 +33,9 @@ from pydantic import Field, model_validator
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.token_schemas import ParsedTokenize, parse_tokenize
 from gateway.translate.common import (
-    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
+    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renamed_error, renames, typed, validated)
 
 # ---------------------------------------------------------------------------------- errors
 
@@ -163,6 +164,17 @@ class MessagesBody(_Strict):
         return self
 
 
+class CountTokensBody(_Strict):
+    """POST /v1/messages/count_tokens: what would be sent, without max_tokens."""
+
+    model: str = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)
+    system: str | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
+
+
 RENAMES = renames((r"\bmax_(?:completion_)?tokens\b", "max_tokens"), (r"\bstop\b", "stop_sequences"),
                   (r"(tools\[\d+\])\.function\.parameters\b", r"\1.input_schema"),
                   (r"(tools\[\d+\])\.function\b", r"\1"))
@@ -174,6 +186,21 @@ def parse_messages(body: Any, limits: RequestLimits) -> ParsedRequest:
         raise InvalidRequestError("The request body must be a JSON object.")
     req = validated(MessagesBody, body)
     return parse_translated(chat_body(req), limits, RENAMES, AnthropicTranslation(req))
+
+
+def parse_count_tokens(body: Any, limits: RequestLimits) -> ParsedTokenize:
+    """A count_tokens request as a chat-form /tokenize request (the model's own chat template
+    renders the conversation, with the generation prompt, as a generation would)."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    req = validated(CountTokensBody, body)
+    tokenize: dict = {"model": req.model, "messages": _messages(req)}
+    if req.tools:
+        tokenize["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
+    try:
+        return parse_tokenize(tokenize, limits)
+    except InvalidRequestError as exc:
+        raise renamed_error(exc, RENAMES) from None
 
 
 def chat_body(req: MessagesBody) -> dict:
@@ -191,7 +218,7 @@ def chat_body(req: MessagesBody) -> dict:
     return body
 
 
-def _messages(req: MessagesBody) -> list[dict]:
+def _messages(req: MessagesBody | CountTokensBody) -> list[dict]:
     out: list[dict] = []
     if req.system is not None:
         system = _text(req.system, ("system",))

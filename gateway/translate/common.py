@@ -82,7 +82,7 @@ def parse_translated(chat_body: dict, limits: RequestLimits, renamed: Renames, t
     try:
         parsed = parse_chat(chat_body, limits)
     except InvalidRequestError as exc:
-        raise _renamed(exc, renamed) from None
+        raise renamed_error(exc, renamed) from None
     return replace(parsed, translation=translation)
 
 
@@ -91,7 +91,8 @@ def renames(*pairs: tuple[str, str]) -> Renames:
     return [(re.compile(pattern), theirs) for pattern, theirs in pairs]
 
 
-def _renamed(exc: InvalidRequestError, renamed: Renames) -> InvalidRequestError:
+def renamed_error(exc: InvalidRequestError, renamed: Renames) -> InvalidRequestError:
+    """`exc` naming the client API's parameters instead of chat's."""
     message, param = exc.message, exc.param
     for pattern, theirs in renamed:
         message = pattern.sub(theirs, message)

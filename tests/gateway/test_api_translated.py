@@ -151,6 +151,18 @@ def test_messages_raw_stream_is_anthropics_event_sequence(gw):
                      "content_block_stop", "message_delta", "message_stop"]
 
 
+def test_messages_count_tokens_tokenizes_the_conversation_as_tokenize_does(gw, claude):
+    counted = claude.messages.count_tokens(model="echo", system="answer briefly",
+                                           messages=[{"role": "user", "content": PROMPT}])
+    tokenized = httpx.post(gw.base_url + "/tokenize", headers={"x-api-key": KEY}, json={
+        "model": "echo", "messages": [{"role": "system", "content": "answer briefly"},
+                                      {"role": "user", "content": PROMPT}]}).json()
+    assert counted.input_tokens == tokenized["count"] == 7  # the echo backend: a token per word
+    r = httpx.post(gw.base_url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, json={"model": "echo"})
+    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
+                                                          "message": "Missing required parameter: 'messages'."}
+
+
 def test_messages_without_max_tokens_is_anthropics_400(gw):
     body = {"model": "echo", "messages": [{"role": "user", "content": "x"}]}  # (the SDK insists on max_tokens)
     r = httpx.post(gw.base_url + "/v1/messages", json=body, headers={"x-api-key": KEY})
