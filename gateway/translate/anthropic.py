@@ -20,6 +20,7 @@ null. Streamed, Anthropic's events: message_start, ping, per block content_block
 content_block_delta (text_delta | input_json_delta) ..., content_block_stop, then
 message_delta (stop_reason and the usage) and message_stop; a failure after the start is an
 `error` event. Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+POST /v1/messages/count_tokens is the same conversation as a chat-form /tokenize request.
 """
 
 from __future__ import annotations

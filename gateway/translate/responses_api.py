@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (POST /v1/responses), its stateless subset, translated onto chat.
+"""OpenAI's Responses API (POST /v1/responses), its stateless subset: translated onto chat, or
+passed through to deployments that serve it themselves (`ResponsesTranslation.routed`).
 
 Request: `input` (a string, or items: messages, `function_call`, `function_call_output`),
 `instructions` (a system message before the input), `max_output_tokens`, `temperature`, `top_p`,
