@@ -25,6 +25,7 @@ from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
 from gateway.limits_store import make_limiter
+from gateway.sessions import SessionBook
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_json
@@ -58,6 +59,7 @@ class GatewayState:
     streams: set = field(default_factory=set)  # tasks serving SSE streams right now
     started_at: float = field(default_factory=time.time)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sessions: SessionBook = field(default_factory=SessionBook)  # status-page sign-outs and failed sign-ins
 
 
 def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
@@ -211,7 +213,7 @@ def create_app(state: GatewayState):
     )
     app.state.kvgate = state
     app = HotRoutes(app, {"/v1/completions": api.completions, "/v1/chat/completions": api.chat_completions})
-    app = AuthMiddleware(app, keys_of=lambda: state.keys)
+    app = AuthMiddleware(app, keys_of=lambda: state.keys, sessions=state.sessions)
     app = BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
     return AnthropicErrors(app, paths=frozenset({"/v1/messages", "/v1/messages/count_tokens"}))
 

@@ -27,6 +27,7 @@ OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/version"})
 # only its own models on /status.json and gets no /metrics.
 OPERATOR_PATHS = frozenset({"/metrics", "/status", "/status.json"})
 LOGIN_PATH, LOGOUT_PATH = "/status/login", "/status/logout"
+MIN_ADMIN_KEY = 16  # characters: the admin key can be guessed at the sign-in form
 
 
 def _digest(secret: str) -> bytes:
@@ -89,6 +90,9 @@ class KeyStore:
         if len(set(names)) != len(names):
             raise ValueError("auth.keys: two keys share a name")
         admin = _env_secret("auth.admin_key_env", auth.admin_key_env, env) if auth.admin_key_env else None
+        if admin is not None and len(admin) < MIN_ADMIN_KEY:
+            raise ValueError(f"auth.admin_key_env: the admin key is shorter than {MIN_ADMIN_KEY} characters "
+                             "(it signs the status page's sessions; e.g. `openssl rand -hex 24`)")
         return cls(keys, _digest(admin) if admin else None)
 
     def lookup(self, presented: str) -> ApiKey | None:
@@ -289,9 +293,10 @@ class AuthMiddleware:
     the admin key. The matched key is put in `scope["state"]["api_key"]`; `scope["state"]
     ["operator"]` is True for whoever may see every model on the operator pages."""
 
-    def __init__(self, app, keys_of):
+    def __init__(self, app, keys_of, sessions=None):
         self.app = app
         self.keys_of = keys_of  # () -> KeyStore; read per request, so a reload takes effect
+        self.sessions = sessions  # a sessions.SessionBook: sessions signed out
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -331,7 +336,7 @@ class AuthMiddleware:
         from gateway.asgi import send_error
 
         path = scope["path"]
-        signed_in = sessions.valid(sessions.cookie_of(headers), store.admin_digest)
+        signed_in = sessions.valid(sessions.cookie_of(headers), store.admin_digest, book=self.sessions)
         if signed_in and (path in OPERATOR_PATHS or path == LOGOUT_PATH):
             scope["state"]["operator"] = True
             return await self.app(scope, receive, send)

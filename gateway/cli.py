@@ -90,7 +90,7 @@ def _serve(args) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.slow_clients import deadline_protocol
+    from gateway.slow_clients import uvicorn_options
 
     state = _load_state(args.config)
     if state is None:
@@ -105,7 +105,7 @@ def _serve(args) -> int:
         port=server.port if args.port is None else args.port,
         log_level=server.log_level,
         timeout_graceful_shutdown=server.shutdown_timeout_s,
-        http=deadline_protocol(server.connections),
+        **uvicorn_options(server),
     )
     return 0
 

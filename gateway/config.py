@@ -53,6 +53,16 @@ class RequestLimits(StrictModel):
                                            "tokenize request, in characters.")
 
 
+def check_networks(cidrs: list[str] | None) -> list[str] | None:
+    """Each entry a network such as 10.0.0.0/8 (a bare address is a /32 or /128)."""
+    for cidr in cidrs or ():
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ValueError(f"'{cidr}' is not a network (e.g. 10.0.0.0/8)") from None
+    return cidrs
+
+
 class ConnectionLimits(StrictModel):
     """What one client connection may hold (per gateway process): slow clients are cut off."""
 
@@ -70,6 +80,11 @@ class ServerConfig(StrictModel):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
     limits: RequestLimits = RequestLimits()
     connections: ConnectionLimits = ConnectionLimits()
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="Networks (CIDRs) of proxies whose X-Forwarded-Proto is believed "
+        "(a TLS-terminating ingress): the status page's session cookie is then Secure.")
+
+    _networks = field_validator("trusted_proxies")(classmethod(lambda cls, cidrs: check_networks(cidrs)))
     log_level: str = Field("info", description="uvicorn/gateway log level.")
     readiness: Literal["all", "any"] = Field(
         "all", description="/health/ready is 200 when every deployment is up (all), or when every "
@@ -109,15 +124,7 @@ class DiscoveryConfig(StrictModel):
     remember_s: float = Field(60.0, ge=0, description="Seconds a member is remembered after it left DNS and "
                               "drained: one back within them keeps its circuit breaker's state.")
 
-    @field_validator("allowed_cidrs")
-    @classmethod
-    def _networks(cls, cidrs: list[str] | None) -> list[str] | None:
-        for cidr in cidrs or ():
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                raise ValueError(f"'{cidr}' is not a network (e.g. 10.0.0.0/8)") from None
-        return cidrs
+    _networks = field_validator("allowed_cidrs")(classmethod(lambda cls, cidrs: check_networks(cidrs)))
 
     @field_validator("dns")
     @classmethod

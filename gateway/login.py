@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse
 
 from gateway import sessions
-from gateway.errors import AuthenticationError, RequestTooLarge
+from gateway.errors import AuthenticationError, RateLimited, RequestTooLarge
 
 log = logging.getLogger("kvgate.auth")
 
@@ -38,18 +38,31 @@ async def status_login(request: Request):
     store = request.app.state.kvgate.keys
     if not request.headers.get("content-type", "").startswith(FORM):
         raise AuthenticationError("Sign in with the form at /status, or send a key as a Bearer token.")
+    book: sessions.SessionBook = request.app.state.kvgate.sessions
+    client = request.client.host if request.client else "?"
+    wait = book.wait_s(client)
+    if wait:
+        raise RateLimited(f"Too many wrong keys from this address; try again in {wait:.0f} s.", retry_after_s=wait)
     key = await _form_field(request, "key")
     if not key or not store.is_admin(key):
         # For the operator (repeated failures are someone guessing); never the key itself.
-        log.warning("status page: a sign-in with a wrong key from %s", request.client.host if request.client else "?")
+        log.warning("status page: a sign-in with a wrong key from %s", client)
+        book.failed(client)
         return page(store, "That is not the admin key.")
     response = RedirectResponse("/status", status_code=303)
     response.headers["set-cookie"] = sessions.set_cookie_header(
-        sessions.issue(store.admin_digest), secure=request.url.scheme == "https")
+        sessions.issue(store.admin_digest), secure=_https(request))
     return response
 
 
+def _https(request: Request) -> bool:
+    """Whether the browser reached us over TLS: our own scheme, which uvicorn takes from
+    X-Forwarded-Proto when a proxy in server.trusted_proxies (a TLS-terminating ingress) sent it."""
+    return request.url.scheme == "https"
+
+
 async def status_logout(request: Request):
+    request.app.state.kvgate.sessions.revoke(sessions.cookie_of(dict(request.scope["headers"])))
     response = RedirectResponse("/status", status_code=303)
     response.headers["set-cookie"] = sessions.clear_cookie_header()
     return response

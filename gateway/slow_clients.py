@@ -20,9 +20,17 @@ import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.config import ConnectionLimits
+from gateway.config import ConnectionLimits, ServerConfig
 
 log = logging.getLogger("kvgate.connections")
+
+
+def uvicorn_options(server: ServerConfig) -> dict:
+    """How uvicorn serves client connections: with the deadlines and cap here, and believing
+    X-Forwarded-For/-Proto only from server.trusted_proxies (uvicorn's default trusts 127.0.0.1:
+    anything on the gateway's host could then claim https or another client address)."""
+    return {"http": deadline_protocol(server.connections), "proxy_headers": bool(server.trusted_proxies),
+            "forwarded_allow_ips": ",".join(server.trusted_proxies) or None}
 
 
 def deadline_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:

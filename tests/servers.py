@@ -49,12 +49,12 @@ class GatewayServer:
     def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30,
                  span_exporter=None, host: str = "127.0.0.1", port: int = 0):
         from gateway.plugins import make_plugin_manager
-        from gateway.slow_clients import deadline_protocol
+        from gateway.slow_clients import uvicorn_options
 
         self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins),
                                  span_exporter=span_exporter)
         config = uvicorn.Config(create_app(self.state), host=host, port=port, log_level="warning",
-                                http=deadline_protocol(self.state.config.server.connections))
+                                **uvicorn_options(self.state.config.server))
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -156,3 +156,50 @@ def test_status_page_sign_in_in_headless_chromium(gw, tmp_path):
         page.wait_for("document.querySelector('form#login') !== null")  # the page asks to sign in again
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("value", ["²" * 3 + ".x.y", "9" * 5000 + ".x.y", "1.2", "١٢٣.abc.def", "..", "x" * 300])
+def test_a_malformed_session_cookie_is_a_401_not_a_500(gw, value):
+    r = get(gw, "/status.json", headers={"cookie": f"{sessions.COOKIE}={value}".encode()})
+    assert r.status_code == 401, r.text
+
+
+def test_sign_out_revokes_the_session(gw):
+    value = sign_in(gw, ADMIN).headers["set-cookie"].split(";")[0].split("=", 1)[1]
+    session = {"cookie": f"{sessions.COOKIE}={value}"}
+    assert get(gw, "/status.json", headers=session).status_code == 200
+    assert httpx.post(gw.base_url + "/status/logout", headers=session, follow_redirects=False).status_code == 303
+    assert get(gw, "/status.json", headers=session).status_code == 401  # a copy of the cookie is dead too
+
+
+def own_gateway(monkeypatch, server: str = ""):
+    monkeypatch.setenv("TEST_ADMIN_KEY", ADMIN)
+    return GatewayServer(server + CONFIG)
+
+
+def test_repeated_wrong_keys_are_throttled(monkeypatch):
+    with own_gateway(monkeypatch) as gw:
+        for _ in range(5):
+            assert sign_in(gw, "sk-guess-0123456789").status_code == 401
+        r = sign_in(gw, ADMIN)  # even the right key waits now: the guesser cannot tell
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
+
+
+@pytest.mark.parametrize("server,secure", [
+    ("server: {trusted_proxies: [127.0.0.1/32]}\n", True),  # the ingress that terminated TLS
+    ("", False),  # anyone else's X-Forwarded-Proto is ignored (uvicorn's default believed loopback)
+])
+def test_the_cookie_is_secure_behind_a_trusted_tls_proxy(monkeypatch, server, secure):
+    with own_gateway(monkeypatch, server) as gw:
+        r = httpx.post(gw.base_url + "/status/login", data={"key": ADMIN}, headers={"x-forwarded-proto": "https"},
+                       follow_redirects=False)
+        assert r.status_code == 303
+        assert ("; Secure" in r.headers["set-cookie"]) is secure
+
+
+def test_a_short_admin_key_is_refused(monkeypatch):
+    from gateway.auth import KeyStore
+
+    monkeypatch.setenv("TEST_ADMIN_KEY", "short-key")
+    with pytest.raises(ValueError, match="the admin key is shorter than 16 characters"):
+        KeyStore.of(parse_config(CONFIG))
