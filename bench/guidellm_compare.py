@@ -2,12 +2,15 @@
 
 Targets, one after the other, each measured by `bash bench/guidellm.sh run` with the same profile
 (GuideLLM 0.8.1, its /health check on, a concurrent profile of --streams streams for --seconds
-seconds, synthetic prompts of PROMPT_TOKENS and outputs of OUTPUT_TOKENS tokens, ignore_eos):
+seconds, synthetic prompts of PROMPT_TOKENS and outputs of OUTPUT_TOKENS tokens with ignore_eos,
+on /v1/completions by default: llama.cpp's server honours max_tokens there, not GuideLLM's chat
+limit max_completion_tokens; it has no /health and ignores ignore_eos, so its check is off and
+its answers may end early at EOS: the table shows the output tokens per request):
 - `kvgate-native`: `kvgate serve --config configs/default.yaml` (`make serve`: kvgate's engine);
 - `llamacpp`: llama.cpp's own server on the same GGUF (bench/llamacpp_server.sh; skipped, saying
   so, when it is not built);
 - `kvgate-llamacpp`: kvgate (openai backend) in front of that llama.cpp server.
-Prints a Markdown table of GuideLLM's medians (TTFT, ITL, output tok/s per request, requests and
+Prints a Markdown table of GuideLLM's medians (TTFT, ITL, output tok/s per request; requests and
 output tokens per second of the whole run) and writes them, with the request counts, to --out.
 Machine load is printed too: on a shared box it moves every number.
 
@@ -57,26 +60,31 @@ def kvgate(config: Path, port: int) -> subprocess.Popen:
                  f"http://127.0.0.1:{port}/health", timeout=900)
 
 
-def measure(name: str, base: str, args, workdir: Path) -> dict:
+def measure(name: str, base: str, args, workdir: Path, has_health: bool = True) -> dict:
+    """GuideLLM's run against one target: the counts and medians of its JSON report."""
     out = workdir / f"{name}.json"
     print(f"[{time.strftime('%H:%M:%S')}] {name}: GuideLLM {args.seconds} s, {args.streams} streams; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    backend = f"request_format={args.request_format}" + ("" if has_health else ",validate_backend=false")
     subprocess.run(["bash", str(GUIDELLM), "run", base, str(out), str(args.seconds), str(args.streams)],
-                   check=True, stdout=subprocess.DEVNULL, stderr=(workdir / f"{name}.guidellm.log").open("wb"))
+                   check=True, stdout=subprocess.DEVNULL, stderr=(workdir / f"{name}.guidellm.log").open("wb"),
+                   env={**os.environ, "BACKEND_ARGS": backend})
     metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     med = {k: metrics[k]["successful"]["median"] for k in
            ("time_to_first_token_ms", "inter_token_latency_ms", "output_tokens_per_second")}
     return {"target": name, **metrics["request_totals"], **med,
+            "output_tokens_per_request": metrics["output_token_count"]["successful"]["mean"],
             "requests_per_s": metrics["requests_per_second"]["successful"]["mean"],
             "output_tokens_per_s_total": metrics["output_tokens_per_second"]["total"]["mean"]}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| target | requests ok / errored / incomplete | TTFT median (ms) | ITL median (ms) | "
-             "output tok/s per request (median) | requests/s | output tok/s (all streams) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| target | requests ok / errored / incomplete | output tokens per request (mean) | TTFT median (ms) | "
+             "ITL median (ms) | output tok/s per request (median) | requests/s | output tok/s (all streams) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['target']} | {r['successful']} / {r['errored']} / {r['incomplete']} | "
+                     f"{r['output_tokens_per_request']:.1f} | "
                      f"{r['time_to_first_token_ms']:.0f} | {r['inter_token_latency_ms']:.1f} | "
                      f"{r['output_tokens_per_second']:.1f} | {r['requests_per_s']:.2f} | "
                      f"{r['output_tokens_per_s_total']:.1f} |")
@@ -88,6 +96,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=30)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--no-llamacpp", action="store_true", help="kvgate over its own engine only")
+    parser.add_argument("--request-format", default="/v1/completions",
+                        help="GuideLLM's request_format; completions by default: llama.cpp's server honours "
+                             "max_tokens there (its chat ignores max_completion_tokens, GuideLLM's chat limit)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/guidellm_compare.json"))
     args = parser.parse_args()
     built = subprocess.run(["bash", str(LLAMACPP), "python"], capture_output=True, text=True).stdout.strip()
@@ -109,7 +120,7 @@ def main() -> None:
                                    f"http://127.0.0.1:{upstream}/v1/models", timeout=300))
                 base = f"http://127.0.0.1:{upstream}"
                 warm_up(base, "smollm2")
-                rows.append(measure("llamacpp", base, args, workdir))
+                rows.append(measure("llamacpp", base, args, workdir, has_health=False))
                 front = workdir / "front.yaml"
                 front.write_text(FRONT.format(base=base))
                 port = free_port()
@@ -123,6 +134,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "profile": {"kind": "concurrent", "streams": args.streams, "seconds": args.seconds,
+                    "request_format": args.request_format,
                     "prompt_tokens": int(os.environ.get("PROMPT_TOKENS", 128)),
                     "output_tokens": int(os.environ.get("OUTPUT_TOKENS", 64))},
         "guidellm": "0.8.1", "load_average": {"start": load_start, "end": os.getloadavg()[0]},
