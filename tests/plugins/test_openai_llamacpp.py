@@ -220,3 +220,19 @@ def test_tokenize_and_detokenize_through_kvgate_equal_llamacpp(features):
     refused = httpx.post(front.base_url + "/tokenize", timeout=120,
                          json={"model": "smol-tools", "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
+def test_a_json_schema_reaches_llama_cpp_python_in_its_own_shape(features):
+    _, direct, front = features
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    messages = [{"role": "user", "content": "Invent a person."}]
+    want = direct.chat.completions.create(model="smollm2-tools", messages=messages, temperature=0, max_tokens=48,
+                                          response_format={"type": "json_object", "schema": schema})
+    got = front.openai(timeout=180).chat.completions.create(
+        model="smol-tools", messages=messages, temperature=0, max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert got.choices[0].message.content == want.choices[0].message.content
+    if got.choices[0].finish_reason == "stop":
+        value = json.loads(got.choices[0].message.content)
+        assert isinstance(value["name"], str) and isinstance(value["age"], int)

@@ -318,3 +318,11 @@ def test_wire_reads_the_shapes_servers_send_for_tool_calls_and_reasoning():
     assert event.usage.prompt_tokens == 3 and event.refusal == "" and event.text == ""
     plain = wire.chunk_event({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}, chat=True)
     assert plain.text == "hi" and plain.tool_calls == ()
+
+
+def test_a_json_schema_goes_to_llama_cpp_python_as_its_json_object_with_a_schema():
+    from kvgate_openai import wire
+
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}
+    wire.json_schema_as_json_object(body)
+    assert body["response_format"] == {"type": "json_object", "schema": {"type": "object"}}

@@ -51,6 +51,8 @@ class OpenAIBackend(TokenCalls):
         self._aborted: set[str] = set()
         self._scrub = upstream_errors.Scrubber(None)
         self._capabilities = settings.declared()
+        # What this kind of server needs done to a chat body (llama-cpp-python: its JSON-schema shape).
+        self._adapt_body = wire.json_schema_as_json_object if settings.server == "llama_cpp_python" else None
 
     def capabilities(self) -> Capabilities:
         """Its server kind's defaults, with the deployment's `settings.capabilities` over them."""
@@ -120,6 +122,8 @@ class OpenAIBackend(TokenCalls):
         layers once, not once each (an upstream that writes faster than we read sends several
         chunks per read)."""
         path, body = wire.request_body(request, self.settings.chat_max_tokens_field)
+        if self._adapt_body is not None:
+            self._adapt_body(body)
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_s
         pool = self._claim()
         response = None

@@ -12,7 +12,7 @@ server does without extra flags:
 | sglang | chat, completions | all | - |
 | trtllm (trtllm-serve) | chat, completions | logprobs, n (tools need --tool_parser, JSON a guided-decoding backend) | - |
 | llamacpp (llama-server) | chat, completions, embeddings, tokenize | tools (--jinja), json_object, json_schema, logprobs, n | llama-server |
-| llama_cpp_python | chat, completions, embeddings, tokenize | tools (chat_format chatml-function-calling), json_object, json_schema, logprobs, n | llama-cpp-python |
+| llama_cpp_python | chat, completions, embeddings, tokenize | tools (chat_format chatml-function-calling), json_object, json_schema (sent as its json_object with a schema), logprobs, n | llama-cpp-python |
 | kvgate (another kvgate) | all | all | vLLM |
 
 `extras` are the vendor request fields each server documents (vLLM's SamplingParams extensions,

@@ -54,6 +54,14 @@ def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_t
     return (CHAT if chat else COMPLETIONS), body
 
 
+def json_schema_as_json_object(body: dict) -> None:
+    """llama-cpp-python (0.3) takes a JSON schema as `{"type": "json_object", "schema": ...}`, not
+    as OpenAI's json_schema (which it refuses): the same constraint, in its words."""
+    fmt = body.get("response_format")
+    if fmt is not None and fmt.get("type") == "json_schema":
+        body["response_format"] = {"type": "json_object", "schema": fmt["json_schema"].get("schema") or {}}
+
+
 def _chat_features(body: dict, request: GenerationRequest) -> None:
     if request.tools:
         body["tools"] = request.tools
