@@ -117,7 +117,7 @@ class RequestRecorder:
         if self.done:
             return
         self.done = True
-        self.state.recent.finished(self.model, status, error)
+        self.state.recent.finished(self.model, status, error, self.key.name if self.key is not None else None)
         m = self.metrics
         m.requests.labels(self.model, self.deployment, self.sla_class, str(status)).inc()
         if status == 200:

@@ -29,14 +29,14 @@ class RecentActivity:
         self.failed = 0
         self.cancelled = 0  # clients that went away (499): not a failure of the service
 
-    def finished(self, model: str, status, error: str | None) -> None:
+    def finished(self, model: str, status, error: str | None, key: str | None = None) -> None:
         self.requests += 1
         if status == 499:
             self.cancelled += 1
         elif status != 200:
             self.failed += 1
             self.errors.appendleft({"time": time.time(), "model": model, "status": status,
-                                    "message": error or f"status {status}"})
+                                    "message": error or f"status {status}", "key": key})
 
 
 def percentile(values, q: float) -> float | None:
@@ -67,21 +67,32 @@ async def status_json(request: Request) -> JSONResponse:
             "ttft_p50": percentile(recent.ttft, 0.5), "ttft_p99": percentile(recent.ttft, 0.99),
             "tpot_p50": percentile(recent.tpot, 0.5), "tpot_p99": percentile(recent.tpot, 0.99),
         },
-        "recent_errors": list(recent.errors),
+        "recent_errors": list(recent.errors),  # with the key's name: the operator may see whose
         "limits_store": state.limiter.status(),
     })
 
 
 def _tenant_view(state, key) -> dict:
-    """What a client key sees: its own models and their recent errors; not the gateway-wide
-    totals, latencies or limits, which are every tenant's traffic."""
+    """What a client key sees: its own models' health and its own recent errors. Not the
+    deployments behind a model (their names hold pod addresses, their problems internal URLs),
+    nor other tenants' errors, totals or latencies."""
     return {
         "time": time.time(),
         "view": "key",
-        "models": [_pool(p) for p in state.registry.pools if key.may_use([p.name, *p.aliases])],
+        "models": [_tenant_pool(p) for p in state.registry.pools if key.may_use([p.name, *p.aliases])],
         "sla_classes": [c.model_dump() for c in state.config.sla_classes],
-        "recent_errors": [e for e in state.recent.errors if key.may_use([e["model"]])],
+        "recent_errors": [_without_key(e) for e in state.recent.errors if e.get("key") == key.name],
     }
+
+
+def _tenant_pool(pool) -> dict:
+    up = sum(1 for d in pool.deployments if d.started and d.backend.load().healthy)
+    return {"name": pool.name, "aliases": pool.aliases, "up": up > 0, "deployments_up": up,
+            "in_flight": pool.in_flight, "queued": pool.admission.queued}
+
+
+def _without_key(error: dict) -> dict:
+    return {k: v for k, v in error.items() if k != "key"}
 
 
 def _pool(pool) -> dict:

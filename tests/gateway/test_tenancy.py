@@ -203,3 +203,18 @@ def test_a_short_admin_key_is_refused(monkeypatch):
     monkeypatch.setenv("TEST_ADMIN_KEY", "short-key")
     with pytest.raises(ValueError, match="the admin key is shorter than 16 characters"):
         KeyStore.of(parse_config(CONFIG))
+
+
+def test_a_tenant_sees_its_models_health_and_its_own_errors_only(gw):
+    before = get(gw, "/status.json", ALICE).json()["recent_errors"]
+    # another key fails on the same model: its message is not alice's to read
+    httpx.post(gw.base_url + "/v1/completions", headers=_bearer(MONITOR),
+               json={"model": "echo", "prompt": "", "max_tokens": 2, "user": "monitor-secret"}, timeout=10)
+    mine = get(gw, "/status.json", ALICE).json()
+    assert mine["recent_errors"] == before and all("key" not in e for e in mine["recent_errors"])
+    [model] = mine["models"]
+    assert set(model) == {"name", "aliases", "up", "deployments_up", "in_flight", "queued"}  # no deployment
+    assert model["up"] is True and "echo-0" not in str(mine)  # names, addresses, problems, URLs
+    everything = get(gw, "/status.json", ADMIN).json()
+    assert {e["key"] for e in everything["recent_errors"]} >= {"alice", "bob", "monitor"}
+    assert everything["models"][0]["deployments"][0]["name"] == "echo-0"
