@@ -70,14 +70,19 @@ local function window_add(key, sum_key, now, weight, id)
   redis.call('EXPIRE', sum_key, 61)
 end
 
--- Seconds until the total drops under `limit` as old events expire (KeyLimiter's rule).
+-- Seconds until the total drops under `limit` as old events expire (KeyLimiter's rule). Read
+-- oldest first, a page at a time: a refusal usually ends within the first page, not the window.
 local function wait_below(key, total, limit, now)
-  local events = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
-  for i = 1, #events, 2 do
-    total = total - tonumber(string.match(events[i], '^(%d+):'))
-    if total < limit then return math.max(0, 60 - (now - tonumber(events[i + 1]))) end
+  local start = 0
+  while true do
+    local events = redis.call('ZRANGE', key, start, start + 63, 'WITHSCORES')
+    if #events == 0 then return 60 end
+    for i = 1, #events, 2 do
+      total = total - tonumber(string.match(events[i], '^(%d+):'))
+      if total < limit then return math.max(0, 60 - (now - tonumber(events[i + 1]))) end
+    end
+    start = start + 64
   end
-  return 60
 end
 
 local t = redis.call('TIME')
@@ -128,6 +133,17 @@ end
 return 0
 """
 
+# KEYS: req, req:sum, tok, tok:sum, flight. ARGV: request id, weight, tokens reserved. Takes back
+# an ADMIT whose answer never came (a timeout after it ran): the request is counted locally instead.
+UNDO = _TRIM + """
+redis.call('ZREM', KEYS[5], ARGV[1])
+if redis.call('ZREM', KEYS[1], ARGV[2] .. ':' .. ARGV[1]) == 1 then redis.call('DECRBY', KEYS[2], ARGV[2]) end
+if tonumber(ARGV[3]) > 0 and redis.call('ZREM', KEYS[3], ARGV[3] .. ':r' .. ARGV[1]) == 1 then
+  redis.call('DECRBY', KEYS[4], ARGV[3])
+end
+return 0
+"""
+
 # KEYS: req, req:sum. ARGV: request id. A request refused before admission, counted.
 COUNT = _TRIM + """
 window_total(KEYS[1], KEYS[2], now)
@@ -135,11 +151,12 @@ window_add(KEYS[1], KEYS[2], now, 1, ARGV[1])
 return 0
 """
 
-# KEYS: flight. ARGV: lease s, ids... Renews only leases that still exist (XX).
+# KEYS: flight. ARGV: lease s, ids... Renews the leases of requests still in flight here, and
+# recreates those a Redis restart (or an outage longer than a lease) lost: they still hold a slot.
 RENEW = """
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i]) end
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], deadline, ARGV[i]) end
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 1)
 return 0
 """
@@ -175,6 +192,7 @@ class RedisLimiter:
         self._finish = self.redis.register_script(FINISH)
         self._renew = self.redis.register_script(RENEW)
         self._count = self.redis.register_script(COUNT)
+        self._undo = self.redis.register_script(UNDO)
         self.local = KeyLimiter()
         self.up = True
         self.problem: str | None = None
@@ -199,6 +217,9 @@ class RedisLimiter:
                                                  key.max_concurrency or 0, request_id, self.lease_s, reserve, 0])
             except (RedisError, OSError) as exc:
                 self._went_down(exc)
+                # The script may have run and only its answer been lost: take it back once Redis
+                # answers, or the request would count twice (here and there) and hold a lease.
+                self._spawn(self._undo_in_redis(key, request_id, weight, reserve))
             else:
                 _raise_refusal(key, answer)
                 self._held[key.name].append(("redis", request_id, bool(key.max_concurrency), reserve))
@@ -250,6 +271,16 @@ class RedisLimiter:
         except (RedisError, OSError) as exc:
             self._went_down(exc)
             self.local.charge(key, tokens)  # its lease lapses in Redis by itself
+
+    async def _undo_in_redis(self, key: ApiKey, request_id: str, weight: int, reserve: int) -> None:
+        deadline = time.monotonic() + self.lease_s  # after that its lease has lapsed by itself
+        while time.monotonic() < deadline:
+            try:
+                await self._undo(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
+                                 args=[request_id, weight, reserve])
+                return
+            except (RedisError, OSError):
+                await asyncio.sleep(PROBE_S)
 
     def _keys(self, name: str, *parts: str) -> list[str]:
         """The Redis keys of one API key's `parts` (the layout in the module docstring)."""

@@ -199,3 +199,76 @@ def test_a_key_at_its_limit_is_found_without_counting_and_refusals_count(redis):
             await b.acquire(k)
         await close(a, b)
     asyncio.run(main())
+
+
+def test_an_admission_whose_answer_was_lost_is_taken_back_in_redis(redis):
+    """A timeout after the ADMIT script ran: the request is counted here (local limits), so its
+    count and lease in Redis are taken back, not left to count twice."""
+    from redis import Redis as SyncRedis
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    async def main():
+        [lim] = replicas(redis, 1)
+        admit = lim._admit
+
+        async def answer_lost(**kw):
+            await admit(**kw)
+            raise RedisTimeout("the reply did not come in time")
+
+        lim._admit = answer_lost
+        k = key(rpm=5, tpm=1000, conc=2)
+        await lim.acquire(k, reserve_tokens=100)
+        assert lim.status()["shared"] is False  # counted locally
+        await settle(lim)
+        keys = [lim._keys(k.name, part)[0] for part in ("req", "req:sum", "tok", "tok:sum", "flight")]
+        sync = SyncRedis.from_url(redis.url)
+        try:
+            assert sync.zcard(keys[0]) == 0 and int(sync.get(keys[1]) or 0) == 0
+            assert sync.zcard(keys[2]) == 0 and int(sync.get(keys[3]) or 0) == 0
+            assert sync.zcard(keys[4]) == 0  # no phantom lease
+        finally:
+            sync.close()
+        lim.finish(k, 0)
+        await close(lim)
+    asyncio.run(main())
+
+
+def test_a_lease_a_redis_restart_lost_is_recreated_while_the_request_runs(redis):
+    from redis import Redis as SyncRedis
+
+    async def main():
+        [lim] = replicas(redis, 1, lease_s=0.3)  # renewed every 0.1 s
+        await lim.start()
+        k = key(conc=1)
+        await lim.acquire(k)
+        flight = lim._keys(k.name, "flight")[0]
+        sync = SyncRedis.from_url(redis.url)
+        try:
+            sync.delete(flight)  # what a restarted Redis holds
+            deadline = time.monotonic() + 10
+            while sync.zcard(flight) != 1:
+                assert time.monotonic() < deadline, "the lease was never recreated"
+                await asyncio.sleep(0.02)
+            with pytest.raises(RateLimited, match="already has 1 requests in flight"):
+                await lim.acquire(k)  # the slot is held again, for every replica
+        finally:
+            sync.close()
+        lim.finish(k, 0)
+        await settle(lim)
+        await close(lim)
+    asyncio.run(main())
+
+
+def test_a_refusal_over_a_large_window_says_how_long_to_wait(redis):
+    async def main():
+        [lim] = replicas(redis, 1)
+        k = key(rpm=150)
+        for _ in range(150):
+            await lim.acquire(k)
+            lim.finish(k, 0)
+        with pytest.raises(RateLimited) as info:
+            await lim.acquire(k)
+        assert 1 <= int(info.value.headers["Retry-After"]) <= 60
+        await settle(lim)
+        await close(lim)
+    asyncio.run(main())
