@@ -24,6 +24,7 @@ from gateway.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
+from gateway.key_watch import watch_keys_file
 from gateway.limits_store import make_limiter
 from gateway.sessions import SessionBook
 from gateway.metrics import GatewayMetrics
@@ -60,6 +61,7 @@ class GatewayState:
     started_at: float = field(default_factory=time.time)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sessions: SessionBook = field(default_factory=SessionBook)  # status-page sign-outs and failed sign-ins
+    key_problems: list = field(default_factory=list)  # keys-file entries left out at the last keys reload
 
 
 def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
@@ -196,9 +198,11 @@ def create_app(state: GatewayState):
         await state.registry.start()
         await state.limiter.start()
         _reload_on_sighup(state)
+        watcher = asyncio.get_running_loop().create_task(watch_keys_file(state))
         try:
             yield
         finally:
+            watcher.cancel()
             if state.streams:  # streams cut by the shutdown timeout: let them send their last event
                 await asyncio.wait(set(state.streams), timeout=STREAM_FAREWELL_S)
             await state.registry.stop()

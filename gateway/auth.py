@@ -68,24 +68,38 @@ class KeyStore:
         return bool(self.keys)
 
     @classmethod
-    def of(cls, config: GatewayConfig) -> "KeyStore":
+    def of(cls, config: GatewayConfig, problems: list[str] | None = None) -> "KeyStore":
         """The keys of a whole config: those of the keys file are checked against its SLA classes
-        too (the config's own keys were, when it was parsed)."""
-        return cls.from_config(config.auth, sla=({c.name for c in config.sla_classes}, config.default_sla_class))
+        too (the config's own keys were, when it was parsed). `problems`: see from_config."""
+        return cls.from_config(config.auth, sla=({c.name for c in config.sla_classes}, config.default_sla_class),
+                               problems=problems)
 
     @classmethod
     def from_config(cls, auth: AuthConfig, env: dict[str, str] | None = None,
-                    sla: tuple[set[str], str] | None = None) -> "KeyStore":
-        """Resolve every secret now, so a missing variable fails the config, not a request."""
+                    sla: tuple[set[str], str] | None = None, problems: list[str] | None = None) -> "KeyStore":
+        """Resolve every secret now, so a missing variable fails the config, not a request.
+
+        With `problems` (a list), a bad entry of the keys file is left out and described there
+        instead of refusing every key: a reload then still applies what is valid (a revoked key
+        goes), and a broken entry is no key until it is fixed."""
         env = os.environ if env is None else env
-        entries = [(f"auth.keys[{i}]", k) for i, k in enumerate(auth.keys)]
-        if auth.keys_file_env:
-            file_entries = _keys_file_entries(auth.keys_file_env, env)
-            for where, k in file_entries if sla else ():
-                check_key_classes(where, k, *sla)
-            entries += file_entries
         default_class = sla[1] if sla else GatewayConfig.model_fields["default_sla_class"].default
-        keys = [_resolve(where, k, env, default_class) for where, k in entries]
+        keys = [_resolve(f"auth.keys[{i}]", k, env, default_class) for i, k in enumerate(auth.keys)]
+        if auth.keys_file_env:
+            for where, entry in _keys_file_entries(auth.keys_file_env, env, problems):
+                try:
+                    k = entry if isinstance(entry, ApiKeyConfig) else _entry(where, entry)
+                    if sla:
+                        check_key_classes(where, k, *sla)
+                    key = _resolve(where, k, env, default_class)
+                    if key.name in {k.name for k in keys}:
+                        raise ValueError(f"{where}: another key is named '{key.name}'")
+                except ValueError as exc:
+                    if problems is None:
+                        raise
+                    problems.append(str(exc))
+                    continue
+                keys.append(key)
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise ValueError("auth.keys: two keys share a name")
@@ -107,20 +121,39 @@ class KeyStore:
         return self.admin_digest is not None and hmac.compare_digest(_digest(presented), self.admin_digest)
 
 
-def _keys_file_entries(env_name: str, env) -> list[tuple[str, ApiKeyConfig]]:
-    path = _env_secret("auth.keys_file_env", env_name, env)
+def keys_file_path(env_name: str, env=None) -> str:
+    return _env_secret("auth.keys_file_env", env_name, os.environ if env is None else env)
+
+
+def _keys_file_entries(env_name: str, env, problems: list[str] | None = None) -> list[tuple[str, object]]:
+    """(where, entry) of each key in the file: validated ApiKeyConfigs when `problems` is None
+    (one bad entry raises), else the raw entries, each validated by the caller on its own."""
+    path = keys_file_path(env_name, env)
     try:
         data = yaml.safe_load(open(path).read())
     except OSError as exc:
         raise ValueError(f"auth.keys_file_env: cannot read the keys file named by {env_name}: {exc.strerror}") from None
     except yaml.YAMLError:
         raise ValueError(f"auth.keys_file_env: the keys file named by {env_name} is not valid YAML") from None
+    if problems is not None:
+        if not isinstance(data, list):
+            raise ValueError(f"keys file [{env_name}]: not a list of keys")
+        return [(f"keys file [{env_name}][{i}]", entry) for i, entry in enumerate(data)]
     try:
         parsed = TypeAdapter(list[ApiKeyConfig]).validate_python(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ValueError(f"keys file [{env_name}]{format_path(err['loc'])}: {err['msg']}") from None
     return [(f"keys file [{env_name}][{i}]", k) for i, k in enumerate(parsed)]
+
+
+def _entry(where: str, raw) -> ApiKeyConfig:
+    try:
+        return ApiKeyConfig.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = format_path(err["loc"])
+        raise ValueError(f"{where}{'.' + path if path else ''}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def _resolve(where: str, k: ApiKeyConfig, env, default_class: str) -> ApiKey:

@@ -310,6 +310,8 @@ class AuthConfig(StrictModel):
     keys_file_env: str | None = Field(
         None, description="Environment variable naming a YAML file with more keys (a list like `keys`)."
     )
+    keys_file_poll_s: float = Field(5.0, gt=0, description="Seconds between two looks at the keys file: a "
+                                    "change reloads the keys alone (a bad entry is left out and reported).")
     admin_key_env: str | None = Field(None, description="Environment variable holding the admin key.")
 
 

@@ -27,7 +27,8 @@ async def reload_config(state) -> tuple[bool, str]:
     async with state.reload_lock:
         try:
             config = load_config(state.config_path)
-            keys = KeyStore.of(config)
+            problems: list[str] = []
+            keys = KeyStore.of(config, problems)  # a bad keys-file entry is left out, not a refusal
             reuse = state.registry.reusable()
             registry = ModelRegistry.build(config, state.backends, state.policies, reuse=reuse)
         except (ConfigError, ValueError) as exc:
@@ -36,7 +37,9 @@ async def reload_config(state) -> tuple[bool, str]:
             return False, message
         await registry.start()
         old = state.registry
-        state.config, state.registry, state.keys = config, registry, keys
+        state.config, state.registry, state.keys, state.key_problems = config, registry, keys, problems
+        for problem in problems:
+            log.error("keys file: %s; that entry is no key until it is fixed", problem)
         kept = set(registry.deployments())
         retired = [d for d in old.deployments() if d not in kept]
         for d in retired:
@@ -46,7 +49,8 @@ async def reload_config(state) -> tuple[bool, str]:
             if g not in kept_groups:
                 await g.stop_discovery()
         message = (f"config reloaded from {state.config_path}: {len(registry.pools)} models, "
-                   f"{len(kept)} deployments, {len(retired)} retiring")
+                   f"{len(kept)} deployments, {len(retired)} retiring"
+                   + "".join(f"; left out {p}" for p in problems))
         log.info("%s", message)
         return True, message
 

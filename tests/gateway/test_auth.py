@@ -320,3 +320,28 @@ def test_the_token_endpoints_admit_keys_before_parsing_and_count_refusals(gw, pa
     assert call(gw, "POST", path, key=BOB, json=good).status_code == 429
     r = call(gw, "POST", path, key=BOB, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 429
+
+
+def test_a_changed_keys_file_reloads_the_keys_and_a_bad_entry_does_not_keep_a_revoked_key(monkeypatch, tmp_path):
+    """The keys file as a mounted Secret is updated in place: the gateway sees the change on its
+    own (no reload, no restart). A revoked key goes even though another entry is broken; the
+    broken entry is reported and is no key."""
+    dave, erin = "sk-dave-0123456789", "sk-erin-0123456789"
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"- {{name: dave, key: {dave}}}\n- {{name: erin, key: {erin}}}\n")
+    monkeypatch.setenv("TEST_KEYS_FILE", str(keys_file))
+    monkeypatch.setenv("TEST_ADMIN_KEY", ADMIN)
+    config = ("auth: {keys_file_env: TEST_KEYS_FILE, keys_file_poll_s: 0.1, admin_key_env: TEST_ADMIN_KEY}\n"
+              "models:\n  - name: echo\n    deployments: [{name: echo-0, backend: echo}]\n")
+    body = {"model": "echo", "prompt": "a", "max_tokens": 1}
+    with GatewayServer(config) as server:
+        assert call(server, "POST", "/v1/completions", key=dave, json=body).status_code == 200
+        keys_file.write_text(f"- {{name: erin, key: {erin}}}\n- {{name: frank, key: short}}\n")
+        deadline = time.monotonic() + 20
+        while call(server, "POST", "/v1/completions", key=dave, json=body).status_code != 401:
+            assert time.monotonic() < deadline, "the revoked key still works"
+            time.sleep(0.05)
+        assert call(server, "POST", "/v1/completions", key=erin, json=body).status_code == 200
+        assert call(server, "POST", "/v1/completions", key="short", json=body).status_code == 401
+        problems = call(server, "GET", "/status.json", key=ADMIN).json()["key_problems"]
+        assert problems == ["keys file [TEST_KEYS_FILE][1].key: String should have at least 8 characters"]
