@@ -243,6 +243,16 @@ def _parse_and_route(request: Request, state, key: ApiKey | None, parse, body, l
     return parsed, pool, _sla_class(request, state, key)
 
 
+async def parsed_body(request: Request, parse):
+    """`parse(body, limits)` of the request's JSON body, in the admission order every endpoint
+    keeps: a key at its limit is refused before the body is read, and a body refused by the
+    parse still counts as one of the key's requests."""
+    limits = request.app.state.kvgate.config.server.limits
+    await check_key_before_parsing(request)
+    with refusals_counted(request):
+        return parse(await _json_body(request, limits), limits)
+
+
 async def check_key_before_parsing(request: Request) -> None:
     """A key at its limit is refused (429) before its body is read or parsed: it costs nothing."""
     key = _api_key(request)

@@ -35,10 +35,7 @@ from gateway.translate.anthropic import parse_count_tokens
 
 
 async def embeddings(request: Request):
-    limits = request.app.state.kvgate.config.server.limits
-    await api.check_key_before_parsing(request)
-    with api.refusals_counted(request):
-        parsed = parse_embeddings(await api._json_body(request, limits), limits)
+    parsed = await api.parsed_body(request, parse_embeddings)
 
     def build(request_id, priority, trace):
         return EmbeddingRequest(request_id=request_id, model=parsed.model, inputs=parsed.inputs,
@@ -80,8 +77,7 @@ async def detokenize(request: Request):
 async def count_message_tokens(request: Request):
     """Anthropic's POST /v1/messages/count_tokens: the conversation tokenized by a deployment
     that serves tokenize, with the model's own chat template; answered {"input_tokens": n}."""
-    limits = request.app.state.kvgate.config.server.limits
-    parsed = parse_count_tokens(await api._json_body(request, limits), limits)
+    parsed = await api.parsed_body(request, parse_count_tokens)
 
     def build(request_id, priority, trace):
         return TokenizeRequest(request_id=request_id, model=parsed.model, priority=priority, trace_context=trace,
@@ -97,10 +93,8 @@ async def count_message_tokens(request: Request):
 
 async def _token_call(request: Request, parse, request_type, operation: str, method) -> "_Call":
     """Parse a /tokenize or /detokenize body and make its call (the model may be left out)."""
-    limits = request.app.state.kvgate.config.server.limits
-    await api.check_key_before_parsing(request)
+    parsed = await api.parsed_body(request, parse)
     with api.refusals_counted(request):
-        parsed = parse(await api._json_body(request, limits), limits)
         model = _model_or_only_one(request, parsed.model)
 
     def build(request_id, priority, trace):

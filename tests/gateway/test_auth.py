@@ -311,6 +311,8 @@ def test_a_key_may_use_its_default_class_and_only_the_classes_it_opted_in_to(ent
 @pytest.mark.parametrize("path,good,bad", [
     ("/v1/embeddings", {"model": "echo", "input": "a b"}, {"model": "echo", "input": "a", "dimensions": 0}),
     ("/tokenize", {"model": "echo", "prompt": "a b"}, {"model": "echo", "prompt": "a", "nonsense": 1}),
+    ("/v1/messages/count_tokens", {"model": "echo", "messages": [{"role": "user", "content": "a"}]},
+     {"model": "echo", "messages": "not a list"}),
 ])
 def test_the_token_endpoints_admit_keys_before_parsing_and_count_refusals(gw, path, good, bad):
     """bob: 3 requests/min, spent here on refused bodies; then even a good one is a 429, and a
