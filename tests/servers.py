@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -140,11 +142,31 @@ def free_port_on(hosts: list[str]) -> int:
     raise RuntimeError(f"no port free on all of {hosts}")
 
 
+UVICORN_LISTENING = re.compile(r"Uvicorn running on (http://[^ ]+:\d+)")
+
+
+def listening_url(proc: subprocess.Popen, log_path, timeout: float = 60) -> str:
+    """The base URL of a child server started on port 0 (`kvgate serve --port 0`, any uvicorn
+    app), read from the line uvicorn logs once it listens. The child binds the port itself: a
+    port picked here with free_port() and freed for the child can be taken by another process
+    (another test run on a shared machine) before the child binds it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+        found = UVICORN_LISTENING.search(text)
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited before listening: {text[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("server did not log that it listens")
+
+
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read().decode()}")
+            raise AssertionError(f"server exited: {proc.stderr.read().decode() if proc.stderr else proc.returncode}")
         try:
             if httpx.get(base_url + "/health/ready", timeout=1).status_code == 200:
                 return

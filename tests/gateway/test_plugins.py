@@ -12,7 +12,7 @@ import pytest
 
 from gateway.hookspecs import hookimpl
 from gateway.plugins import collect_backends, make_plugin_manager
-from servers import free_port, wait_ready
+from servers import listening_url, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,14 +87,16 @@ def test_a_third_party_plugin_installed_with_pip_serves_requests(tmp_path):
     check = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)],
                            env=env, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stderr
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", server)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        base = listening_url(server, tmp_path / "server.log")
+        wait_ready(base, server)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         out = client.completions.create(model="polly", prompt="pieces of eight", max_tokens=3)
         assert out.choices[0].text == "pieces of eight"
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import free_port, wait_ready
+from servers import listening_url, wait_ready
 
 ADMIN = "sk-admin-reload-0123"
 
@@ -38,15 +38,14 @@ models:
 def server(tmp_path):
     config = tmp_path / "gw.yaml"
     config.write_text(OLD)
-    port = free_port()
     log_path = tmp_path / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
         env={**os.environ, "RELOAD_ADMIN_KEY": ADMIN}, stdout=log, stderr=subprocess.STDOUT,
     )
-    base = f"http://127.0.0.1:{port}"
     try:
+        base = listening_url(proc, log_path)
         wait_ready(base, proc)
         yield proc, base, config, log_path
     finally:

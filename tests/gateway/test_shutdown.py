@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from servers import free_port, wait_ready
+from servers import listening_url, wait_ready
 
 CONFIG = """
 server: {shutdown_timeout_s: 1}
@@ -21,11 +21,11 @@ models:
 def test_stream_cut_by_shutdown_gets_an_error_event_and_done(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(CONFIG)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
+        base = listening_url(proc, tmp_path / "server.log")
         wait_ready(base, proc)
         lines: list[str] = []
         started = threading.Event()
@@ -54,3 +54,4 @@ def test_stream_cut_by_shutdown_gets_an_error_event_and_done(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        log.close()
