@@ -30,7 +30,15 @@ def answer(status: str, body: bytes, head: bytes = b"") -> bytes:
             + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
+def endless_stream() -> bytes:
+    """An upstream that runs to its own context: 2,000 tokens."""
+    chunk = b'data: {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": " a", "finish_reason": null}]}\n\n'
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%b\r\n" % (len(chunk), chunk) for _ in range(2000)) + b"0\r\n\r\n")
+
+
 ANSWERS = {
+    "endless": endless_stream(),
     "fine": answer("200 OK", completion()),
     "bomb": answer("200 OK", BOMB, b"content-encoding: gzip\r\n"),
     "many-headers": answer("200 OK", completion(), b"".join(b"x-h%d: v\r\n" % i for i in range(5000))),
@@ -63,11 +71,11 @@ class Hostile(ScriptedServer):
 
 
 def config(base: str) -> str:
-    models = "".join(
+    models = "server: {limits: {max_tokens: 8}}\nmodels:\n" + "".join(
         f"  - name: {name}\n    deployments:\n      - {{name: {name}-0, backend: openai, upstream_model: {name},\n"
         f"         settings: {{base_url: '{base}/v1', metrics: none, max_body_bytes: 1048576}}}}\n"
         for name in ANSWERS)
-    return f"models:\n{models}"
+    return models
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +150,13 @@ def test_a_metrics_page_over_the_bound_is_not_read(upstream):
     huge, page = asyncio.run(main())
     assert huge is None  # 9 MiB: stopped at 1 MiB, never held whole
     assert page == "vllm:num_requests_running 3\n"
+
+
+def test_a_request_naming_no_max_tokens_is_cut_at_the_servers_bound_upstream_too(gw):
+    """The bound is not sent upstream (it may exceed the upstream's context): the stream is cut
+    at it instead, here after 8 of the upstream's 2,000 tokens."""
+    body = {"model": "endless", "prompt": "a", "stream": True, "max_tokens": None}
+    with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == " a" * 8 and events[-1]["choices"][0]["finish_reason"] == "length"

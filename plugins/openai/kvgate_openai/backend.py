@@ -226,6 +226,9 @@ class OpenAIBackend(TokenCalls):
         usage: Usage | None = None
         sent = 0
         done = False
+        # The client named no max_tokens and the bound was not sent (see wire): the upstream runs
+        # to its own default, and the stream is cut here at the bound (a chunk is about a token).
+        bound = request.sampling.max_tokens if request.sampling.max_tokens_default else None
         while not done:
             try:
                 data = await self._next_chunk(chunks, deadline if not sent else None, idle)
@@ -253,6 +256,10 @@ class OpenAIBackend(TokenCalls):
                         continue
                     sent += 1
                     batch.append(event)
+                    if bound is not None and sent >= bound:
+                        batch.append(TokenEvent(finish_reason="length", usage=usage or Usage(0, sent)))
+                        yield batch  # closing the answer (the caller's finally) stops the upstream
+                        return
             except APIError:
                 if batch:  # the tokens before the error came first: they go out first
                     yield batch
