@@ -139,7 +139,11 @@ def test_members_follow_dns_while_streams_run(dns, port, stack):
     group, client = group_of(front), front.openai()
     assert routed_names(front) == [f"engines@{A}"]
 
-    # A long stream on A, read one chunk at a time by this thread: it stays in flight.
+    # A long stream on A, read one chunk at a time by this thread: it stays in flight until the
+    # test lets it finish (A's echo slowed to 1 token/s: 40 s, far longer than what follows
+    # takes on a loaded machine; at 10 tokens/s its 4 s could run out before A had drained).
+    echo_a = a.server.backend("echo-0")
+    echo_a.settings = echo_a.settings.model_copy(update={"tokens_per_second": 1})
     stream = iter(client.completions.create(model="echo", prompt=PROMPT, max_tokens=40, stream=True))
     first = next(stream)
     assert a.in_flight() == 1
@@ -167,6 +171,7 @@ def test_members_follow_dns_while_streams_run(dns, port, stack):
     assert status["draining"] == [{"name": f"engines@{A}", "in_flight": 1}]
 
     # The stream ends normally, then the drained member's backend is stopped.
+    echo_a.settings = echo_a.settings.model_copy(update={"tokens_per_second": 0})  # as fast as it can
     text = first.choices[0].text + "".join(c.choices[0].text for c in stream if c.choices)
     assert len(text.split()) == 40
     wait_for(lambda: A not in group.draining and not member_a.started, "A to be drained and stopped")
