@@ -20,9 +20,22 @@ def test_a_wait_longer_than_the_limit_times_out():
         asyncio.run(main())
 
 
+class ManualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when the test moves it: the watch's timers are due
+    by the test's arithmetic, not by how long a loaded machine took to run a callback."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
 def test_many_short_waits_outlast_the_limit_and_use_few_timers():
+    loop = ManualClockLoop()
+
     async def main():
-        loop = asyncio.get_running_loop()
         timers = 0
         call_at = loop.call_at
 
@@ -31,15 +44,24 @@ def test_many_short_waits_outlast_the_limit_and_use_few_timers():
             timers += getattr(callback, "__self__", None) is watch  # the watch's own timers only
             return call_at(when, callback, *args, **kwargs)
 
+        def answer_after(seconds: float, future: asyncio.Future) -> None:
+            loop.now += seconds  # the read waited this long, then its answer came
+            future.set_result(None)
+
         watch = IdleWatch(0.1)
         loop.call_at = counting_call_at
         for _ in range(60):  # 0.3 s in all, 5 ms each
-            await watch.read(asyncio.sleep(0.005))
+            answer = loop.create_future()
+            loop.call_soon(answer_after, 0.005, answer)
+            await watch.read(answer)
         watch.close()
         return timers
 
-    timers = asyncio.run(main())
-    assert 1 <= timers <= 5  # about one per 0.1 s idle period, not one per read (60)
+    try:
+        timers = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert timers == 3  # one per 0.1 s idle period (due at 0.1, 0.2, 0.3), not one per read (60)
 
 
 def test_a_cancellation_from_elsewhere_stays_a_cancellation():
