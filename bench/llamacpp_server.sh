@@ -60,7 +60,28 @@ serve_features() {
   {"model": "$model", "model_alias": "smollm2-embed", "embedding": true, "n_ctx": 512, "n_threads": $THREADS}
 ]}
 JSON
-    exec "$VENV/bin/python" -m llama_cpp.server --config_file "$config"
+    # The server takes no pooling setting, and a GGUF of a causal model names none: its embeddings
+    # would be one vector per token. The embedding alias is loaded with mean pooling (as vLLM pools
+    # a decoder model's hidden states), so /v1/embeddings answers one vector per input.
+    exec "$VENV/bin/python" - --config_file "$config" <<'PY'
+import sys
+
+import llama_cpp
+from llama_cpp.server.__main__ import main
+
+plain_init = llama_cpp.Llama.__init__
+
+
+def init(self, *args, **kwargs):
+    if kwargs.get("embedding"):
+        kwargs.setdefault("pooling_type", llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+    plain_init(self, *args, **kwargs)
+
+
+llama_cpp.Llama.__init__ = init
+sys.argv[0] = "llama_cpp.server"
+main()
+PY
 }
 
 case "${1:-}" in

@@ -320,9 +320,12 @@ def test_wire_reads_the_shapes_servers_send_for_tool_calls_and_reasoning():
     assert plain.text == "hi" and plain.tool_calls == ()
 
 
-def test_a_json_schema_goes_to_llama_cpp_python_as_its_json_object_with_a_schema():
+def test_llama_cpp_python_gets_a_json_schema_and_tool_call_messages_in_its_own_shape():
     from kvgate_openai import wire
 
-    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}
-    wire.json_schema_as_json_object(body)
+    messages = [{"role": "assistant", "content": None, "tool_calls": []}]
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}},
+            "messages": messages}
+    wire.for_llama_cpp_python(body)
     assert body["response_format"] == {"type": "json_object", "schema": {"type": "object"}}
+    assert body["messages"][0]["content"] == "" and messages[0]["content"] is None

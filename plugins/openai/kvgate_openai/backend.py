@@ -51,8 +51,8 @@ class OpenAIBackend(TokenCalls):
         self._aborted: set[str] = set()
         self._scrub = upstream_errors.Scrubber(None)
         self._capabilities = settings.declared()
-        # What this kind of server needs done to a chat body (llama-cpp-python: its JSON-schema shape).
-        self._adapt_body = wire.json_schema_as_json_object if settings.server == "llama_cpp_python" else None
+        # What this kind of server needs done to a body (llama-cpp-python says some things its own way).
+        self._adapt_body = wire.for_llama_cpp_python if settings.server == "llama_cpp_python" else None
 
     def capabilities(self) -> Capabilities:
         """Its server kind's defaults, with the deployment's `settings.capabilities` over them."""

@@ -54,12 +54,16 @@ def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_t
     return (CHAT if chat else COMPLETIONS), body
 
 
-def json_schema_as_json_object(body: dict) -> None:
-    """llama-cpp-python (0.3) takes a JSON schema as `{"type": "json_object", "schema": ...}`, not
-    as OpenAI's json_schema (which it refuses): the same constraint, in its words."""
+def for_llama_cpp_python(body: dict) -> None:
+    """llama-cpp-python (0.3) says some things its own way: a JSON schema as `{"type":
+    "json_object", "schema": ...}` (it refuses OpenAI's json_schema), and an assistant message
+    that only calls tools with content "" (it refuses null, with a 500)."""
     fmt = body.get("response_format")
     if fmt is not None and fmt.get("type") == "json_schema":
         body["response_format"] = {"type": "json_object", "schema": fmt["json_schema"].get("schema") or {}}
+    messages = body.get("messages")
+    if messages and any(m.get("content") is None for m in messages):  # (copies: the request's stay as sent)
+        body["messages"] = [{**m, "content": ""} if m.get("content") is None else m for m in messages]
 
 
 def _chat_features(body: dict, request: GenerationRequest) -> None:
