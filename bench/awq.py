@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 def checkpoint_dir(args, method: str) -> str:
     """The int4 checkpoint of `method`, made with `kvgate quantize` on first use (cached)."""
-    from native_backend.cache_dir import kvgate_cache_dir
+    from native_backend.config.cache_dir import kvgate_cache_dir
 
     out = getattr(args, f"{method}_dir") or str(kvgate_cache_dir() / "awq-bench" / f"smollm2-{method}-g{args.group_size}")
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -61,9 +61,9 @@ def checkpoint_dir(args, method: str) -> str:
 def eval_windows(args) -> list[list[int]]:
     from pydoc_data.topics import topics
 
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.loader import default_gguf_path
-    from native_backend.tokenizer import Tokenizer
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=str(tokenizer_cache_dir()))
     ids = tok.encode("\n\n".join(topics.values()), add_special_tokens=False)[:args.eval_tokens]
@@ -76,10 +76,10 @@ def score(model, windows: list[list[int]], float_head: bool = False) -> list[tup
     import torch
     import torch.nn.functional as F
 
-    from native_backend.batch import ScheduledChunk, SchedulerOutput
-    from native_backend.kv_cache import KVCache
-    from native_backend.model_runner import ModelRunner
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.model_runner import ModelRunner
+    from native_backend.model.kv_cache import KVCache
 
     block = 16
     runner = ModelRunner(model, KVCache.for_model(model.config, num_blocks=len(windows[0]) // block + 1, block_size=block))
@@ -105,8 +105,8 @@ def score(model, windows: list[list[int]], float_head: bool = False) -> list[tup
 def weight_bytes(model) -> tuple[int, int]:
     """(every weight the engine holds, the decoder's linear layers alone) in bytes; a tied head's
     float weight counted once, an int4 model's int8 head copy counted."""
-    from native_backend.layers.linear import LinearBase
-    from native_backend.quantization.method import _weight_buffers
+    from native_backend.model.layers.linear import LinearBase
+    from native_backend.model.quantization.method import _weight_buffers
 
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *_weight_buffers(model)))
     linears = sum(p.numel() * p.element_size() for name, m in model.named_modules()
@@ -117,7 +117,7 @@ def weight_bytes(model) -> tuple[int, int]:
 def accuracy_rows(args, paths: dict[str, str]) -> dict[str, dict]:
     import torch
 
-    from native_backend.loader import load_model
+    from native_backend.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     windows = eval_windows(args)
@@ -152,13 +152,13 @@ def _context(name: str):
 
     import torch
 
-    from native_backend.layers.context import LayerContext
+    from native_backend.model.layers.context import LayerContext
 
     return dataclasses.replace(LayerContext.for_device("cpu", torch.float32), gguf_q4=name == Q4_1)
 
 
 def _int8_head_bytes(model) -> int:
-    from native_backend.quantization.method import _weight_buffers
+    from native_backend.model.quantization.method import _weight_buffers
 
     return sum(b.numel() * b.element_size() for b in _weight_buffers(model))
 
@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
 
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     names = args.rows.split(",") if args.rows else ROWS
     methods = {"fp32": None, Q4_1: None, "rtn": "rtn", "awq": "awq", "awq" + FP32_HEAD: "awq"}  # the head's cost

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from awq.modules.linear.gemm import WQLinear_GEMM  # noqa: E402
 from awq.utils.packing_utils import dequantize_gemm  # noqa: E402
 
-from native_backend.quantization import rtn  # noqa: E402
-from native_backend.quantization.format import unpack_int4  # noqa: E402
-from native_backend.quantization.reference import dequantize  # noqa: E402
+from native_backend.model.quantization import rtn  # noqa: E402
+from native_backend.model.quantization.format import unpack_int4  # noqa: E402
+from native_backend.model.quantization.reference import dequantize  # noqa: E402
 
 torch.manual_seed(0)
 ok = True

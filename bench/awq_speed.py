@@ -37,11 +37,11 @@ def _worker(conn, path: str, quantization: str, threads: int, kv_bytes: int) -> 
     torch.set_num_threads(threads)
     from engine_throughput import _b1_numbers, _kvgate_run
 
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine import LLMEngine
-    from native_backend.engine_config import EngineConfig
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.process.factory import make_engine_core
 
-    engine = LLMEngine(EngineConfig.build(path=path, num_threads=threads, quantization=quantization,
+    engine = make_engine_core(EngineConfig.build(path=path, num_threads=threads, quantization=quantization,
                                           tokenizer_cache_dir=str(tokenizer_cache_dir()), kv_cache_bytes=kv_bytes))
     conn.send(engine.describe())
     while True:

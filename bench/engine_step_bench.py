@@ -40,12 +40,12 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput  # noqa: E402
-from native_backend.kv_cache import KVCache  # noqa: E402
-from native_backend.loader import default_gguf_path, load_model  # noqa: E402
-from native_backend.model_runner import ModelRunner  # noqa: E402
-from native_backend.sampling_params import SamplingParams  # noqa: E402
-from native_backend.layers.context import LayerContext  # noqa: E402
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput  # noqa: E402
+from native_backend.core.sampling_params import SamplingParams  # noqa: E402
+from native_backend.execution.model_runner import ModelRunner  # noqa: E402
+from native_backend.model.kv_cache import KVCache  # noqa: E402
+from native_backend.model.layers.context import LayerContext  # noqa: E402
+from native_backend.model.loader import default_gguf_path, load_model  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 256
@@ -137,8 +137,8 @@ def linear_sweep(model, rows: list[int], reps: int) -> dict:
     in a real step) at M rows: the C kernel against F.linear, alternating."""
     import torch.nn.functional as F
 
-    from native_backend import cpu_kernels
-    from native_backend.layers.linear import LinearBase
+    from native_backend.kernels import cpu_kernels
+    from native_backend.model.layers.linear import LinearBase
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     result = {}

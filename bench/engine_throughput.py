@@ -134,8 +134,8 @@ def build_workload(args, model_path: str) -> dict:
     """Token ids of real English text, cut into prompts at distinct offsets; fixed seed."""
     from pydoc_data.topics import topics
 
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.tokenizer import Tokenizer
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_path, cache_dir=str(tokenizer_cache_dir()))
     ids = tok.encode("\n\n".join(topics.values()), add_special_tokens=False)
@@ -202,25 +202,26 @@ def child_main(name: str, spec_path: str, result_path: str) -> None:
 
 
 def _engine(spec):
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine import LLMEngine
-    from native_backend.engine_config import EngineConfig
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.core.engine import LLMEngine
+    from native_backend.process.factory import make_engine_core
 
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig.build(path=spec["model"], num_threads=spec["threads"],
+    engine = make_engine_core(EngineConfig.build(path=spec["model"], num_threads=spec["threads"],
                                           tokenizer_cache_dir=str(tokenizer_cache_dir()), **spec["engine_overrides"]))
     return engine, time.perf_counter() - started
 
 
 def _greedy(max_tokens: int):
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _kvgate_run(engine, prompts: list[list[int]], output_lens: list[int], tag: str) -> dict:
     """Add every request at once, step until done; per-request tokens and token arrival times."""
-    from native_backend.protocol import EngineRequest
+    from native_backend.core.interface import EngineRequest
 
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     tokens = {rid: [] for rid in ids}
@@ -523,7 +524,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, help="engine override (default: EngineConfig's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="engine override (default: EngineConfig's)")
     parser.add_argument("--kv-cache-mib", type=int, help="engine KV-cache budget override (CPU default: 2 GiB)")
-    parser.add_argument("--model", help="GGUF path (default: native_backend.loader.default_gguf_path())")
+    parser.add_argument("--model", help="GGUF path (default: native_backend.model.loader.default_gguf_path())")
     parser.add_argument("--out", help="JSON path (default bench/results/engine_throughput.json, "
                                       "--quick: engine_throughput_quick.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -541,7 +542,7 @@ def main() -> None:
     args.b1_repeats = args.b1_repeats or (2 if q else 3)
     out_path = Path(args.out or ROOT / "bench/results" / ("engine_throughput_quick.json" if q else "engine_throughput.json"))
 
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     model_path = args.model or default_gguf_path()
     overrides = {}

@@ -6,7 +6,7 @@ measured) and prints a summary. Without a CUDA GPU it prints why and exits 0, wr
 1. kernels: every Triton kernel against the torch reference on CUDA, over ragged batches
    (decode-only, whole prefills, chunked prefills mixed with decodes over cached blocks), GQA
    shapes of SmolLM2 (9/3 heads, head_dim 64) and Llama (32/8, 128; MQA 8/1, 128; head_dim 80),
-   block sizes 16 and 32, and every KV-cache element type `native_backend.kv_cache.KV_CACHE_DTYPES`
+   block sizes 16 and 32, and every KV-cache element type `native_backend.model.kv_cache.KV_CACHE_DTYPES`
    lists (quantized ones included once they are registered there). Modules of `native_backend`
    that define `gpu_selfcheck(device) -> dict` (e.g. an AWQ GEMM against its dequantized
    reference) are found and run too.
@@ -86,7 +86,7 @@ def check_attention_case(kernel, reference, seqs, shape: dict, kv_dtype, device)
     import torch
     from attention_cases import make_case
 
-    from native_backend.attention.metadata import AttentionMetadata
+    from native_backend.model.attention.metadata import AttentionMetadata
 
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, cache_dtype=kv_dtype.storage, **shape)
     md = AttentionMetadata.build(query_lens=md.query_lens_cpu, context_lens=md.context_lens_cpu,
@@ -116,7 +116,7 @@ def _kv_layer(cache_k, cache_v, kv_dtype):
     zeroed per-row scales (int8) so that both implementations start from the same state."""
     import torch
 
-    from native_backend.kv_cache import KVLayer
+    from native_backend.model.kv_cache import KVLayer
 
     layer = KVLayer(cache_k, cache_v, kv_dtype)
     if kv_dtype.scaling == "per_layer":
@@ -129,7 +129,7 @@ def _kv_layer(cache_k, cache_v, kv_dtype):
 
 def _stored(t):
     """A cache's stored values as numbers to compare (fp8 by its bytes: the encoding must match)."""
-    from native_backend.attention.kv_quant import as_bytes
+    from native_backend.model.attention.kv_quant import as_bytes
 
     return as_bytes(t)
 
@@ -147,8 +147,8 @@ def kernel_checks(device, kernel_name: str = "triton", cases=None, with_selfchec
     """Every case for every KV element type; an element type whose case cannot run is reported
     with its error (e.g. a quantized format whose kernels take arguments this check does not
     know yet), not hidden."""
-    from native_backend.attention import get_attention_backend
-    from native_backend.kv_cache import KV_CACHE_DTYPES
+    from native_backend.model.attention import get_attention_backend
+    from native_backend.model.kv_cache import KV_CACHE_DTYPES
 
     kernel, reference = get_attention_backend(device, kernel_name), get_attention_backend(device, "reference")
     results = []
@@ -236,11 +236,11 @@ def on_device(hf_cpu, device, dtype):
 
 
 def engine(model_path: str, dtype: str, device: str = "cuda", **overrides):
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine import LLMEngine
-    from native_backend.engine_config import EngineConfig
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.process.factory import make_engine_core
 
-    return LLMEngine(EngineConfig.build(path=model_path, device=device, dtype=dtype, kv_cache_bytes=8 << 30,
+    return make_engine_core(EngineConfig.build(path=model_path, device=device, dtype=dtype, kv_cache_bytes=8 << 30,
                                         tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
 
 
@@ -330,9 +330,9 @@ def random_llama(config, device, dtype):
     """A Llama built in its final form with random weights (no checkpoint on disk)."""
     import torch
 
-    from native_backend.layers.context import LayerContext
-    from native_backend.loader import build_model
-    from native_backend.models.llama import LlamaForCausalLM
+    from native_backend.model.layers.context import LayerContext
+    from native_backend.model.loader import build_model
+    from native_backend.model.models.llama import LlamaForCausalLM
 
     ctx = LayerContext.for_device(device, dtype, cpu_kernels=False)
     # The shapes from an empty model of this context (torch.empty: nothing is initialised).
@@ -367,10 +367,10 @@ def decode_step_times(model, device, dtype: str, context_len: int, steps: int, *
     """Prefill a context_len-token prompt, then time `steps` greedy batch-1 decode steps."""
     import torch
 
-    from native_backend.batch import ScheduledChunk, SchedulerOutput
-    from native_backend.kv_cache import KVCache
-    from native_backend.model_runner import ModelRunner
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.model_runner import ModelRunner
+    from native_backend.model.kv_cache import KVCache
 
     block = 16
     blocks = -(-(context_len + steps + 1) // block)
@@ -401,7 +401,7 @@ def _sync(device) -> None:
 def cuda_graph_options() -> list[dict]:
     """Runner keyword arguments to compare: with and without CUDA graphs where the runner takes a
     `*graph*` switch; only the default where it does not."""
-    from native_backend.model_runner import ModelRunner
+    from native_backend.execution.model_runner import ModelRunner
 
     switches = [p for p in inspect.signature(ModelRunner.__init__).parameters if "graph" in p]
     return [{}] if not switches else [{switches[0]: False}, {switches[0]: True}]
@@ -410,7 +410,7 @@ def cuda_graph_options() -> list[dict]:
 def bandwidth(device="cuda", context_len: int = 512, steps: int = 128, peak_tbps: float | None = None) -> dict:
     import torch
 
-    from native_backend.config import ModelConfig
+    from native_backend.config.model import ModelConfig
 
     model = random_llama(ModelConfig(**LLAMA_1B), device, torch.bfloat16)
     read = bytes_per_decode_token(model, context_len, 2)
@@ -470,7 +470,7 @@ def trtllm_contract() -> dict:
 
 
 def run_sections(names, args) -> dict:
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     model_path = default_gguf_path()
     hf = None

@@ -51,11 +51,11 @@ def held_out_ids(tokenizer, min_tokens: int) -> list[int]:
 def perplexity(model, ids: list[int], kv_dtype: str, scales) -> float:
     """exp(mean NLL) over ids with sliding windows: every window after the first scores only its
     last STRIDE tokens, each seen with WINDOW - STRIDE tokens of context."""
-    from native_backend.batch import ScheduledChunk, SchedulerOutput
-    from native_backend.kv_cache import KVCache
-    from native_backend.kv_scales import apply
-    from native_backend.model_runner import ModelRunner
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.kv_scales import apply
+    from native_backend.execution.model_runner import ModelRunner
+    from native_backend.model.kv_cache import KVCache
 
     blocks = WINDOW // BLOCK
     cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=BLOCK, dtype=kv_dtype)
@@ -78,12 +78,12 @@ def perplexity(model, ids: list[int], kv_dtype: str, scales) -> float:
 
 
 def engine(kv_dtype: str, threads: int, **overrides):
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine import LLMEngine
-    from native_backend.engine_config import EngineConfig
-    from native_backend.loader import default_gguf_path
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.process.factory import make_engine_core
 
-    return LLMEngine(EngineConfig.build(path=default_gguf_path(), num_threads=threads, kv_cache_dtype=kv_dtype,
+    return make_engine_core(EngineConfig.build(path=default_gguf_path(), num_threads=threads, kv_cache_dtype=kv_dtype,
                                         tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
 
 
@@ -134,11 +134,11 @@ def main(argv=None) -> int:
 
     from engine_throughput import build_workload
 
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.kv_cache import resolve_kv_dtype
-    from native_backend.kv_scales import CALIBRATION_TOKENS, calibrate, calibration_text
-    from native_backend.loader import default_gguf_path, load_model
-    from native_backend.tokenizer import Tokenizer
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.execution.kv_scales import CALIBRATION_TOKENS, calibrate, calibration_text
+    from native_backend.model.kv_cache import resolve_kv_dtype
+    from native_backend.model.loader import default_gguf_path, load_model
+    from native_backend.text.tokenizer import Tokenizer
 
     path = default_gguf_path()
     tokenizer = Tokenizer.from_pretrained(path, cache_dir=str(tokenizer_cache_dir()))

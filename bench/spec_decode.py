@@ -89,7 +89,7 @@ CHAT_QUESTIONS = [
 
 
 def configurations(args) -> dict[str, dict | None]:
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     k = args.k
     return {
@@ -104,20 +104,20 @@ def configurations(args) -> dict[str, dict | None]:
 
 
 def make_engine(args, speculative, **overrides):
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine import LLMEngine
-    from native_backend.engine_config import EngineConfig
-    from native_backend.loader import default_gguf_path
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.process.factory import make_engine_core
 
-    return LLMEngine(EngineConfig.build(path=default_gguf_path(), num_threads=args.threads,
+    return make_engine_core(EngineConfig.build(path=default_gguf_path(), num_threads=args.threads,
                                         tokenizer_cache_dir=str(tokenizer_cache_dir()), speculative=speculative,
                                         **overrides))
 
 
 def run(engine, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool, tag: str) -> dict:
     """All prompts at once, step until done: tokens, token times, and the speculation counters."""
-    from native_backend.protocol import EngineRequest
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.interface import EngineRequest
+    from native_backend.core.sampling_params import SamplingParams
 
     before = dataclasses.asdict(engine.stats())
     ids = [f"{tag}{i}" for i in range(len(prompts))]
@@ -193,7 +193,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.requests = 16
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     workload = build_workload(argparse.Namespace(seed=0, requests=args.requests, prompt_min=64, prompt_max=512,
                                                  output_min=64, output_max=256, b1_prompt=128, b1_repeats=1),

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gateway.config import RequestLimits  # noqa: E402
-from native_backend.tokenizer import Tokenizer, default_model_path  # noqa: E402
+from native_backend.text.tokenizer import Tokenizer, default_model_path  # noqa: E402
 
 
 def inputs(limits: RequestLimits) -> dict:

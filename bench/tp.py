@@ -35,10 +35,10 @@ if str(ROOT) not in sys.path:
 
 
 def build(tp: int, threads: int):
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.engine_config import EngineConfig
-    from native_backend.executor import make_executor
-    from native_backend.loader import default_gguf_path
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.config.engine import EngineConfig
+    from native_backend.execution.factory import make_executor
+    from native_backend.model.loader import default_gguf_path
 
     config = EngineConfig.build(path=default_gguf_path(), tensor_parallel_size=tp, num_threads=threads,
                                 kv_cache_bytes=256 << 20, tokenizer_cache_dir=str(tokenizer_cache_dir()))
@@ -48,9 +48,9 @@ def build(tp: int, threads: int):
 def prompts(batch: int, length: int) -> list[list[int]]:
     import pydoc_data.topics
 
-    from native_backend.cache_dir import tokenizer_cache_dir
-    from native_backend.loader import default_gguf_path
-    from native_backend.tokenizer import Tokenizer
+    from native_backend.config.cache_dir import tokenizer_cache_dir
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.text.tokenizer import Tokenizer
 
     ids = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=tokenizer_cache_dir()).encode(
         " ".join(pydoc_data.topics.topics.values()))
@@ -61,8 +61,8 @@ def run(executor, batch_prompts: list[list[int]], steps: int, threads: int) -> d
     """Prefill, then `steps` timed decode steps; per-step wall and collective seconds."""
     import torch
 
-    from native_backend.batch import ScheduledChunk, SchedulerOutput
-    from native_backend.sampling_params import SamplingParams
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     greedy, block = SamplingParams(temperature=0.0), 16
@@ -102,7 +102,7 @@ def allreduce_latency(size: int, numel: int, iters: int) -> float:
     a rank that the step's all-reduces also include."""
     import multiprocessing
 
-    from native_backend.parallel.group import free_loopback_port
+    from native_backend.execution.parallel.group import free_loopback_port
 
     ctx, port = multiprocessing.get_context("spawn"), free_loopback_port()
     results = ctx.Queue()
@@ -119,7 +119,7 @@ def _allreduce_rank(rank: int, size: int, port: int, numel: int, iters: int, res
     import torch
     import torch.distributed as dist
 
-    from native_backend.parallel.group import join_group
+    from native_backend.execution.parallel.group import join_group
 
     torch.set_num_threads(1)
     join_group(rank, size, port, torch.device("cpu"), 60)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from native_backend.kv_cache import KVLayer
-from native_backend.attention import reference
-from native_backend.attention.metadata import AttentionMetadata
+from native_backend.model.attention import reference
+from native_backend.model.attention.metadata import AttentionMetadata
+from native_backend.model.kv_cache import KVLayer
 
 
 def make_case(seqs, *, num_kv_heads, group, head_dim=64, block_size=16, cache_dtype=torch.float32, seed=0):

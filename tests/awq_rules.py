@@ -1,5 +1,5 @@
 """The AutoAWQ GEMM packing read from the format's rules alone, independent of the code under
-test (native_backend.quantization): for the packing and model tests."""
+test (native_backend.model.quantization): for the packing and model tests."""
 
 from __future__ import annotations
 

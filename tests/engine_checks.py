@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from native_backend.protocol import EngineRequest
+from native_backend.core.interface import EngineRequest
 
 
 def assert_abort_frees_every_block(engine, prompt: list[int], sampling) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from native_backend.layers.context import LayerContext
-from native_backend.loader import load_hf_model
+from native_backend.model.layers.context import LayerContext
+from native_backend.model.loader import load_hf_model
 
 VOCAB = 96
 

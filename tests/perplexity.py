@@ -12,10 +12,10 @@ import pydoc_data.topics
 import torch
 import torch.nn.functional as F
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.kv_cache import KVCache
-from native_backend.model_runner import ModelRunner
-from native_backend.sampling_params import SamplingParams
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.model.kv_cache import KVCache
 
 BLOCK = 16
 

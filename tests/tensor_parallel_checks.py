@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import transformers
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.engine_config import EngineConfig
-from native_backend.executor import make_executor
-from native_backend.protocol import EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.factory import make_executor
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
@@ -97,7 +97,7 @@ def transformers_greedy(prompts: list[list[int]], new_tokens: int) -> list[list[
 
     from transformers import AutoModelForCausalLM
 
-    from native_backend.loader import default_gguf_path
+    from native_backend.model.loader import default_gguf_path
 
     path = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

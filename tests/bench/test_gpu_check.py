@@ -49,8 +49,8 @@ TINY = {"decode": [(1, 1), (17, 1)], "chunked": [(20, 5), (9, 1)]}
 
 
 def test_kernel_harness_passes_a_correct_backend_and_catches_a_wrong_one():
-    from native_backend.attention import AttentionBackend, get_attention_backend
-    from native_backend.kv_cache import KV_CACHE_DTYPES
+    from native_backend.model.attention import AttentionBackend, get_attention_backend
+    from native_backend.model.kv_cache import KV_CACHE_DTYPES
 
     cases = list(gpu_check.attention_cases(TINY, [(2, 2, 16)], (4,)))
     report = gpu_check.kernel_checks("cpu", "cpu", cases=cases, with_selfchecks=False)
@@ -64,9 +64,9 @@ def test_kernel_harness_passes_a_correct_backend_and_catches_a_wrong_one():
 
 
 def test_a_case_that_cannot_run_is_reported_not_raised(monkeypatch):
-    from native_backend.kv_cache import KVCacheDType
+    from native_backend.model.kv_cache import KVCacheDType
 
-    monkeypatch.setattr("native_backend.kv_cache.KV_CACHE_DTYPES",
+    monkeypatch.setattr("native_backend.model.kv_cache.KV_CACHE_DTYPES",
                         {"odd": KVCacheDType("odd", "no-such-dtype", 1)})
     report = gpu_check.kernel_checks("cpu", "reference", cases=list(gpu_check.attention_cases(TINY, [(1, 1, 16)], (4,))),
                                      with_selfchecks=False)
@@ -74,7 +74,7 @@ def test_a_case_that_cannot_run_is_reported_not_raised(monkeypatch):
 
 
 def test_decode_bytes_count_each_weight_once_plus_the_kv_read():
-    from native_backend.config import ModelConfig
+    from native_backend.config.model import ModelConfig
 
     tiny = dict(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                 intermediate_size=112, max_position_embeddings=256)
@@ -89,7 +89,7 @@ def test_decode_bytes_count_each_weight_once_plus_the_kv_read():
 
 
 def test_decode_steps_of_a_random_llama_run_and_time_on_cpu():
-    from native_backend.config import ModelConfig
+    from native_backend.config.model import ModelConfig
 
     config = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=112, max_position_embeddings=256)

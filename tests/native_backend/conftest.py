@@ -13,10 +13,10 @@ from collections import Counter
 
 import pytest
 
-from native_backend.batch import RunnerOutput, SchedulerOutput
-from native_backend.block_manager import cdiv
-from native_backend.scheduler import Scheduler, SchedulerConfig, StepResult
-from native_backend.sequence import SequenceStatus
+from native_backend.core.batch import RunnerOutput, SchedulerOutput
+from native_backend.core.block_manager import cdiv
+from native_backend.core.scheduler import Scheduler, SchedulerConfig, StepResult
+from native_backend.core.sequence import SequenceStatus
 
 VOCAB = 32
 EOS = 0

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from native_backend.kv_cache import KVLayer
-from native_backend.attention import get_attention_backend
-from native_backend.attention.metadata import AttentionMetadata
+from native_backend.model.attention import get_attention_backend
+from native_backend.model.attention.metadata import AttentionMetadata
+from native_backend.model.kv_cache import KVLayer
 
 torch.set_num_threads(1)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

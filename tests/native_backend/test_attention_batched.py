@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from attention_cases import dense, make_case
-from native_backend.kv_cache import KVLayer
-from native_backend.attention import reference
+from native_backend.model.attention import reference
+from native_backend.model.kv_cache import KVLayer
 
 torch.set_num_threads(1)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from attention_cases import dense, make_case
-from native_backend.kv_cache import KVLayer
-from native_backend import cpu_kernels
-from native_backend.attention import cpu, get_attention_backend, reference
+from native_backend.kernels import cpu_kernels
+from native_backend.model.attention import cpu, get_attention_backend, reference
+from native_backend.model.kv_cache import KVLayer
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")

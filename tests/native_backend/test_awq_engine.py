@@ -8,13 +8,14 @@ from __future__ import annotations
 import pydoc_data.topics
 import pytest
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path, load_model
-from native_backend import cpu_kernels
-from native_backend.protocol import EngineRequest
-from native_backend.quantization.quantize import QuantizeOptions, quantize_model
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.kernels import cpu_kernels
+from native_backend.model.loader import default_gguf_path, load_model
+from native_backend.process.factory import make_engine_core
+from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from perplexity import held_out_windows, score
 
 pytestmark = pytest.mark.timeout(900)
@@ -34,7 +35,7 @@ def make_engine(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tok"))
 
     def make(path: str, cpu_kernels: bool = True) -> LLMEngine:
-        return LLMEngine(EngineConfig.build(path=path, tokenizer_cache_dir=cache, num_threads=2,
+        return make_engine_core(EngineConfig.build(path=path, tokenizer_cache_dir=cache, num_threads=2,
                                             cpu_kernels=cpu_kernels, kv_cache_bytes=64 << 20))
     return make
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend.quantization import rtn
-from native_backend.quantization.format import QuantConfig, pack_int4, unpack_int4
-from native_backend.quantization.reference import dequantize
+from native_backend.model.quantization import rtn
+from native_backend.model.quantization.format import QuantConfig, pack_int4, unpack_int4
+from native_backend.model.quantization.reference import dequantize
 from awq_rules import rules_unpack
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend import cpu_kernels
-from native_backend.layers.linear import ColumnParallelLinear, RowParallelLinear
-from native_backend.layers.sharding import ShardSpec
-from native_backend.quantization import rtn
-from native_backend.quantization.format import pack_int4
-from native_backend.quantization.method import AWQLinearMethod
-from native_backend.quantization.reference import dequantize, int4_linear
+from native_backend.kernels import cpu_kernels
+from native_backend.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from native_backend.model.layers.sharding import ShardSpec
+from native_backend.model.quantization import rtn
+from native_backend.model.quantization.format import pack_int4
+from native_backend.model.quantization.method import AWQLinearMethod
+from native_backend.model.quantization.reference import dequantize, int4_linear
 
 torch.set_num_threads(2)
 needs_int4_kernel = pytest.mark.skipif(not cpu_kernels.int4_available(),

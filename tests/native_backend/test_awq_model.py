@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from native_backend import cpu_kernels
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.kv_cache import KVCache
-from native_backend.layers.context import LayerContext
-from native_backend.layers.linear import LinearBase
-from native_backend.loader import load_hf_model
-from native_backend.model_runner import ModelRunner
-from native_backend.quantization.method import AWQLinearMethod
-from native_backend.quantization.quantize import QuantizeOptions, quantize_model
-from native_backend.sampling_params import SamplingParams
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.kernels import cpu_kernels
+from native_backend.model.kv_cache import KVCache
+from native_backend.model.layers.context import LayerContext
+from native_backend.model.layers.linear import LinearBase
+from native_backend.model.loader import load_hf_model
+from native_backend.model.quantization.method import AWQLinearMethod
+from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from llama_checkpoints import VOCAB, make_checkpoint
 from awq_rules import rules_dequantize
 

@@ -11,10 +11,10 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from native_backend.quantization import awq, rtn
-from native_backend.quantization.calibration import calibration_text, calibration_tokens
-from native_backend.quantization.checkpoint import decoder_linears
-from native_backend.quantization.quantize import load_float_model
+from native_backend.model.quantization import awq, rtn
+from native_backend.model.quantization.calibration import calibration_text, calibration_tokens
+from native_backend.model.quantization.checkpoint import decoder_linears
+from native_backend.tools.quantize import load_float_model
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from native_backend.layers.linear import ColumnParallelLinear
-from native_backend.layers.sharding import ShardSpec
-from native_backend.quantization import gguf_int4, reference
-from native_backend.quantization.format import QuantConfig, pack_int4
-from native_backend.quantization.method import AWQLinearMethod, Int4OffsetMethod, int4_method
+from native_backend.model.layers.linear import ColumnParallelLinear
+from native_backend.model.layers.sharding import ShardSpec
+from native_backend.model.quantization import gguf_int4, reference
+from native_backend.model.quantization.format import QuantConfig, pack_int4
+from native_backend.model.quantization.method import AWQLinearMethod, Int4OffsetMethod, int4_method
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = [  # (M, K, N, group)
@@ -42,7 +42,7 @@ def rel_err(y, ref):
 
 
 def zero_point_checks() -> None:
-    from native_backend.quantization.triton_int4 import int4_linear
+    from native_backend.model.quantization.triton_int4 import int4_linear
 
     g = torch.Generator().manual_seed(0)
     for m, k, n, group in CASES:
@@ -62,7 +62,7 @@ def zero_point_checks() -> None:
 
 
 def offset_checks() -> None:
-    from native_backend.quantization.triton_int4 import int4_linear_offset
+    from native_backend.model.quantization.triton_int4 import int4_linear_offset
 
     g = torch.Generator().manual_seed(1)
     for i, (m, k, n, group, dtype) in enumerate(OFFSET_CASES):
@@ -82,7 +82,7 @@ def offset_checks() -> None:
 
 
 def offset_extreme_checks() -> None:
-    from native_backend.quantization.triton_int4 import int4_linear_offset
+    from native_backend.model.quantization.triton_int4 import int4_linear_offset
 
     k, n = 96, 104  # 3 groups of 32; 104 columns: a partial tile of 8 at the right edge
     for code, offset in EXTREMES:
@@ -102,7 +102,7 @@ def gguf_block_checks() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
-    from native_backend.quantization.triton_int4 import int4_linear_offset
+    from native_backend.model.quantization.triton_int4 import int4_linear_offset
 
     out, k = 192, 576  # SmolLM2's k/v projection
     for qtype in GGUF_TYPES:
@@ -118,7 +118,7 @@ def gguf_block_checks() -> None:
 
 def selfcheck_checks() -> None:
     """bench/gpu_check.py's check of both variants, run here on one small shape."""
-    from native_backend.quantization.triton_int4 import gpu_selfcheck
+    from native_backend.model.quantization.triton_int4 import gpu_selfcheck
 
     result = gpu_selfcheck("cpu", shapes=[(64, 40)], rows=(3,))
     assert result["ok"] and result["cases"] == 4, result
@@ -168,7 +168,7 @@ def offset_layer(method, k=64, n=16, device="cpu"):
 
 @pytest.mark.parametrize("variant", ["offset", "zero_point"])
 def test_the_int4_methods_call_the_triton_kernel_on_cuda_tensors(variant, monkeypatch):
-    from native_backend.quantization import triton_int4
+    from native_backend.model.quantization import triton_int4
 
     calls = []
     monkeypatch.setattr(triton_int4, f"int4_linear{'_offset' if variant == 'offset' else ''}",

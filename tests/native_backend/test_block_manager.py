@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from native_backend.block_manager import ROOT_HASH, BlockManager, hash_block
-from native_backend.sequence import Sequence
+from native_backend.core.block_manager import ROOT_HASH, BlockManager, hash_block
+from native_backend.core.sequence import Sequence
 
 
 def seq(request_id: str, tokens: list[int]) -> Sequence:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend import cpu_kernels
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.kv_cache import KVCache
-from native_backend.model_runner import ModelRunner
-from native_backend.sampling_params import SamplingParams
-from native_backend.layers.linear import KERNEL_MAX_ROWS
-from native_backend.models.fused_decode import FusedDecode
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.kernels import cpu_kernels
+from native_backend.model.kv_cache import KVCache
+from native_backend.model.layers.linear import KERNEL_MAX_ROWS
+from native_backend.model.models.fused_decode import FusedDecode
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from native_backend import cpu_kernels
+from native_backend.kernels import cpu_kernels
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
@@ -66,7 +66,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 def test_built_once_into_the_cache_then_reused(tmp_path):
     code = """
         import torch
-        from native_backend import cpu_kernels
+        from native_backend.kernels import cpu_kernels
         lib = cpu_kernels.load()
         assert lib is not None, cpu_kernels.unavailable_reason()
         print(lib._name)
@@ -91,8 +91,8 @@ def test_unavailable_says_why_and_the_engine_keeps_torch(tmp_path, env, reason):
     env = {"KVGATE_CACHE_DIR": str(tmp_path), **env}
     done = _run("""
         import torch
-        from native_backend import cpu_kernels
-        from native_backend.attention import get_attention_backend
+        from native_backend.kernels import cpu_kernels
+        from native_backend.model.attention import get_attention_backend
         assert cpu_kernels.load() is None
         print(cpu_kernels.unavailable_reason())
         print(get_attention_backend("cpu").name)
@@ -107,7 +107,7 @@ def test_the_library_shares_torchs_openmp_runtime():
     """Loaded after torch, the kernels bind to the libgomp torch brought: one thread pool."""
     done = _run("""
         import torch
-        from native_backend import cpu_kernels
+        from native_backend.kernels import cpu_kernels
         assert cpu_kernels.load() is not None
         maps = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
         print(len(maps), *maps)
@@ -118,17 +118,17 @@ def test_the_library_shares_torchs_openmp_runtime():
 
 
 def test_prebuilt_ahead_of_time_into_a_kernels_dir(tmp_path):
-    """A container's build stage runs `python -m native_backend.cpu_kernels`; its runtime, with no
+    """A container's build stage runs `python -m native_backend.kernels.cpu_kernels`; its runtime, with no
     compiler, loads what was built."""
     env = {"KVGATE_KERNELS_DIR": str(tmp_path / "kernels"), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
-    built = subprocess.run([sys.executable, "-m", "native_backend.cpu_kernels"], capture_output=True, text=True,
+    built = subprocess.run([sys.executable, "-m", "native_backend.kernels.cpu_kernels"], capture_output=True, text=True,
                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, timeout=240)
     assert built.returncode == 0, built.stderr
     path = built.stdout.strip()
     assert os.path.dirname(path) == str(tmp_path / "kernels") and os.path.exists(path)
     loaded = _run("""
         import torch
-        from native_backend import cpu_kernels
+        from native_backend.kernels import cpu_kernels
         assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
         print(cpu_kernels.load()._name)
     """, CC="false", **env)
@@ -142,7 +142,7 @@ def test_a_library_others_could_write_is_refused(tmp_path):
     env = {"KVGATE_KERNELS_DIR": str(kernels), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
     code = """
         import torch
-        from native_backend import cpu_kernels
+        from native_backend.kernels import cpu_kernels
         print(cpu_kernels.load() is not None, cpu_kernels.unavailable_reason())
     """
     built = _run(code, **env)

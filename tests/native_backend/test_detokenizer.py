@@ -11,9 +11,9 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from native_backend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from native_backend.stop import StopStringMatcher
-from native_backend.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
+from native_backend.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from native_backend.text.stop import StopStringMatcher
+from native_backend.text.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
 
 TEXT = "\n".join(pydoc_data.topics.topics[t] for t in ("assert", "class", "formatstrings", "lambda"))
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

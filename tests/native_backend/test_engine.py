@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.protocol import EngineError, EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.interface import EngineError, EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 from engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(1200)  # loads the real model twice (ours and transformers')
@@ -32,7 +32,7 @@ def engine_factory(tmp_path_factory):
 
     def make(**overrides):
         config = EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2, **overrides)
-        return LLMEngine(config)
+        return make_engine_core(config)
 
     return make
 

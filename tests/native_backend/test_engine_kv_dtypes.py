@@ -7,11 +7,12 @@ from __future__ import annotations
 import pydoc_data.topics
 import pytest
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.protocol import EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 from engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(900)
@@ -29,7 +30,7 @@ def make_engine(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tok"))
 
     def make(kv_cache_dtype: str) -> LLMEngine:
-        return LLMEngine(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
+        return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
                                             kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=SMALL_CACHE[kv_cache_dtype],
                                             max_num_seqs=8, max_num_batched_tokens=64))
     return make

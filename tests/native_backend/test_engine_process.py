@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from native_backend.client import AsyncEngineClient
-from native_backend.protocol import (
-    EngineDeadError, EngineError, EngineRequest, EngineStartupError, EngineStats, RequestOutput)
-from native_backend.sampling_params import SamplingParams
+from native_backend.core.interface import EngineError, EngineRequest, EngineStats, RequestOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.process.client import AsyncEngineClient
+from native_backend.process.protocol import EngineDeadError, EngineStartupError
 
 CRASH_TOKEN = -1  # a prompt starting with it makes the core's next step kill the process
 MAX_PROMPT_TOKENS = 64

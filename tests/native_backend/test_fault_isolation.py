@@ -10,12 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.protocol import EngineError, EngineRequest
-from native_backend.sampler import FAILED, Sampler, SamplingRow
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineError, EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.sampler import FAILED, Sampler, SamplingRow
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 def engine(tmp_path_factory):
     config = EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=str(tmp_path_factory.mktemp("tok")),
                                 num_threads=2, max_num_seqs=8, max_num_batched_tokens=128, kv_cache_bytes=64 << 20)
-    return LLMEngine(config)
+    return make_engine_core(config)
 
 
 def run(engine: LLMEngine, requests: list[EngineRequest], sabotage=None) -> dict[str, tuple[list[int], object]]:

@@ -15,18 +15,19 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from native_backend import cpu_kernels
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.kv_cache import KVCache
-from native_backend.layers.context import LayerContext
-from native_backend.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
-from native_backend.layers.sharding import ShardSpec
-from native_backend.loader import default_gguf_path, load_model, unpermute_rotary_rows
-from native_backend.model_runner import ModelRunner
-from native_backend.quantization import gguf_int4
-from native_backend.quantization.method import Int4OffsetMethod
-from native_backend.quantization.reference import dequantize_offset, int4_linear_offset
-from native_backend.sampling_params import SamplingParams
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.kernels import cpu_kernels
+from native_backend.model.kv_cache import KVCache
+from native_backend.model.layers.context import LayerContext
+from native_backend.model.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from native_backend.model.layers.rotary import unpermute_rotary_rows
+from native_backend.model.layers.sharding import ShardSpec
+from native_backend.model.loader import default_gguf_path, load_model
+from native_backend.model.quantization import gguf_int4
+from native_backend.model.quantization.method import Int4OffsetMethod
+from native_backend.model.quantization.reference import dequantize_offset, int4_linear_offset
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.timeout(900)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend.kv_cache import KVCache, kv_bytes_per_token, plan_kv_cache, resolve_kv_dtype
+from native_backend.model.kv_cache import KVCache, kv_bytes_per_token, plan_kv_cache, resolve_kv_dtype
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 GIB = 1024**3

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend import cpu_kernels
-from native_backend.attention import cpu, kv_quant, reference
-from native_backend.attention.metadata import AttentionMetadata
-from native_backend.kv_cache import KVCache, KVLayer, kv_bytes_per_token, plan_kv_cache, resolve_kv_dtype
+from native_backend.kernels import cpu_kernels
+from native_backend.model.attention import cpu, kv_quant, reference
+from native_backend.model.attention.metadata import AttentionMetadata
+from native_backend.model.kv_cache import KVCache, KVLayer, kv_bytes_per_token, plan_kv_cache, resolve_kv_dtype
 from attention_cases import dense
 
 torch.set_num_threads(2)
@@ -193,7 +193,7 @@ TRITON_CASES = {"decode": [(13, 1), (6, 1)], "mixed": [(9, 9), (12, 3), (5, 1)]}
 def triton_checks() -> list[str]:
     """Run in a subprocess with TRITON_INTERPRET=1: the Triton write is bit-identical to the
     reference's, and its attention reads what the reference reads."""
-    from native_backend.attention import get_attention_backend
+    from native_backend.model.attention import get_attention_backend
 
     triton_backend = get_attention_backend("cpu", "triton")
     lines = []

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from native_backend import cpu_kernels
-from native_backend.config import ModelConfig
-from native_backend.layers.norm import RMSNorm
-from native_backend.layers.ops import TORCH_OPS
-from native_backend.layers.rotary import RotaryEmbedding, apply_rope
-from native_backend.layers.cpu_ops import KERNEL_OPS
+from native_backend.config.model import ModelConfig
+from native_backend.kernels import cpu_kernels
+from native_backend.model.layers.cpu_ops import KERNEL_OPS
+from native_backend.model.layers.norm import RMSNorm
+from native_backend.model.layers.ops import TORCH_OPS
+from native_backend.model.layers.rotary import RotaryEmbedding, apply_rope
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from native_backend import cpu_kernels
-from native_backend.layers import linear
-from native_backend.layers.context import LayerContext
-from native_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from native_backend.layers.linear import C_KERNEL, DENSE, ColumnParallelLinear, RowParallelLinear
-from native_backend.layers.sharding import ShardSpec
-from native_backend.loader import build_model, safetensors_tensors
+from native_backend.kernels import cpu_kernels
+from native_backend.model.layers import linear
+from native_backend.model.layers.context import LayerContext
+from native_backend.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from native_backend.model.layers.linear import C_KERNEL, DENSE, ColumnParallelLinear, RowParallelLinear
+from native_backend.model.layers.sharding import ShardSpec
+from native_backend.model.loader import build_model, safetensors_tensors
 from llama_checkpoints import make_checkpoint
 
 torch.set_num_threads(2)

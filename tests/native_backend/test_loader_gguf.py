@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.kv_cache import KVCache
-from native_backend.loader import default_gguf_path, hf_name_for_gguf, load_gguf_model
-from native_backend.model_runner import ModelRunner
-from native_backend.sampling_params import SamplingParams
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.model.kv_cache import KVCache
+from native_backend.model.loader import default_gguf_path, hf_name_for_gguf, load_gguf_model
 
 import gguf  # noqa: E402
 import transformers  # noqa: E402

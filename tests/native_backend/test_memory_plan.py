@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from native_backend.memory_plan import (
+from native_backend.tools.memory_plan import (
     GPUS, KNOWN_MODELS, KV_FORMATS, WEIGHT_FORMATS, GiB, MiB, PlanError, PlanInputs, kv_bytes_per_token,
     linear_params_per_rank, make_plan, model_shape, other_params_per_rank, valid_tp_sizes, weights_bytes_per_rank,
 )
@@ -226,7 +226,7 @@ def test_planning_needs_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from native_backend.memory_plan import model_shape; "
+    code = ("import sys; from native_backend.tools.memory_plan import model_shape; "
             f"model_shape({smollm2_gguf()!r}); assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

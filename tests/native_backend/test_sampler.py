@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from native_backend.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
-from native_backend.sampling_params import SamplingParams as P
+from native_backend.core.sampling_params import SamplingParams as P
+from native_backend.execution.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
 
 torch.set_num_threads(1)
 VOCAB = 50

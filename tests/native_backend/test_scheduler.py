@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from native_backend.batch import RunnerOutput, SampledLogprobs
-from native_backend.engine_config import SpeculativeOptions
-from native_backend.sampling_params import SamplingParams
-from native_backend.sequence import Sequence, SequenceStatus
-from native_backend.spec_decode.policy import SpeculationPolicy
+from native_backend.config.engine import SpeculativeOptions
+from native_backend.core.batch import RunnerOutput, SampledLogprobs
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.core.sequence import Sequence, SequenceStatus
+from native_backend.core.spec_policy import SpeculationPolicy
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int | None = 4, **kwargs) -> Sequence:

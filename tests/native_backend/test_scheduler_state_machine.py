@@ -21,12 +21,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from native_backend.block_manager import cdiv
-from native_backend.engine_config import SpeculativeOptions
-from native_backend.sampling_params import SamplingParams
-from native_backend.scheduler import Scheduler, SchedulerConfig
-from native_backend.sequence import Sequence
-from native_backend.spec_decode.policy import SpeculationPolicy
+from native_backend.config.engine import SpeculativeOptions
+from native_backend.core.block_manager import cdiv
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.core.scheduler import Scheduler, SchedulerConfig
+from native_backend.core.sequence import Sequence
+from native_backend.core.spec_policy import SpeculationPolicy
 
 # Prompts draw on a few shared prefixes so the prefix cache gets hits (and evictions).
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]

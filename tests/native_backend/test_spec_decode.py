@@ -4,13 +4,13 @@ rollback, and the sampler's verification against plain sampling (seeded streams 
 import pytest
 import torch
 
-from native_backend.batch import RunnerOutput
-from native_backend.engine_config import SpeculativeOptions
-from native_backend.sampler import Sampler, SamplingRow
-from native_backend.sampling_params import SamplingParams
-from native_backend.sequence import Sequence
-from native_backend.spec_decode.ngram import propose_ngram
-from native_backend.spec_decode.policy import PAUSE_STEPS, SpeculationPolicy
+from native_backend.config.engine import SpeculativeOptions
+from native_backend.core.batch import RunnerOutput
+from native_backend.core.ngram import propose_ngram
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.core.sequence import Sequence
+from native_backend.core.spec_policy import PAUSE_STEPS, SpeculationPolicy
+from native_backend.execution.sampler import Sampler, SamplingRow
 
 # --- n-gram lookup ----------------------------------------------------------------------------
 
@@ -148,7 +148,7 @@ def test_verification_draws_what_plain_sampling_draws(params):
 def test_a_draft_must_share_the_vocabulary_and_be_no_larger():
     from types import SimpleNamespace
 
-    from native_backend.spec_decode.draft_model import check_draft_fits_target, check_same_tokenizer
+    from native_backend.execution.spec_decode.draft_model import check_draft_fits_target, check_same_tokenizer
 
     target = SimpleNamespace(vocab_size=100)
     check_draft_fits_target(SimpleNamespace(vocab_size=100), target, 50, 100)  # fits

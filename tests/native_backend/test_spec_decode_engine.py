@@ -9,11 +9,11 @@ its generator past rejected positions). Every block comes back.
 import pydoc_data.topics
 import pytest
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.protocol import EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -28,7 +28,7 @@ def make_engine(tmp_path_factory):
 
     def make(speculative=None, **overrides):
         settings = dict(max_num_batched_tokens=64, max_num_seqs=16, kv_cache_bytes=256 << 20, **overrides)
-        return LLMEngine(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
+        return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
                                             speculative=speculative, **settings))
 
     return make
@@ -111,8 +111,8 @@ def test_an_int4_copy_of_the_target_drafts_token_identically(make_engine, prompt
     """The draft named by draft_model may be an AWQ int4 directory (`kvgate quantize`; RTN here
     for speed, the same AutoAWQ GEMM files): it proposes, the float target verifies, and greedy
     output is the float model's whatever the draft guessed."""
-    from native_backend.quantization.method import describe_weights
-    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+    from native_backend.model.quantization.method import describe_weights
+    from native_backend.tools.quantize import QuantizeOptions, quantize_model
 
     int4_dir = str(tmp_path_factory.mktemp("smollm2-int4"))
     quantize_model(default_gguf_path(), int4_dir, QuantizeOptions(method="rtn", group_size=64))

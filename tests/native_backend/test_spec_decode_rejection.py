@@ -8,7 +8,7 @@ for one-hot (n-gram) drafts. The drafts' own distribution is far from p (the tes
 import pytest
 import torch
 
-from native_backend.spec_decode.rejection import PAD, rejection_sample
+from native_backend.execution.spec_decode.rejection import PAD, rejection_sample
 
 VOCAB, K, N = 10, 3, 100_000
 
@@ -72,7 +72,7 @@ def test_greedy_rows_keep_the_drafts_up_to_the_first_mismatch():
 
 
 def test_the_greedy_shortcut_keeps_the_rule():
-    from native_backend.spec_decode.rejection import accepted_prefix
+    from native_backend.execution.spec_decode.rejection import accepted_prefix
 
     assert accepted_prefix([4, 7, 2, 9], [4, 7, 5]) == [4, 7, 2]
     assert accepted_prefix([4, 7, 2, 9], [4, 7, 2]) == [4, 7, 2, 9]

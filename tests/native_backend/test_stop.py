@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native_backend.stop import StopStringMatcher
+from native_backend.text.stop import StopStringMatcher
 
 
 def feed(stop: list[str], pieces: list[str]) -> tuple[str, bool, list[str]]:

@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-from native_backend.batch import ScheduledChunk, SchedulerOutput
-from native_backend.engine_config import EngineConfig
-from native_backend.executor import make_executor
-from native_backend.parallel import report
-from native_backend.parallel.deltas import DeltaDecoder, DeltaEncoder
-from native_backend.parallel.executor import TensorParallelError, check_supported
-from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+from native_backend.config.engine import EngineConfig
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.execution.factory import make_executor
+from native_backend.execution.parallel import report
+from native_backend.execution.parallel.deltas import DeltaDecoder, DeltaEncoder
+from native_backend.execution.parallel.executor import TensorParallelError, check_supported
+from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)

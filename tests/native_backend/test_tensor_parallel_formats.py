@@ -19,12 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.executor import make_executor
-from native_backend.loader import default_gguf_path
-from native_backend.quantization.quantize import QuantizeOptions, quantize_model
-from native_backend.tokenizer import Tokenizer
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.execution.factory import make_executor
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
+from native_backend.text.tokenizer import Tokenizer
+from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tensor_parallel_checks import greedy_tokens, max_difference, run_script, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(1200)
@@ -57,7 +58,7 @@ def test_awq_int4_checkpoint_on_three_ranks_gives_one_ranks_greedy_tokens(tmp_pa
     prompts = smollm2_prompts(Tokenizer.from_pretrained(awq, cache_dir=tmp_path))
 
     def engine(tp: int) -> LLMEngine:
-        return LLMEngine(EngineConfig.build(path=awq, tokenizer_cache_dir=str(tmp_path), num_threads=1,
+        return make_engine_core(EngineConfig.build(path=awq, tokenizer_cache_dir=str(tmp_path), num_threads=1,
                                             tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8))
 
     one = engine(1)

@@ -11,9 +11,9 @@ import gguf
 import pytest
 import torch
 
-from native_backend.config import ModelConfig
-from native_backend.layers.sharding import ShardSpec
-from native_backend.loader import SafetensorsSlice, default_gguf_path, gguf_tensors, safetensors_tensors
+from native_backend.config.model import ModelConfig
+from native_backend.model.layers.sharding import ShardSpec
+from native_backend.model.loader import SafetensorsSlice, default_gguf_path, gguf_tensors, safetensors_tensors
 from tensor_parallel_checks import tiny_gqa_llama
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
@@ -56,8 +56,8 @@ def test_a_rank_built_from_slices_holds_the_same_parameters(tmp_path, size):
     """Rank by rank, the model loaded from lazy slices equals one loaded from whole tensors."""
     import glob
 
-    from native_backend.layers.context import LayerContext
-    from native_backend.loader import build_model
+    from native_backend.model.layers.context import LayerContext
+    from native_backend.model.loader import build_model
 
     path = tiny_gqa_llama(tmp_path)
     config = ModelConfig.from_hf_dir(path)
@@ -76,9 +76,9 @@ def test_awq_ranks_hold_the_checkpoints_int4_weights_between_them(tmp_path):
     from safetensors.torch import load_file
 
     from awq_rules import rules_dequantize
-    from native_backend.layers.context import LayerContext
-    from native_backend.loader import load_hf_model
-    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+    from native_backend.model.layers.context import LayerContext
+    from native_backend.model.loader import load_hf_model
+    from native_backend.tools.quantize import QuantizeOptions, quantize_model
 
     awq = str(tmp_path / "int4-g8")
     quantize_model(tiny_gqa_llama(tmp_path / "float"), awq, QuantizeOptions(method="rtn", group_size=8))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.parallel import report
-from native_backend.parallel.executor import check_supported
-from native_backend.protocol import EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.parallel import report
+from native_backend.execution.parallel.executor import check_supported
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 from tensor_parallel_checks import max_difference, run_script, smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
@@ -28,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 def engine(cache_dir: str, tp: int) -> LLMEngine:
     # No prefix caching: the logits script writes KV blocks behind the scheduler's back while idle.
-    return LLMEngine(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
+    return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
                                         tensor_parallel_size=tp, kv_cache_bytes=96 << 20,
                                         enable_prefix_caching=False, max_num_batched_tokens=64))
 

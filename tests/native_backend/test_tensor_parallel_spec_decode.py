@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.loader import default_gguf_path
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.model.loader import default_gguf_path
+from native_backend.process.factory import make_engine_core
 from tensor_parallel_checks import engine_tokens, greedy_tokens, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -33,7 +34,7 @@ CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n
 
 def engine(cache_dir: str, tp: int, speculative=None) -> LLMEngine:
     # A budget of 64 tokens: the long prompt's prefill chunks share steps with the others' verifications.
-    return LLMEngine(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
+    return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
                                         tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8,
                                         max_num_batched_tokens=64, speculative=speculative))
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from native_backend.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
+from native_backend.text.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
 
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
 TOPICS = list(pydoc_data.topics.topics.values())
@@ -202,7 +202,7 @@ def test_loads_an_hf_directory_with_generation_config_eos(tok, tokenizer_dir, tm
 def test_directory_load_and_chat_template_do_not_import_torch(tokenizer_dir):
     # The gateway process tokenizes prompts; it must not pay for torch to do so.
     code = (
-        "import sys; from native_backend.tokenizer import Tokenizer; "
+        "import sys; from native_backend.text.tokenizer import Tokenizer; "
         f"t = Tokenizer.from_pretrained({tokenizer_dir!r}); "
         "t.apply_chat_template([{'role': 'user', 'content': 'hi'}]); "
         "assert 'torch' not in sys.modules, 'torch was imported'")

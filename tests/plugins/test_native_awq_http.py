@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
-from native_backend.engine import LLMEngine
-from native_backend.engine_config import EngineConfig
-from native_backend.protocol import EngineRequest
-from native_backend.sampling_params import SamplingParams
+from native_backend.config.engine import EngineConfig
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.process.factory import make_engine_core
 from servers import GatewayServer
 
 pytestmark = pytest.mark.timeout(1800)
@@ -61,7 +61,7 @@ models:
 
 def engine_greedy(path: str, prompts: list[str], cache_dir: str) -> list[str]:
     """The engine in this process on the same directory: each prompt's greedy text, one at a time."""
-    engine = LLMEngine(EngineConfig.build(path=path, tokenizer_cache_dir=cache_dir, num_threads=2,
+    engine = make_engine_core(EngineConfig.build(path=path, tokenizer_cache_dir=cache_dir, num_threads=2,
                                           kv_cache_bytes=64 << 20, max_num_seqs=4, max_num_batched_tokens=256))
     texts = []
     for i, prompt in enumerate(prompts):

@@ -12,9 +12,9 @@ import torch
 
 from gateway import cli
 from kvgate_native.backend import NativeBackend, NativeSettings
-from native_backend.loader import load_hf_model
-from native_backend.quantization import calibration
-from native_backend.quantization.method import AWQLinearMethod
+from native_backend.model.loader import load_hf_model
+from native_backend.model.quantization import calibration
+from native_backend.model.quantization.method import AWQLinearMethod
 from llama_checkpoints import VOCAB, make_checkpoint
 
 

@@ -13,7 +13,7 @@ import pydantic
 import pytest
 
 from kvgate_native.backend import NativeSettings, SpeculativeSettings
-from native_backend.engine_config import FIELD_PARTS, EngineConfig, SpeculativeOptions
+from native_backend.config.engine import FIELD_PARTS, EngineConfig, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
@@ -96,7 +96,7 @@ def test_engine_config_parts_validate_themselves():
 def tiny_awq_g8(tmp_path_factory) -> str:
     """An int4 AWQ g8 checkpoint of the tiny GQA Llama (8 heads, 2 KV heads, MLP 112): its heads and
     MLP split at 2, 4 and 8, its packed linears at 2 only (28 gate/up columns a rank at 4: 3.5 int32s)."""
-    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+    from native_backend.tools.quantize import QuantizeOptions, quantize_model
     from tensor_parallel_checks import tiny_gqa_llama
 
     out = str(tmp_path_factory.mktemp("tiny-int4-g8"))

@@ -62,8 +62,8 @@ GREEDY = dict(temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    from native_backend.loader import default_gguf_path
-    from native_backend.quantization.quantize import QuantizeOptions, quantize_model
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.tools.quantize import QuantizeOptions, quantize_model
 
     int4_dir = tmp_path_factory.mktemp("smollm2-int4")
     quantize_model(default_gguf_path(), str(int4_dir), QuantizeOptions(method="rtn", group_size=64))

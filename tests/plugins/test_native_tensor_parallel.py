@@ -20,8 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from native_backend.loader import default_gguf_path
-from native_backend.tokenizer import Tokenizer
+from native_backend.model.loader import default_gguf_path
+from native_backend.text.tokenizer import Tokenizer
 from servers import GatewayServer, free_port
 from stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 from tensor_parallel_checks import smollm2_prompts, transformers_greedy

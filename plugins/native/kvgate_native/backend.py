@@ -1,6 +1,6 @@
 """The native engine behind the gateway's Backend protocol.
 
-The engine core runs in its own process (`native_backend.client.AsyncEngineClient`), so HTTP
+The engine core runs in its own process (`native_backend.process.client.AsyncEngineClient`), so HTTP
 serving never waits on a forward pass; a supervisor restarts it when it dies or hangs
 (`supervisor.py`). This side tokenizes (the model's own chat template), turns engine outputs
 into token events, maps engine refusals onto OpenAI errors, and reports load from the engine's
@@ -32,19 +32,20 @@ from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
-from native_backend.cache_dir import tokenizer_cache_dir
-from native_backend.client import AsyncEngineClient
-from native_backend.engine_config import (
+from native_backend.config.cache_dir import tokenizer_cache_dir
+from native_backend.process.client import AsyncEngineClient
+from native_backend.config.engine import (
     CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions, SpeculativeOptions)
-from native_backend.parallel.validate import check_model_on_disk, check_speculative_method
-from native_backend.protocol import EngineDeadError, EngineError, EngineRequest, RequestOutput
-from native_backend.sampling_params import SamplingParams as EngineSampling
-from native_backend.tokenizer import Tokenizer, default_model_path
+from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
+from native_backend.core.sampling_params import SamplingParams as EngineSampling
+from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
+from native_backend.process.protocol import EngineDeadError
+from native_backend.text.tokenizer import Tokenizer, default_model_path
 
 log = logging.getLogger("kvgate.native")
 TOKENIZE_THREADS = 2
 
-ENGINE_FACTORY = "native_backend.engine:make_engine_core"
+ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
                                    features=frozenset({"logprobs", "n"}))
 

@@ -1,6 +1,6 @@
 """`kvgate plan`: will a model fit, and how many sequences will its KV cache hold?
 
-The arithmetic lives in `native_backend.memory_plan` (pure Python); this module is the command
+The arithmetic lives in `native_backend.tools.memory_plan` (pure Python); this module is the command
 line around it: arguments, the text table and `--json`. It is contributed to the `kvgate` command
 through the `register_commands` hook, so the gateway never imports the engine.
 """
@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from native_backend import memory_plan as mp
+from native_backend.tools import memory_plan as mp
 
 
 class PlanCommand:

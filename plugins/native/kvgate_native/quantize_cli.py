@@ -34,8 +34,8 @@ class QuantizeCommand:
     def run(args: argparse.Namespace) -> int:
         import torch
 
-        from native_backend.quantization.quantize import QuantizeOptions, quantize_model
-        from native_backend.tokenizer import default_model_path
+        from native_backend.text.tokenizer import default_model_path
+        from native_backend.tools.quantize import QuantizeOptions, quantize_model
 
         if args.threads:
             torch.set_num_threads(args.threads)

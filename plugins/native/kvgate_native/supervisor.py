@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from native_backend.client import AsyncEngineClient
-from native_backend.protocol import EngineStartupError
+from native_backend.process.client import AsyncEngineClient
+from native_backend.process.protocol import EngineStartupError
 
 log = logging.getLogger("kvgate.native")
 

@@ -1,0 +1,80 @@
+"""The plain data that crosses the scheduler / model-runner seam (no torch here).
+
+The scheduler decides *which tokens of which requests* run this step and where their KV lives;
+the runner turns that into tensors, runs the model, and returns sampled tokens. Keeping this
+seam as plain data lets the scheduler be tested with hand-made runner outputs.
+
+    sequence positions:  0 .. start_pos-1        start_pos .. start_pos+len(token_ids)-1   then num_spec_tokens
+                         [ already in KV cache ]  [ token_ids: computed (and cached) this step ] [ drafts ]
+    block_table[i] holds positions [i*block_size, (i+1)*block_size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from native_backend.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """Work for one request in one step: a prefill chunk, or a decode of one (or k+1) tokens."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is computed this step
+    start_pos: int  # position of token_ids[0]; equals the number of tokens already cached
+    block_table: list[int]  # physical blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this chunk reaches the end of the known tokens: sample the next one
+    sampling: SamplingParams
+    # Token history for repetition/presence/frequency penalties (shared lists, not copies).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: number of trailing positions that need logits (1 for plain decode;
+    # 1 + num_spec_tokens for a verification).
+    num_logits: int = 1
+    # Speculative decoding: slots reserved after token_ids for drafts (block_table covers them).
+    # draft_token_ids are the drafts when the scheduler knew them (n-gram); empty with k slots,
+    # the executor's draft model proposes them. The runner returns the accepted drafts plus one.
+    num_spec_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+
+
+def step_tokens(chunk: ScheduledChunk) -> list[int]:
+    """The tokens a chunk runs: its known tokens, then its drafts (verification)."""
+    return chunk.token_ids + chunk.draft_token_ids if chunk.draft_token_ids else chunk.token_ids
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    # Requests that ended (finished or aborted) since the last step: the runner drops their state
+    # (e.g. per-request random generators). Preempted requests are *not* listed: they come back.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """Raw (pre-temperature, pre-penalty) log-softmax of the sampled token and the top-k."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    # request_id -> tokens sampled this step (one per sampled chunk; more under speculation).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> one SampledLogprobs per sampled token, only for requests that asked for them.
+    logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # request_id -> why its sampling failed: that request ends alone, the batch goes on.
+    errors: dict[str, str] = field(default_factory=dict)

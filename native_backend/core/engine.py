@@ -1,0 +1,227 @@
+"""The engine core: schedule, execute, update. It runs in the engine process, single-threaded.
+
+    add_request ──> Scheduler (waiting) ──schedule()──> SchedulerOutput ──Executor.execute()──>
+    RunnerOutput ──Scheduler.update()──> StepResults ──detokenize, stop strings──> RequestOutputs
+
+The core never touches the model: the executor builds it, owns it and runs it. The engine is
+handed its executor (process.factory builds both), so the core imports nothing of execution.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from native_backend.config.engine import EngineConfig
+from native_backend.core.interface import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
+from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
+from native_backend.core.sequence import Sequence
+from native_backend.core.spec_policy import SpeculationPolicy
+from native_backend.core.spec_stats import SpecDecodeStats
+from native_backend.text.detokenizer import IncrementalDetokenizer
+from native_backend.text.stop import StopStringMatcher
+from native_backend.text.tokenizer import Tokenizer
+
+log = logging.getLogger("kvgate.engine")
+
+
+@dataclass
+class _TextState:
+    """Per-request output text (incremental detokenization, then stop-string holdback) and the
+    request's milestones for its trace."""
+
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    want_logprobs: bool
+    arrived: float = 0.0  # unix seconds
+    scheduled: float | None = None
+    first_token: float | None = None
+    prefill_chunks: int = 0
+
+    def timings(self, finished: float, preemptions: int, cached_tokens: int) -> dict[str, float]:
+        marks = {"arrived": self.arrived, "scheduled": self.scheduled, "first_token": self.first_token,
+                 "finished": finished, "prefill_chunks": self.prefill_chunks, "preemptions": preemptions,
+                 "cached_tokens": cached_tokens}
+        return {k: float(v) for k, v in marks.items() if v is not None}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor):
+        """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor)."""
+        self.config = config
+        self.executor = executor
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        self.plan = self.executor.plan
+        self.tokenizer = Tokenizer.from_pretrained(config.model.path, cache_dir=config.model.tokenizer_cache_dir)
+        self.eos_token_ids = tuple(dict.fromkeys([*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids]))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            block_size=config.cache.block_size,
+            num_blocks=self.plan.num_blocks,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+        ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
+        self._texts: dict[str, _TextState] = {}
+        self.num_steps = 0
+        self.num_step_tokens = 0
+        self.step_seconds = 0.0
+        self.num_failed_requests = 0  # failed alone (their fault) while the others went on
+
+    def describe(self) -> str:
+        return self.executor.describe()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineRequest) -> None:
+        request.check(self.model_config.vocab_size)  # what would fail inside a batched step
+        sampling = request.sampling
+        extra_eos = tuple(t for t in self.eos_token_ids[1:] if t not in sampling.stop_token_ids)
+        if extra_eos and not sampling.ignore_eos:  # models that end on several ids (SmolLM2: two)
+            sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
+        seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority)
+        try:
+            self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
+        except ContextLengthError as exc:
+            raise EngineError("context_length", str(exc)) from None
+        except ValueError as exc:
+            raise EngineError("invalid", str(exc)) from None
+        self._texts[request.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            StopStringMatcher(sampling.stop),
+            sampling.logprobs is not None,
+            arrived=request.arrival_time,
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._texts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update; then turn token ids into text deltas."""
+        started = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        self._note_prefill(scheduled)
+        runner_output = self.executor.execute(scheduled)
+        results = self.scheduler.update(scheduled, runner_output)
+        outputs = [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
+        self.num_steps += 1
+        self.num_step_tokens += scheduled.num_batched_tokens
+        self.step_seconds += time.monotonic() - started
+        return outputs
+
+    def _note_prefill(self, scheduled) -> None:
+        now = time.time()
+        for chunk in scheduled.chunks:
+            state = self._texts.get(chunk.request_id)
+            if state is not None and state.first_token is None:
+                state.scheduled = state.scheduled or now
+                state.prefill_chunks += 1
+
+    def _to_output_or_error(self, result: StepResult) -> RequestOutput:
+        """One request's output; a failure of its own (sampling, text) ends that request alone."""
+        try:
+            if result.error is None:
+                return self._to_output(result)
+            message = result.error
+        except Exception as exc:  # noqa: BLE001 - the request's tokens/stops are the cause
+            message = f"output processing failed: {type(exc).__name__}: {exc}"
+        log.warning("request %s failed alone: %s", result.request_id, message)
+        self.num_failed_requests += 1
+        self.scheduler.finish(result.request_id, "abort")  # no-op if it already ended
+        self._texts.pop(result.request_id, None)
+        return RequestOutput(result.request_id, [], "", finish_reason="abort",
+                             num_prompt_tokens=result.num_prompt_tokens,
+                             num_output_tokens=result.num_output_tokens,
+                             error=EngineError("internal", message))
+
+    def _to_output(self, result: StepResult) -> RequestOutput:
+        state = self._texts[result.request_id]
+        if state.first_token is None and result.new_token_ids:
+            state.first_token = time.time()
+        text, stopped = state.stops.push(state.detokenizer.push(result.new_token_ids))
+        finish_reason = result.finish_reason
+        if stopped:
+            if not result.finished:
+                self.scheduler.finish(result.request_id, "stop")
+            finish_reason = "stop"
+        elif result.finished:
+            tail, _ = state.stops.finish(state.detokenizer.flush())
+            text += tail
+        timings = None
+        if finish_reason is not None:
+            del self._texts[result.request_id]
+            timings = state.timings(time.time(), result.num_preemptions, result.num_cached_tokens)
+            if self.scheduler.speculation is not None:
+                timings.update(_request_spec_counts(result.spec_decode or SpecDecodeStats()))
+        return RequestOutput(
+            request_id=result.request_id,
+            new_token_ids=list(result.new_token_ids),
+            new_text=text,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(result) if state.want_logprobs else None,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            num_output_tokens=result.num_output_tokens,
+            timings=timings,
+        )
+
+    def _logprobs(self, result: StepResult) -> list[TokenLogprobs] | None:
+        if not result.logprobs:
+            return None
+        text = self.tokenizer.token_text
+        return [TokenLogprobs(lp, text(lp.token_id), tuple(text(t) for t, _ in lp.top)) for lp in result.logprobs]
+
+    def stats(self) -> EngineStats:
+        # Called every stats interval, idle or not: a tensor-parallel worker that died raises here,
+        # and the engine process reports it as fatal and exits (its supervisor restarts it).
+        self.executor.check_health()
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_cache_usage=s.kv_cache_usage,
+            kv_blocks_total=self.plan.num_blocks,
+            kv_blocks_used=round(s.kv_cache_usage * self.plan.num_blocks),
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
+            num_step_tokens=self.num_step_tokens,
+            step_seconds=self.step_seconds,
+            num_failed_requests=self.num_failed_requests,
+            block_size=self.plan.block_size,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            weights=self.executor.weights,
+            max_model_len=self.max_model_len,
+            **_spec_decode_stats(s.spec_decode),
+        )
+
+
+def _spec_decode_stats(stats) -> dict:
+    if stats is None:
+        return {}
+    return dict(spec_decode_num_speculative_tokens=len(stats.accepted_per_pos),
+                spec_decode_num_drafts=stats.num_drafts, spec_decode_num_draft_tokens=stats.num_draft_tokens,
+                spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=tuple(stats.accepted_per_pos))
+
+
+def _request_spec_counts(counts: SpecDecodeStats) -> dict[str, float]:
+    """One request's speculation for its trace (the gateway puts `spec_*` on its decode span);
+    zeros when it never speculated (the load policy kept it plain)."""
+    marks = {"spec_drafts": counts.num_drafts, "spec_draft_tokens": counts.num_draft_tokens,
+             "spec_accepted_tokens": counts.num_accepted_tokens}
+    if counts.num_draft_tokens:
+        marks["spec_acceptance_rate"] = counts.acceptance_rate
+        marks["spec_mean_accepted_length"] = counts.mean_accepted_length
+    return {k: float(v) for k, v in marks.items()}
+

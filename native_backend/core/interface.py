@@ -1,0 +1,144 @@
+"""What the engine core takes and gives: the plain data the engine process carries across its pipes.
+
+    EngineRequest ──> EngineCoreProtocol.add_request / abort
+                      EngineCoreProtocol.step() ──> [RequestOutput, ...]
+                      EngineError: a request refused, or failed alone mid-way
+                      EngineCoreProtocol.stats() ──> EngineStats
+
+Everything here pickles cheaply and imports nothing heavy (no torch), so the gateway side can
+use it without loading the engine (process.protocol wraps these in its messages).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from native_backend.core.batch import SampledLogprobs
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.core.sequence import FinishReason
+
+EngineErrorKind = Literal["invalid", "context_length", "overloaded", "internal"]
+
+# Every id a tokenizer hands out fits in a signed 32-bit int (what the device kernels index with).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot of one engine core, sent to the gateway side every stats interval."""
+
+    num_waiting: int = 0  # requests admitted and not yet running
+    num_running: int = 0  # requests holding KV blocks
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (since start)
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0  # since start
+    num_steps: int = 0  # since start
+    num_step_tokens: int = 0  # tokens computed by steps (prompt and output), since start
+    step_seconds: float = 0.0  # time spent in steps, since start
+    num_failed_requests: int = 0  # requests failed alone (their fault) while the engine went on
+    block_size: int = 0  # tokens per KV block
+    kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
+    weights: str = ""  # the decoder linears' format: float32, bfloat16, int4 AWQ g64, int4 GGUF Q4_1 g32, ...
+    max_model_len: int = 0  # the context length a request may use, prompt + output tokens
+    # Speculative decoding, since start (vLLM's vllm:spec_decode_*): verifications, drafted tokens,
+    # accepted drafts, and accepted drafts by position (a tuple: not a float in LoadSnapshot.extra).
+    spec_decode_num_speculative_tokens: int = 0  # k of the deployment; 0: speculation is off
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs earlier
+    arrival_time: float = field(default_factory=time.time)  # wall clock (s), set where it arrived
+    # W3C trace context (traceparent/tracestate) so the engine's spans join the request's trace.
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    def check(self, vocab_size: int) -> None:
+        """Refuse (EngineError "invalid") what would fail later inside a batched step, where it
+        could take other requests down with it: ids outside the vocabulary, bad sampling values."""
+        bad = next((t for t in self.prompt_token_ids if not (type(t) is int and 0 <= t < vocab_size)), None)
+        if bad is not None:
+            raise EngineError("invalid", f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab_size - 1})")
+        try:
+            self.sampling.check(vocab_size)
+        except ValueError as exc:
+            raise EngineError("invalid", str(exc)) from None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's logprobs plus the token strings an API response shows."""
+
+    sampled: SampledLogprobs
+    token: str  # decoded text of sampled.token_id
+    top_tokens: tuple[str, ...] = ()  # decoded text of each entry of sampled.top, same order
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: a delta, not the whole text so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None = None  # None while the request is still running
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when requested
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_output_tokens: int = 0  # total so far, including new_token_ids
+    # On the last output: unix times of "arrived", "scheduled", "first_token", "finished", and the
+    # counters "prefill_chunks", "preemptions", "cached_tokens" (for the request's trace).
+    timings: dict[str, float] | None = None
+    # Set when this request failed alone mid-way (its finish_reason is then "abort"): the engine
+    # dropped it and carries on with the others. The client raises it to the consumer.
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineError(Exception):
+    """The engine refused a request (bad input, prompt too long, ...); the engine itself is fine.
+
+    kind says how to answer the client: invalid and context_length are the caller's fault (400),
+    overloaded is a retry-later (503), internal is a bug (500).
+    """
+
+    def __init__(self, kind: EngineErrorKind, message: str):
+        super().__init__(kind, message)  # args stay (kind, message), so it pickles as itself
+        self.kind = kind
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+class EngineCoreProtocol(Protocol):
+    """What the engine process drives. Runs in the engine process only, single-threaded."""
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raise EngineError to refuse it."""
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its resources; unknown or finished ids are a no-op."""
+
+    def step(self) -> list[RequestOutput]:
+        """Run one schedule/execute/update step; return the outputs of the requests it advanced."""
+
+    def has_unfinished(self) -> bool:
+        """Whether step() has work to do."""
+
+    def stats(self) -> EngineStats:
+        """A small, picklable snapshot of load (queue lengths, KV usage, ...) for routing."""

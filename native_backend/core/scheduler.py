@@ -1,0 +1,427 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step the scheduler answers one question: which tokens of which requests run now, under a
+token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs)?
+
+    1. running requests, decodes first (1 token each), then continuing prefill chunks;
+       a request that needs a block when none is free preempts the least important running
+       request (highest priority number, then latest arrival) -- possibly itself;
+    2. admission: waiting requests in (priority, arrival) order take the leftover budget, their
+       first chunk starting after whatever prefix the cache already holds. Admission stops at
+       the first request that does not fit (no overtaking) and is skipped in a step that had to
+       preempt (the cache is full: admitting now would only preempt again).
+
+A preempted request keeps its output tokens; when readmitted it re-prefills prompt + output
+(often partly from the prefix cache) and carries on where it stopped.
+
+With speculative decoding (a `SpeculationPolicy`), a decoding request may carry k drafts: it
+takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
+drafts (without free blocks it decodes plainly).
+
+`update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
+rejected drafts), registers newly full blocks in the prefix cache, and detects the end of a request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from native_backend.core.batch import RunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
+from native_backend.core.block_manager import BlockManager
+from native_backend.core.sequence import FinishReason, Sequence, SequenceStatus
+from native_backend.core.spec_policy import NO_PROPOSAL, Proposal, SpeculationPolicy
+from native_backend.core.spec_stats import SpecDecodeStats
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256  # most requests running (holding KV) at once
+    max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
+    block_size: int = 16  # token slots per KV block
+    num_blocks: int = 1024  # KV blocks in the cache
+    max_model_len: int = 2048  # prompt + output tokens of one request, at most
+    enable_prefix_caching: bool = True
+    eos_token_id: int | None = None  # the model's end-of-sequence token (per request override)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class ContextLengthError(ValueError):
+    """A request longer than the context or the cache could ever hold: the client's to shorten."""
+
+
+def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, cache_slots: int) -> None:
+    """The one place that decides whether a request's lengths can ever be served.
+
+    - the prompt plus the tokens asked for (at least one) must fit the context length;
+    - alone in the cache, the request must fit at its longest (else preemption could not help);
+      the last sampled token is never fed back, so its KV slot is never needed."""
+    if num_prompt_tokens == 0:
+        raise ValueError("The prompt is empty.")
+    wanted = max_tokens or 1
+    if num_prompt_tokens + wanted > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you "
+            f"requested {num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {wanted} for the "
+            f"completion).")
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len) - 1
+    if longest > cache_slots:
+        raise ContextLengthError(
+            f"The prompt ({num_prompt_tokens} tokens) plus max_tokens needs {longest} KV slots, more than this "
+            f"engine's whole cache holds ({cache_slots} tokens).")
+
+
+def fitted_max_tokens(num_prompt_tokens: int, bound: int, *, max_model_len: int, cache_slots: int) -> int:
+    """A default max_tokens (the client named none): the bound, lowered to what the context leaves
+    and what the cache holds for this prompt alone; at least 1, so a prompt that leaves nothing
+    is refused by check_request_fits with its own message."""
+    room = min(max_model_len - num_prompt_tokens, cache_slots + 1 - num_prompt_tokens)
+    return max(1, min(bound, room))
+
+
+@dataclass
+class StepResult:
+    """What one request produced in one step (returned by Scheduler.update)."""
+
+    request_id: str
+    # Tokens appended this step. When finish_reason is "stop" the last one is the EOS/stop token
+    # (the output processor decides whether to show it).
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[SampledLogprobs] | None = None  # one per new token, if the request asked
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # all output tokens so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
+    num_preemptions: int = 0  # times this request was preempted so far
+    error: str | None = None  # set when the request failed alone (finish_reason "abort")
+    spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: it never proposed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int  # total since start
+    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+
+
+class WaitingQueue:
+    """Waiting and preempted requests in admission order: (priority, arrival_time, arrival_index)."""
+
+    def __init__(self) -> None:
+        self._seqs: list[Sequence] = []
+
+    def push(self, seq: Sequence) -> None:
+        bisect.insort(self._seqs, seq, key=lambda s: s.sort_key)
+
+    def peek(self) -> Sequence:
+        return self._seqs[0]
+
+    def pop(self) -> Sequence:
+        return self._seqs.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        self._seqs.remove(seq)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self):
+        return iter(self._seqs)
+
+
+@dataclass
+class _StepPlan:
+    """The batch being formed in one schedule() call."""
+
+    token_budget: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # in schedule order
+    preempted: list[str] = field(default_factory=list)
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks[chunk.request_id] = chunk
+        self.token_budget -= len(chunk.token_ids) + chunk.num_spec_tokens
+
+    def drop(self, request_id: str) -> None:
+        """Un-schedule a request preempted after it got its chunk; its tokens return to the budget."""
+        chunk = self.chunks.pop(request_id, None)
+        if chunk is not None:
+            self.token_budget += len(chunk.token_ids) + chunk.num_spec_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | None = None):
+        self.config = config
+        self.speculation = speculation
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
+        self.waiting = WaitingQueue()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+        self._ended_since_last_step: list[str] = []
+        self._arrival_counter = itertools.count()
+
+    # --- requests in and out ---------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises ValueError for one that could never run to completion."""
+        self._validate(seq)
+        seq.resolve_limits(self.config.max_model_len, self.config.eos_token_id)
+        seq.arrival_index = next(self._arrival_counter)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.push(seq)
+
+    def _validate(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        if seq.sampling.max_tokens is not None and seq.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        c = self.config
+        cache_slots = c.num_blocks * c.block_size
+        if seq.sampling.max_tokens_default and seq.sampling.max_tokens is not None:
+            seq.sampling = dataclasses.replace(seq.sampling, max_tokens=fitted_max_tokens(
+                seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len, cache_slots=cache_slots))
+        check_request_fits(seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len,
+                           cache_slots=cache_slots)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now (client gone). Frees its blocks at once. False if unknown."""
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """End a request for a reason found outside the scheduler (a stop string, an abort)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._end(seq, reason)
+        return True
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+        """Every way out of the scheduler passes here: blocks back, runner told next step."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.request_id]
+        self._ended_since_last_step.append(seq.request_id)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            kv_cache_usage=bm.usage(),
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            spec_decode=self.speculation.stats if self.speculation is not None else None,
+        )
+
+    # --- batch formation -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Form this step's batch: running requests first, then admissions (module docstring)."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        ended, self._ended_since_last_step = self._ended_since_last_step, []
+        return SchedulerOutput(
+            chunks=list(plan.chunks.values()),
+            finished_request_ids=ended,
+            preempted_request_ids=plan.preempted,
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        order = self._running_in_step_order()
+        speculate = self.speculation is not None and self.speculation.speculating(
+            sum(1 for s in order if s.num_uncomputed_tokens == 1))
+        for seq in order:
+            if plan.token_budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
+            proposal = self._proposal(seq, plan) if speculate and seq.num_uncomputed_tokens == 1 else NO_PROPOSAL
+            if self._reserve_blocks(seq, num_new, plan):
+                plan.add(self._make_chunk(seq, num_new, proposal))
+
+    def _proposal(self, seq: Sequence, plan: _StepPlan) -> Proposal:
+        """Drafts for a decoding request, within the budget and the request's remaining output
+        (a verification emits at most k + 1 tokens), holding blocks for them only if free ones
+        are there: drafts never preempt."""
+        room = min(plan.token_budget, seq.max_tokens - seq.num_output_tokens) - 1
+        proposal = self.speculation.propose(seq, room)
+        if proposal.num_tokens and self.block_manager.can_allocate(seq, 1 + proposal.num_tokens):
+            self.block_manager.allocate_slots(seq, 1 + proposal.num_tokens)
+            return proposal
+        return NO_PROPOSAL
+
+    def _running_in_step_order(self) -> list[Sequence]:
+        """Decodes first (cheap, latency-critical), then continuing prefills; each by importance."""
+        by_key = sorted(self.running, key=lambda s: s.sort_key)
+        decodes = [s for s in by_key if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in by_key if s.num_uncomputed_tokens > 1]
+        return decodes + prefills
+
+    def _reserve_blocks(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
+        """Allocate KV slots for seq's next num_new tokens, preempting as needed.
+
+        False when seq itself was the least important running request and got preempted.
+        """
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self._preemption_victim()
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        self.block_manager.allocate_slots(seq, num_new)
+        return True
+
+    def _preemption_victim(self) -> Sequence:
+        """The least important running request: highest priority number, then latest arrival."""
+        return max(self.running, key=lambda s: s.sort_key)
+
+    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        self.running.remove(seq)
+        plan.drop(seq.request_id)
+        plan.preempted.append(seq.request_id)
+        self.block_manager.free(seq)  # its KV is recomputed on readmission; output tokens stay
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(seq)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            chunk = self._try_admit(self.waiting.peek(), plan.token_budget)
+            if chunk is None:
+                return  # the most important waiting request does not fit: nobody overtakes it
+            plan.add(chunk)
+
+    def _try_admit(self, seq: Sequence, token_budget: int) -> ScheduledChunk | None:
+        bm = self.block_manager
+        num_cached = bm.get_computed_prefix(seq)
+        num_new = min(seq.num_tokens - num_cached, token_budget)
+        if not bm.can_allocate(seq, num_new, num_cached):
+            return None
+        self.waiting.pop()
+        bm.allocate_slots(seq, num_new, num_cached)
+        if seq.status is SequenceStatus.WAITING:  # first admission: record prompt cache hits
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return self._make_chunk(seq, num_new)
+
+    def _make_chunk(self, seq: Sequence, num_new: int, proposal: Proposal = NO_PROPOSAL) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=seq.token_ids(start, end),
+            start_pos=start,
+            block_table=list(seq.block_table),  # a snapshot: the runner may keep it past update()
+            sample=end == seq.num_tokens,
+            sampling=seq.sampling,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            num_logits=1 + proposal.num_tokens,
+            num_spec_tokens=proposal.num_tokens,
+            draft_token_ids=list(proposal.draft_token_ids),
+        )
+
+    # --- applying the runner's results -----------------------------------------------------
+
+    def update(self, output: SchedulerOutput, runner: RunnerOutput) -> list[StepResult]:
+        """Apply one step's results; return what each request produced or how it ended."""
+        results = []
+        for chunk in output.chunks:
+            seq = self.requests.get(chunk.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished between schedule() and update()
+            result = self._apply_chunk(seq, chunk, runner)
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _apply_chunk(self, seq: Sequence, chunk: ScheduledChunk, runner: RunnerOutput) -> StepResult | None:
+        error = runner.errors.get(seq.request_id)
+        if error is not None:  # this request's sampling failed: it ends alone
+            self.running.remove(seq)
+            self._end(seq, "abort")
+            return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
+                              num_output_tokens=seq.num_output_tokens, error=error)
+        seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
+        sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
+        if chunk.sample and not 1 <= len(sampled) <= 1 + chunk.num_spec_tokens:
+            # Without its token the request would wait forever for a logit nobody computes.
+            raise RuntimeError(f"runner sampled {len(sampled)} tokens for {seq.request_id}")
+        if chunk.num_spec_tokens:
+            self._keep_accepted(seq, chunk.num_spec_tokens, num_accepted=len(sampled) - 1)
+        new_tokens, reason = self._append_until_stop(seq, sampled)
+        self.block_manager.cache_full_blocks(seq)
+        if reason is not None:
+            self.running.remove(seq)
+            self._end(seq, reason)
+        if not new_tokens and reason is None:
+            return None  # a prefill chunk short of the prompt's end
+        logprobs = runner.logprobs.get(seq.request_id)
+        return StepResult(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=reason,
+            logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            spec_decode=seq.spec.counts if seq.spec is not None else None,
+        )
+
+    def _keep_accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """The rejected drafts' slots are rolled back (blocks still needed stay); the accepted
+        ones are the sequence's tokens from now on (their KV is already computed)."""
+        self.block_manager.rollback(seq, num_proposed - num_accepted)
+        self.speculation.record(seq, num_proposed, num_accepted)
+
+    @staticmethod
+    def _append_until_stop(seq: Sequence, sampled: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Append sampled tokens one by one; tokens after a stop (speculation) are dropped."""
+        appended = []
+        for token_id in sampled:
+            seq.output_token_ids.append(token_id)
+            appended.append(token_id)
+            reason = seq.stop_reason_after(token_id)
+            if reason is not None:
+                return appended, reason
+        return appended, None

@@ -1,0 +1,8 @@
+"""Execution: everything between the engine core and the model on its device(s). The executor
+(`execute(SchedulerOutput) -> RunnerOutput`; in-process, or tensor-parallel workers), the model
+runner and sampler, fp8 KV scale calibration, and speculative decoding's draft models and
+rejection sampling.
+
+May import config, kernels, text, core (the batch DTOs and sampling parameters it executes) and
+model. Never imports process or tools.
+"""

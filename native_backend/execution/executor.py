@@ -1,0 +1,194 @@
+"""The executor: everything between the engine core and the model on its device(s).
+
+    engine core ── SchedulerOutput ──> Executor.execute() ──> RunnerOutput
+                                          │ builds the model in its final form (LayerContext),
+                                          │ sizes and allocates the KV cache, runs the ModelRunner
+                                          └─ tensor parallelism: rank 0 here, ranks 1..N-1 in worker
+                                             processes that receive each step's SchedulerOutput
+
+The engine core never touches the model: what it needs to know (the model's shape, the context
+length, the cache plan) comes from the executor as plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import torch
+
+from native_backend.config.engine import EngineConfig
+from native_backend.config.model import ModelConfig
+from native_backend.core.batch import RunnerOutput, SchedulerOutput
+from native_backend.execution import kv_scales
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.execution.parallel.report import weight_bytes_by_kind
+from native_backend.execution.spec_decode import draft_model
+from native_backend.model.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
+from native_backend.model.layers.context import LayerContext
+from native_backend.model.layers.sharding import SINGLE, ShardSpec
+from native_backend.model.loader import load_model
+from native_backend.model.quantization.method import describe_weights, weights_format
+
+log = logging.getLogger("kvgate.engine")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACTIVATION_RESERVE_BYTES = 512 << 20  # CUDA: room for activations and the allocator's slack
+
+
+class Executor(Protocol):
+    model_config: ModelConfig
+    max_model_len: int
+    plan: KVCachePlan
+    weights: str  # the decoder linears' format (quantization.method.weights_format)
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+
+    def describe(self) -> str: ...
+
+    def check_health(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessExecutor:
+    """One rank's model and KV cache in this process: the whole model on one device (shard 0 of
+    1), or one tensor-parallel rank's shard (rank 0 under parallel.TensorParallelExecutor, or a
+    worker), which then allocates its cache in a second phase (`allocate=False`, then
+    `allocate_cache`) once every rank has agreed on the number of blocks."""
+
+    def __init__(self, config: EngineConfig, shard: ShardSpec = SINGLE, device: torch.device | None = None,
+                 *, allocate: bool = True):
+        mc = config.model
+        if mc.num_threads:
+            torch.set_num_threads(mc.num_threads)
+        self.config = config
+        self.shard = shard
+        self.device = torch.device(device or mc.device)
+        self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels,
+                                           shard=shard)
+        self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf")  # GGUF Q4 linears kept int4
+        self.model = load_model(mc.path, self.ctx)
+        self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
+        self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx)  # None: no own-KV draft
+        self.model_config: ModelConfig = self.model.config
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, self.model_config.max_position_embeddings)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype)
+        self.plan = draft_model.leave_room_for_draft(self._plan_kv_cache(), draft_model.draft_kv_bytes_per_token(
+            self.draft_model, TORCH_DTYPES[mc.dtype]))
+        self.kv_cache: KVCache | None = None
+        self.runner: ModelRunner | None = None
+        if allocate:
+            self.allocate_cache(self.plan.num_blocks)
+
+    def allocate_cache(self, num_blocks: int, calibration_ids: list[int] | None = None) -> None:
+        """The KV cache of `num_blocks` (at most the plan's), its fp8 scales, and the runner."""
+        if num_blocks != self.plan.num_blocks:
+            self.plan = shrink_plan(self.plan, num_blocks)
+        scales = self._fp8_scales(calibration_ids) if self.kv_dtype.scaling == "per_layer" else None
+        self.kv_cache = KVCache(num_layers=self.model_config.num_layers, num_blocks=self.plan.num_blocks,
+                                block_size=self.config.cache.block_size, num_kv_heads=self.num_kv_heads,
+                                head_dim=self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
+        if scales is not None:
+            kv_scales.apply(self.kv_cache, scales)
+        drafter = draft_model.make_drafter(self.config, self.model, self.kv_cache, self.draft_model, self.device,
+                                           self.config.model.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, drafter=drafter)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """fp8 KV whose scales come from a calibration pass (not the checkpoint's, not 1.0)."""
+        mode = self.config.cache.kv_scales
+        return self.kv_dtype.scaling == "per_layer" and (
+            mode == "calibrate" or (mode == "auto" and self.model.kv_scales_from_checkpoint() is None))
+
+    def calibration_ids(self) -> list[int]:
+        from native_backend.text.tokenizer import Tokenizer
+
+        mc = self.config.model
+        tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
+        return tokenizer.encode(kv_scales.calibration_text())[: min(kv_scales.CALIBRATION_TOKENS, self.max_model_len)]
+
+    def check_health(self) -> None:
+        """Raises when the executor can no longer run a step (tensor-parallel workers); here never."""
+
+    def close(self) -> None:
+        """Nothing to stop in-process."""
+
+    def memory_report(self) -> dict:
+        """This rank's resident bytes: weights by kind (split, replicated) and the KV cache."""
+        kinds = weight_bytes_by_kind(self.model, self.shard.size)
+        return dict(rank=self.shard.rank, weights_bytes=sum(kinds.values()), weights_by_kind=kinds,
+                    kv_cache_bytes=self.kv_cache.nbytes if self.kv_cache is not None else 0,
+                    kv_bytes_per_token=self.plan.bytes_per_token, num_blocks=self.plan.num_blocks,
+                    num_kv_heads=self.num_kv_heads)
+
+    def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
+        """ModelRunner.compute_logits (tests and tools): one step's logits, no sampling."""
+        return self.runner.compute_logits(scheduled, all_tokens)
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(scheduled)
+
+    def describe(self) -> str:
+        p, mc = self.plan, self.config.model
+        fp32_per_token = self.plan.bytes_per_token if self.kv_dtype.name == "float32" else (
+            2 * self.model_config.num_layers * self.model_config.num_kv_heads * self.model_config.head_dim * 4)
+        return (f"{mc.path} on {self.device} ({mc.dtype}, {self.model.ctx.kernels}); {describe_weights(self.model)}; "
+                f"KV cache {self.kv_dtype.name} {p.kv_cache_bytes / 2**20:.0f} MiB = "
+                f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token, "
+                f"{fp32_per_token / p.bytes_per_token:.2f}x the tokens of float32), "
+                f"{p.full_context_sequences} sequences at full context {p.max_model_len}")
+
+    def _fp8_scales(self, calibration_ids: list[int] | None = None) -> list[tuple[float, float]]:
+        """The checkpoint's per-layer scales, else a calibration pass's; 1.0 only when asked.
+        Tensor-parallel ranks calibrate together on rank 0's `calibration_ids` (each over its own
+        KV heads) and take each layer's largest scale, the one a single rank would find."""
+        mode = self.config.cache.kv_scales
+        if mode == "unit":
+            log.warning("fp8 KV cache with unit scales (kv_scales: unit): values beyond %g are clipped",
+                        self.kv_dtype.max_value)
+            return [(1.0, 1.0)] * self.model_config.num_layers
+        scales = None if self.needs_calibration else self.model.kv_scales_from_checkpoint()
+        source = "the checkpoint"
+        if scales is None:
+            ids = calibration_ids if calibration_ids is not None else self.calibration_ids()
+            scales = _max_over_ranks(kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device), self.shard)
+            source = f"calibration over {len(ids)} tokens"
+        log.info("fp8 KV scales from %s: %s", source, kv_scales.describe(scales))
+        return scales
+
+    def _plan_kv_cache(self) -> KVCachePlan:
+        mc, cache = self.model_config, self.config.cache
+        kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype)
+        common = dict(num_layers=mc.num_layers, num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim,
+                      bytes_per_element=kv_dtype.bytes_per_element,
+                      scale_bytes_per_head=kv_dtype.scale_bytes_per_head, block_size=cache.block_size,
+                      max_model_len=self.max_model_len)
+        if cache.kv_cache_bytes is not None or self.device.type == "cpu":
+            return plan_kv_cache(kv_cache_bytes=cache.kv_cache_bytes or cache.cpu_kv_cache_bytes, **common)
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        return plan_kv_cache(memory_fraction=cache.memory_fraction, total_memory_bytes=device_memory_bytes(self.device),
+                             weights_bytes=weights, reserve_bytes=ACTIVATION_RESERVE_BYTES, **common)
+
+
+def shrink_plan(plan: KVCachePlan, num_blocks: int) -> KVCachePlan:
+    """The same plan with fewer blocks (tensor-parallel ranks take the smallest rank's count)."""
+    if num_blocks > plan.num_blocks:
+        raise ValueError(f"{num_blocks} KV blocks asked of a plan that holds {plan.num_blocks}")
+    return dataclasses.replace(plan, num_blocks=num_blocks, kv_cache_bytes=num_blocks * plan.bytes_per_block,
+                               full_context_sequences=num_blocks // plan.blocks_per_full_sequence)
+
+
+def _max_over_ranks(scales: list[tuple[float, float]], shard: ShardSpec) -> list[tuple[float, float]]:
+    if shard.size == 1:
+        return scales
+    import torch.distributed as dist
+
+    values = torch.tensor(scales, dtype=torch.float64)  # (layers, 2); gloo (a CPU tensor)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [(float(k), float(v)) for k, v in values.tolist()]
+

@@ -1,0 +1,67 @@
+"""Per-layer K and V scales of an fp8 KV cache: from the checkpoint when it has them, else from a
+calibration pass at start; 1.0 only when asked.
+
+    stored = fp8(x / scale):  scale = max|x| seen in calibration x HEADROOM / fp8's largest value
+
+Calibration runs the model once over CALIBRATION_TOKENS tokens of built-in text into a temporary
+float cache and reads max|K| and max|V| of each layer back from it (what vLLM's
+`calculate_kv_scales` measures). The text is the docstrings of a few standard-library modules: it
+ships with Python, and it is not `pydoc_data.topics`, the text accuracy is evaluated on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+
+import torch
+
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.model_runner import ModelRunner
+from native_backend.model.kv_cache import KVCache, KVCacheDType
+
+log = logging.getLogger("kvgate.engine")
+
+CALIBRATION_MODULES = ("argparse", "json", "collections", "functools", "typing", "pathlib", "logging", "asyncio")
+CALIBRATION_TOKENS = 512
+# Later tokens may reach beyond what calibration saw; twice the observed range keeps them
+# unclipped and costs fp8 only the bottom of its exponent range (vLLM's default K/V scale
+# constants leave a similar margin).
+HEADROOM = 2.0
+CALIBRATION_BLOCK = 16
+
+
+def calibration_text() -> str:
+    docs = [importlib.import_module(name).__doc__ or "" for name in CALIBRATION_MODULES]
+    return "\n\n".join(d.strip() for d in docs if d.strip())
+
+
+def calibrate(model, token_ids: list[int], kv_dtype: KVCacheDType, device: torch.device) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) per layer from one pass of the model over `token_ids`."""
+    num_blocks = math.ceil(len(token_ids) / CALIBRATION_BLOCK) + 1
+    config = model.config  # this rank's KV heads (a tensor-parallel rank holds a share of them)
+    scratch = KVCache(num_layers=config.num_layers, num_blocks=num_blocks, block_size=CALIBRATION_BLOCK,
+                      num_kv_heads=model.attention_layers()[0].num_kv_heads, head_dim=config.head_dim,
+                      dtype="float32", device=device)
+    runner = ModelRunner(model, scratch, device)
+    chunk = ScheduledChunk("kv-scale-calibration", list(token_ids), 0, list(range(1, num_blocks)), True,
+                           SamplingParams(temperature=0.0))
+    runner.compute_logits(SchedulerOutput([chunk]))
+    return [(_scale(layer.key, kv_dtype), _scale(layer.value, kv_dtype)) for layer in scratch.layers]
+
+
+def _scale(cache: torch.Tensor, kv_dtype: KVCacheDType) -> float:
+    amax = float(cache.abs().max())
+    return max(amax, 1e-6) * HEADROOM / kv_dtype.max_value
+
+
+def apply(cache: KVCache, scales: list[tuple[float, float]]) -> None:
+    for layer, (k_scale, v_scale) in zip(cache.layers, scales, strict=True):
+        layer.k_scale, layer.v_scale = k_scale, v_scale
+
+
+def describe(scales: list[tuple[float, float]]) -> str:
+    ks, vs = [k for k, _ in scales], [v for _, v in scales]
+    return f"K scales {min(ks):.3g}..{max(ks):.3g}, V scales {min(vs):.3g}..{max(vs):.3g}"

@@ -1,0 +1,284 @@
+"""Rank 0's side of tensor parallelism: start the workers, step them with deltas, watch them, stop them.
+
+    TensorParallelExecutor(config)
+      check      the model splits across N (else the valid sizes; packed int4 linears, AWQ or
+                 GGUF Q4, in whole int32 words and groups); speculative decoding with N > 1:
+                 method ngram (every rank runs the verification), draft refused with the reason
+      spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
+      load       rank 0's shard here while the workers load theirs
+      agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
+      join       the process group (gloo / NCCL, loopback port, collective timeout)
+      execute    send the step's delta to every worker, run rank 0's ModelRunner (it samples)
+      faults     a worker that died or stopped fails the step (TensorParallelError naming the
+                 rank and why), so the engine process reports a fatal error and exits; its
+                 supervisor restarts it. An idle engine notices through check_health().
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import re
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from native_backend.config.engine import EngineConfig
+from native_backend.core.batch import RunnerOutput, SchedulerOutput
+from native_backend.execution.executor import InProcessExecutor
+from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
+from native_backend.execution.parallel.group import backend_for, free_loopback_port, join_group, leave_group, rank_device
+from native_backend.execution.parallel.report import describe_rank
+from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
+from native_backend.execution.parallel.worker import run_worker
+from native_backend.model.layers.sharding import CommStats, ShardSpec
+
+log = logging.getLogger("kvgate.engine")
+
+START_TIMEOUT_S = 600.0  # a worker loading its shard: the engine client's own start-up timeout is the real bound
+STOP_TIMEOUT_S = 5.0  # a worker that has not exited this long after "stop" is killed
+
+
+STOPPED, DIED, LOST_PEER, TIMED_OUT = "stopped", "died", "lost a peer", "timed out"  # what a worker's state says
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group cannot run a step: a worker died, stopped, or failed."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    error: str | None = None  # what it reported before exiting
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.size = config.parallel.tensor_parallel_size
+        check_supported(config)
+        self.comm = CommStats()
+        self.device = rank_device(config.model.device, 0)
+        self.workers: list[_Worker] = []
+        self._closed = False
+        # At exit, before multiprocessing's own handler, which would SIGTERM the daemonic workers and
+        # join them: forever, for a stopped one (the engine process is itself a multiprocessing
+        # child, where that handler runs before atexit's).
+        multiprocessing.util.Finalize(self, self.close, exitpriority=10)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        self.encoder = DeltaEncoder()
+        self.model_config = self.rank.model_config
+        self.max_model_len = self.rank.max_model_len
+        self.plan = self.rank.plan
+        self.weights = self.rank.weights  # the decoder linears' format, as every rank has it
+
+    def _start(self) -> None:
+        port, ctx = free_loopback_port(), multiprocessing.get_context("spawn")
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs),
+                                  name=f"kvgate-tp-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.workers.append(_Worker(rank, process, ours))
+        self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False)
+        blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
+        ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
+        self._send_all(("plan", min(blocks), ids))
+        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s)
+        self.rank.allocate_cache(min(blocks), ids)
+        self.reports = [self.rank.memory_report(), *(m[1] for m in self._hear_from_all("ready"))]
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        self._step_workers(scheduled, EXECUTE)
+        try:
+            return self.rank.execute(scheduled)
+        except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
+            raise self._fault(exc) from None
+
+    def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
+        """ModelRunner.compute_logits on every rank (tests): the whole vocabulary's logits."""
+        self._step_workers(scheduled, ALL_LOGITS if all_tokens else LOGITS)
+        try:
+            return self.rank.compute_logits(scheduled, all_tokens)
+        except RuntimeError as exc:
+            raise self._fault(exc) from None
+
+    def _step_workers(self, scheduled: SchedulerOutput, mode: str) -> None:
+        delta = self.encoder.encode(scheduled, mode)
+        if not delta.chunks and not delta.dropped:
+            return  # nothing runs and nothing to forget
+        try:
+            self._send_all(("step", delta))
+        except OSError as exc:
+            raise self._fault(exc) from None
+
+    # ------------------------------------------------------------------ health
+
+    def check_health(self) -> None:
+        """Raises TensorParallelError when a worker is gone (the engine calls this while idle too)."""
+        for worker in self.workers:
+            if not worker.process.is_alive():
+                raise self._fault(None)
+
+    def _fault(self, cause: BaseException | None) -> TensorParallelError:
+        """Why the group failed, naming the rank: a stopped rank (the collective timed out on it),
+        else a rank that died (its own report, or the signal that killed it). Ranks that only
+        lost a peer or gave up waiting on a silent one are consequences, named only when nothing
+        else explains the failure."""
+        found = {STOPPED: [], DIED: [], LOST_PEER: [], TIMED_OUT: []}
+        for worker in self.workers:
+            kind, text = self._diagnose(worker, wait=cause is not None)
+            if kind is not None:
+                found[kind].append(f"rank {worker.rank} {text}")
+        timeout = f"a rank did not answer within {self.config.parallel.collective_timeout_s:g} s (collective timeout)"
+        if found[STOPPED]:
+            message = f"tensor-parallel step failed: {timeout}: {'; '.join(found[STOPPED])}"
+        elif found[DIED] or found[LOST_PEER]:
+            message = f"tensor-parallel worker died: {'; '.join(found[DIED] or found[LOST_PEER])}"
+        elif found[TIMED_OUT] or (cause is not None and _is_timeout(str(cause))):
+            message = f"tensor-parallel step failed: {timeout}: a rank stopped or hung"
+        else:
+            message = f"tensor-parallel collective failed: {_without_source_path(str(cause))}"
+        log.error("%s", message)
+        return TensorParallelError(message)
+
+    def _diagnose(self, worker: _Worker, wait: bool) -> tuple[str | None, str]:
+        worker.process.join(0.5 if wait else 0)  # a rank that just died: let it be reaped
+        self._read_error(worker)
+        if _is_stopped(worker.process.pid):
+            return STOPPED, "is stopped (SIGSTOP?)"
+        if worker.process.is_alive():
+            return None, ""
+        if worker.error and _is_timeout(worker.error):
+            return TIMED_OUT, "gave up waiting"
+        if worker.error and _is_lost_peer(worker.error):
+            return LOST_PEER, "lost its connection to a peer"
+        return DIED, worker.error or _describe_exit(worker.process.exitcode)
+
+    @staticmethod
+    def _read_error(worker: _Worker) -> None:
+        try:
+            while worker.conn.poll(0):
+                message = worker.conn.recv()
+                if message[0] == "error":
+                    worker.error = f"failed: {_without_source_path(message[1])}"
+                    log.error("tensor-parallel rank %d: %s", worker.rank, message[2])
+        except (OSError, EOFError):
+            pass
+
+    # ------------------------------------------------------------------ start-up and shutdown
+
+    def _send_all(self, message: tuple) -> None:
+        for worker in self.workers:
+            worker.conn.send(message)
+
+    def _hear_from_all(self, tag: str) -> list[tuple]:
+        """Each worker's next message, which must be `tag`; a worker's failure or death raises."""
+        timeout = START_TIMEOUT_S
+        messages = []
+        for worker in self.workers:
+            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], timeout)
+            if worker.conn in ready:
+                try:
+                    message = worker.conn.recv()
+                except EOFError:
+                    message = ("error", _describe_exit(worker.process.exitcode), "")
+            elif ready:
+                worker.process.join(1.0)
+                message = ("error", _describe_exit(worker.process.exitcode), "")
+            else:
+                message = ("error", f"sent nothing within {timeout:g} s", "")
+            if message[0] != tag:
+                if message[2]:
+                    log.error("tensor-parallel rank %d:\n%s", worker.rank, message[2])
+                raise TensorParallelError(f"tensor-parallel rank {worker.rank} failed to start: {message[1]}")
+            messages.append(message)
+        return messages
+
+    def close(self) -> None:
+        """Stop every worker (kill what does not exit) and leave the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.workers:
+            try:
+                worker.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        for worker in self.workers:
+            if not _is_stopped(worker.process.pid):
+                worker.process.join(STOP_TIMEOUT_S)
+            if worker.process.is_alive():  # hung, or stopped (a stopped process acts on SIGKILL alone)
+                worker.process.kill()
+                worker.process.join(STOP_TIMEOUT_S)
+            worker.conn.close()
+        leave_group()
+
+    # ------------------------------------------------------------------ reports
+
+    def describe(self) -> str:
+        mc, p = self.config.model, self.plan
+        ranks = "; ".join(describe_rank(r) for r in self.reports)
+        return (f"{mc.path} on {self.size} tensor-parallel ranks ({backend_for(self.device)} over loopback, "
+                f"{mc.device}, {mc.dtype}, {self.rank.model.ctx.kernels}; decode steps per layer: the one-call "
+                f"decode step is single-rank only); KV cache {self.rank.kv_dtype.name} "
+                f"{p.num_blocks} blocks x {p.block_size} tokens on every rank, {p.full_context_sequences} "
+                f"sequences at full context {p.max_model_len}; per rank: {ranks}")
+
+    @property
+    def collective_seconds(self) -> float:
+        """Rank 0's time inside all-reduces and gathers since start (bench/tp.py)."""
+        return self.comm.seconds
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
+    size = config.parallel.tensor_parallel_size
+    check_speculative_method(size, config.speculative.method if config.speculative is not None else None)
+    check_model_on_disk(config.model.path, size, config.model.quantization)
+
+
+def _without_source_path(text: str) -> str:
+    """gloo puts "[/path/to/gloo/file.cc:NN] " in its errors: clients see no paths."""
+    return re.sub(r"\[/[^\]]*\] ", "", text)
+
+
+def _is_timeout(text: str) -> bool:
+    return "timed out" in text.lower()
+
+
+def _is_lost_peer(text: str) -> bool:
+    """gloo's words for a peer that went away: a consequence of another rank's death."""
+    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "Read error"))
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Linux: the process is in state T (stopped by a signal) or t (traced)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is not answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

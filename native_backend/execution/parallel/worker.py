@@ -1,0 +1,90 @@
+"""A tensor-parallel worker (ranks 1..N-1): build this rank's shard, then follow rank 0 step by step.
+
+    start:  load its shard ──("loaded", blocks it could hold)──> rank 0
+            <──("plan", blocks every rank holds, fp8 calibration ids)── rank 0
+            join the process group, allocate its KV heads' cache ──("ready", memory report)──>
+    serve:  <──("step", StepDelta)── rank 0: rebuild the chunks, run the same forward pass (its
+            all-reduces and the LM head gather pair with rank 0's); ("stop",): exit
+
+It never samples and never answers per step: rank 0 hears from it only through the collectives.
+An exception is sent to rank 0 as ("error", summary, traceback) and the process exits, which fails
+rank 0's next collective at once (gloo: connection closed by peer). The kernel kills it when rank
+0's process dies (PR_SET_PDEATHSIG), and EOF on its pipe ends it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from native_backend.config.engine import EngineConfig
+from native_backend.execution.executor import InProcessExecutor
+from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, DeltaDecoder, StepDelta
+from native_backend.execution.parallel.group import die_with_parent, join_group, rank_device
+from native_backend.model.layers.sharding import ShardSpec
+
+
+def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection) -> None:
+    """Entry point of a spawned worker process."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
+    code = 0
+    try:
+        executor = _start(config, rank, size, port, conn)
+        _serve(executor, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # rank 0 went away: nobody is left to follow
+    except BaseException as exc:  # noqa: BLE001 - report why, then die so rank 0's collective fails fast
+        _send_quietly(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        code = 1
+    os._exit(code)  # no interpreter teardown: the group's peers may already be gone
+
+
+def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connection):
+    device = rank_device(config.model.device, rank)
+    executor = InProcessExecutor(config, ShardSpec(rank, size), device, allocate=False)
+    conn.send(("loaded", executor.plan.num_blocks))
+    tag, num_blocks, calibration_ids = conn.recv()
+    if tag != "plan":
+        raise RuntimeError(f"expected rank 0's plan, got {tag!r}")
+    join_group(rank, size, port, device, config.parallel.collective_timeout_s)
+    executor.allocate_cache(num_blocks, calibration_ids)
+    conn.send(("ready", executor.memory_report()))
+    return executor
+
+
+def _serve(executor, conn: Connection) -> None:
+    decoder = DeltaDecoder()
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            return
+        delta: StepDelta = message[1]
+        follow(executor.runner, decoder.decode(delta), delta.mode)
+
+
+@torch.inference_mode()
+def follow(runner, scheduled, mode: str) -> None:
+    """The forward pass rank 0's ModelRunner runs for this step, without sampling: the same
+    collectives in the same order (an all-reduce per row-parallel layer and embedding, one
+    LM-head gather when a chunk samples)."""
+    if mode != EXECUTE:
+        runner.compute_logits(scheduled, all_tokens=mode == ALL_LOGITS)
+        return
+    if scheduled.is_empty:
+        return
+    inputs = runner.prepare_inputs(scheduled.chunks)
+    hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    if any(c.sample for c in scheduled.chunks):
+        runner.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _send_quietly(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except (OSError, EOFError):
+        pass

@@ -1,0 +1,550 @@
+"""The engine's C kernels for x86-64 CPUs (csrc/*.c): built once, loaded with ctypes.
+
+The library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
+into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_CACHE_DIR`,
+default ~/.cache/kvgate), named by a hash of the sources and the flags: an edit builds anew, a
+library built elsewhere can be copied in, and concurrent builds never see each other's
+half-written file (each compiles to a temporary name, then renames it in place). A library that
+another user could have written (the file or its folder writable by group or others, or owned by
+someone else) is refused, not loaded: loading it would run their code.
+`python -m native_backend.kernels.cpu_kernels` builds it ahead of time and prints its path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
+returns None, `unavailable_reason()` says why, and callers keep their torch paths.
+
+It must be loaded after torch: built with -fopenmp, it then shares torch's libgomp (and so its
+thread pool and torch.set_num_threads) instead of starting a second OpenMP runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from native_backend.config.cache_dir import kvgate_cache_dir, untrusted_reason
+
+log = logging.getLogger("kvgate.engine")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c",
+                                   "int4_linear.c", "kv_quant.c"))
+HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    # out, q, cache_k, cache_v, block_tables, table_stride, row_seq, row_keys,
+    # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
+    "kvgate_paged_decode_f32": ([_ptr] * 5 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
+    # y, x, w, bias, M, K, N
+    "kvgate_linear_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
+    # cache_k, cache_v, k, v, slots, n, row
+    "kvgate_write_kv_f32": ([_ptr] * 5 + [_i64] * 2, ctypes.c_int),
+    # residual, delta, weight, out, M, D, eps
+    "kvgate_add_rms_norm_f32": ([_ptr] * 4 + [_i64] * 2 + [_f32], ctypes.c_int),
+    # q, k, positions, cos, sin, n, q_heads, k_heads, head_dim
+    "kvgate_rope_qk_f32": ([_ptr] * 5 + [_i64] * 4, ctypes.c_int),
+    # out, gate, up, M, N
+    "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
+    # out, q, cache_k, cache_v, blocks, q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale
+    "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
+    # out, q, kv (kvg_kv), block_tables, table_stride, row_seq, row_keys,
+    # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
+    "kvgate_paged_decode_q": ([_ptr] * 4 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
+    # cache_k, cache_v, k_scales, v_scales, k, v, slots, n, kv_heads, D, fmt, k_scale, v_scale
+    "kvgate_write_kv_q": ([_ptr] * 7 + [_i64] * 3 + [ctypes.c_int, _f32, _f32], ctypes.c_int),
+    # layers, num_layers, dims, step, final_norm, h, out, M (structs: models/fused_decode.py)
+    "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
+    # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
+    "kvgate_int4_linear_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
+    # y, x, qweight, offsets, scales, bias, M, K, N, group (int4_linear.c: GGUF Q4_0 / Q4_1 repacked)
+    "kvgate_int4_linear_off_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
+    "kvgate_int4_supported": ([], ctypes.c_int),
+    # y, x, w8, scale, M, K, N (int4_linear.c: an int4 model's LM head)
+    "kvgate_int8_rows_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _platform_problem() -> str | None:
+    """Why this machine cannot run the kernels' instructions, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 machine ({platform.machine()})"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+# An x86-64 CPU with the instructions the kernels are compiled for (a compiler may still be missing).
+PLATFORM_SUPPORTED = _platform_problem() is None
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, building it if needed; None when it cannot be had here (logged once)."""
+    return _loaded()[0]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    return _loaded()[1]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        return _load(), None
+    except _Unavailable as exc:
+        log.warning("CPU kernels unavailable (%s): using the torch paths", exc)
+        return None, str(exc)
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("KVGATE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        raise _Unavailable("disabled by KVGATE_CPU_KERNELS")
+    if not PLATFORM_SUPPORTED:
+        raise _Unavailable(_platform_problem())
+    path = _built_library()
+    problem = untrusted_reason(path)
+    if problem:
+        raise _Unavailable(f"refusing to load {path}: {problem}")
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    except (OSError, AttributeError) as exc:  # a foreign or damaged file in the cache
+        raise _Unavailable(f"cannot load {path}: {exc}") from None
+    return lib
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise _Unavailable("no C compiler (gcc or cc) on PATH")
+    return cc
+
+
+def library_path() -> Path:
+    """Where the library for this source and these flags lives, built or not: `KVGATE_KERNELS_DIR`
+    if set (a container image builds it there in its build stage, for a runtime without a
+    compiler), else `kernels/` in the kvgate cache."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
+    folder = os.environ.get("KVGATE_KERNELS_DIR")
+    if not folder:
+        folder = kvgate_cache_dir() / "kernels"
+    return Path(folder) / f"cpu_kernels-{key}.so"
+
+
+def _built_library() -> Path:
+    target = library_path()
+    if target.exists():
+        return target
+    cc = _compiler()
+    try:
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    except OSError as exc:
+        raise _Unavailable(f"cannot write to {target.parent}: {exc}") from None
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise _Unavailable(f"{cc} does not run: {exc}") from None
+        if done.returncode != 0:
+            raise _Unavailable(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # whatever the umask: readable by all, writable by its owner only
+        os.replace(tmp, target)  # atomic: another process sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built CPU kernels: %s", target)
+    return target
+
+
+# ------------------------------------------------------------------------------ torch-facing calls
+
+
+def paged_decode(
+    q: torch.Tensor,  # (num_rows, num_heads, head_dim) float32
+    cache_k: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim) float32
+    cache_v: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int64
+    row_seq: torch.Tensor,  # (num_rows,) int64: the sequence of each row
+    row_keys: torch.Tensor,  # (num_rows,) int64: how many leading positions each row attends to
+    scale: float,
+    chunk_blocks: int | None = None,  # blocks per work item; None: `default_chunk_blocks`
+) -> torch.Tensor:  # (num_rows, num_heads, head_dim)
+    """One query per row, attending its sequence's first row_keys[r] cached positions. The values of
+    row_seq, row_keys and the block tables are trusted (the runner checks every block table
+    against its context length); their types and layouts are checked here."""
+    _check(q, cache_k, cache_v, dtype=torch.float32)
+    _check(block_tables, row_seq, row_keys, dtype=torch.int64)
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous() and block_tables.stride(1) == 1):
+        raise ValueError("paged_decode needs contiguous caches and block-table rows")
+    if row_seq.numel() != q.shape[0] or row_keys.numel() != q.shape[0]:
+        raise ValueError("paged_decode: one row_seq and row_keys entry per query row")
+    q = q.contiguous()
+    row_seq, row_keys = row_seq.contiguous(), row_keys.contiguous()
+    out = torch.empty_like(q)
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = cache_k.shape
+    rc = load().kvgate_paged_decode_f32(
+        out.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), row_seq.data_ptr(), row_keys.data_ptr(), num_rows, num_heads, kv_heads,
+        head_dim, block_size, scale, chunk_blocks or default_chunk_blocks(row_keys, block_size))
+    if rc != 0:
+        raise RuntimeError(f"kvgate_paged_decode_f32 failed ({rc})")
+    return out
+
+
+class _KV(ctypes.Structure):
+    """kernels.h's kvg_kv: a quantized layer's K/V and what decodes it."""
+
+    _fields_ = [("cache_k", _ptr), ("cache_v", _ptr), ("k_scales", _ptr), ("v_scales", _ptr), ("lut", _ptr),
+                ("k_scale", _f32), ("v_scale", _f32), ("fmt", _i64)]
+
+
+@dataclasses.dataclass
+class QuantizedKV:
+    """What the quantized kernels read of a layer (kv_cache.KVLayer's fields, as tensors)."""
+
+    key: torch.Tensor  # (num_blocks, block_size, kv_heads, head_dim), 1-byte elements, contiguous
+    value: torch.Tensor
+    fmt: int  # KVCacheDType.code: 1 fp8_e4m3, 2 fp8_e5m2, 3 int8
+    k_scale: float = 1.0  # fp8
+    v_scale: float = 1.0
+    key_scales: torch.Tensor | None = None  # int8: (num_blocks, block_size, kv_heads) float32
+    value_scales: torch.Tensor | None = None
+    lut: torch.Tensor | None = None  # fp8: (256,) float32
+
+    def check(self) -> None:
+        if self.fmt not in (1, 2, 3) or self.key.element_size() != 1 or self.value.shape != self.key.shape:
+            raise ValueError("quantized KV: 1-byte key and value caches alike and a format code of 1, 2 or 3")
+        if not (self.key.is_contiguous() and self.value.is_contiguous()) or self.key.device.type != "cpu":
+            raise ValueError("quantized KV: contiguous caches on the CPU expected")
+        extra = (self.key_scales, self.value_scales) if self.fmt == 3 else (self.lut,)
+        if any(t is None for t in extra):
+            raise ValueError("quantized KV: int8 needs its row scales, fp8 its lookup table")
+        _check(*extra, dtype=torch.float32)
+        if self.fmt == 3 and not (self.key_scales.shape == self.key.shape[:3] == self.value_scales.shape):
+            raise ValueError("quantized KV: int8 scales must be (num_blocks, block_size, kv_heads)")
+        if self.fmt != 3 and self.lut.numel() != 256:
+            raise ValueError("quantized KV: the fp8 table has 256 entries")
+
+    def struct(self) -> _KV:
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        return _KV(ptr(self.key), ptr(self.value), ptr(self.key_scales), ptr(self.value_scales), ptr(self.lut),
+                   self.k_scale, self.v_scale, self.fmt)
+
+
+def paged_decode_q(q: torch.Tensor, kv: QuantizedKV, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                   row_keys: torch.Tensor, scale: float, chunk_blocks: int | None = None) -> torch.Tensor:
+    """`paged_decode` over a quantized cache: dequantized inside the kernel's loops."""
+    kv.check()
+    _check(q, dtype=torch.float32)
+    _check(block_tables, row_seq, row_keys, dtype=torch.int64)
+    if block_tables.stride(1) != 1 or row_seq.numel() != q.shape[0] or row_keys.numel() != q.shape[0]:
+        raise ValueError("paged_decode_q: block-table rows contiguous, one row_seq and row_keys entry per row")
+    q, row_seq, row_keys = q.contiguous(), row_seq.contiguous(), row_keys.contiguous()
+    out = torch.empty_like(q)
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = kv.key.shape
+    rc = load().kvgate_paged_decode_q(
+        out.data_ptr(), q.data_ptr(), ctypes.byref(kv.struct()), block_tables.data_ptr(), block_tables.stride(0),
+        row_seq.data_ptr(), row_keys.data_ptr(), num_rows, num_heads, kv_heads, head_dim, block_size, scale,
+        chunk_blocks or default_chunk_blocks(row_keys, block_size))
+    if rc != 0:
+        raise RuntimeError(f"kvgate_paged_decode_q failed ({rc})")
+    return out
+
+
+def write_kv_q(k: torch.Tensor, v: torch.Tensor, kv: QuantizedKV, slot_mapping: torch.Tensor) -> None:
+    """Quantize each new token's K and V into its slot (attention/kv_quant.py's rules, bit for bit)."""
+    kv.check()
+    _check(k, v, dtype=torch.float32)
+    _check(slot_mapping, dtype=torch.int64)
+    if k.shape[1:] != kv.key.shape[2:] or v.shape != k.shape or slot_mapping.numel() != k.shape[0]:
+        raise ValueError("write_kv_q: k and v (n, kv_heads, head_dim) alike, one slot per token")
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    rc = load().kvgate_write_kv_q(kv.key.data_ptr(), kv.value.data_ptr(), ptr(kv.key_scales), ptr(kv.value_scales),
+                                  k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
+                                  k.shape[2], kv.fmt, kv.k_scale, kv.v_scale)
+    if rc != 0:
+        raise RuntimeError(f"kvgate_write_kv_q failed ({rc})")
+
+
+PREFILL_HEAD_DIMS = range(32, 257, 32)  # what the prefill kernel's register tiles take
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (q_len, num_heads, head_dim) float32: the sequence's newest q_len positions
+    cache_k: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim) float32
+    cache_v: torch.Tensor,
+    block_ids: torch.Tensor,  # (>= cdiv(ctx, block_size),) int64: the sequence's block table
+    ctx: int,  # cached + new positions; query i sits at ctx - q_len + i
+    scale: float,
+) -> torch.Tensor:  # (q_len, num_heads, head_dim)
+    """Causal attention of one sequence's prompt chunk over its cached keys (bottom-right: a chunk
+    after a cached prefix sees the prefix). The block ids' values are trusted (the runner checks
+    every block table against its context length); types, shapes and layouts are checked here."""
+    _check(q, cache_k, cache_v, dtype=torch.float32)
+    _check(block_ids, dtype=torch.int64)
+    q_len, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = cache_k.shape
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous() and block_ids.is_contiguous()):
+        raise ValueError("prefill_attention needs contiguous caches and block ids")
+    if head_dim not in PREFILL_HEAD_DIMS or cache_k.shape[3] != head_dim or num_heads % kv_heads:
+        raise ValueError(f"prefill_attention: head_dim {head_dim} (a multiple of 32 up to 256) and "
+                         f"{num_heads} heads over {kv_heads} KV heads")
+    if not 1 <= q_len <= ctx or block_ids.numel() * block_size < ctx:
+        raise ValueError(f"prefill_attention: {q_len} queries, {ctx} positions, {block_ids.numel()} blocks")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rc = load().kvgate_prefill_attention_f32(out.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                                             block_ids.data_ptr(), q_len, ctx, num_heads, kv_heads, head_dim,
+                                             block_size, scale)
+    if rc != 0:
+        raise RuntimeError(f"kvgate_prefill_attention_f32 failed ({rc})")
+    return out
+
+
+def readable(*tensors: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the kernels can read every tensor (None: an absent bias) as a flat array: `dtype`,
+    on the CPU, contiguous. For callers that fall back instead of raising like `_check`."""
+    return all(t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+def _check(*tensors: torch.Tensor, dtype: torch.dtype) -> None:
+    """The kernels read raw pointers: a wrong dtype or device would read the wrong memory."""
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"CPU kernel argument: {dtype} on the CPU expected, got {t.dtype} on {t.device}")
+
+
+def default_chunk_blocks(row_keys: torch.Tensor, block_size: int) -> int:
+    """Blocks per work item of `paged_decode`: about 8 items per thread, so that a batch of one long
+    sequence still keeps every thread busy, and at most 32 blocks (few merges for long rows)."""
+    total_blocks = int(row_keys.sum()) // block_size + row_keys.numel()
+    return max(2, min(32, total_blocks // (8 * torch.get_num_threads())))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for float32 x (M, K) with small M; weight (N, K) contiguous, K a multiple of 8."""
+    _check(x, weight, *([bias] if bias is not None else []), dtype=torch.float32)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight (N, {x.shape[-1]}) expected")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError("linear: bias must be a contiguous (N,) tensor")
+    return linear_unchecked(x, weight, bias)
+
+
+def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` for callers that have checked dtypes and shapes already (KernelLinear, per call)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = x.new_empty((m, n))
+    rc = load().kvgate_linear_f32(y.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                  bias.data_ptr() if bias is not None else None, m, k, n)
+    if rc != 0:
+        raise RuntimeError(f"kvgate_linear_f32 failed ({rc})")
+    return y
+
+
+def write_kv(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim) float32
+    v: torch.Tensor,
+    cache_k: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous
+    cache_v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64, each < num_blocks * block_size
+) -> None:
+    """The reference's write_kv (each new token's K/V into its slot), both caches in one call."""
+    _check(k, v, cache_k, cache_v, dtype=torch.float32)
+    _check(slot_mapping, dtype=torch.int64)
+    if not (cache_k.is_contiguous() and cache_v.is_contiguous()) or k.shape[1:] != cache_k.shape[2:]:
+        raise ValueError("write_kv: contiguous caches whose rows match k and v expected")
+    if slot_mapping.numel() != k.shape[0] or v.shape != k.shape:
+        raise ValueError("write_kv: one slot per new token, k and v alike")
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    load().kvgate_write_kv_f32(cache_k.data_ptr(), cache_v.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
+
+
+def add_rms_norm_(
+    residual: torch.Tensor,  # (M, D) float32, contiguous: gets `delta` added in place
+    delta: torch.Tensor | None,  # (M, D) float32, or None: only the norm
+    weight: torch.Tensor,  # (D,) float32
+    eps: float,
+) -> torch.Tensor:  # (M, D): rms_norm(residual) * weight, a new tensor
+    """residual += delta; return F.rms_norm(residual, (D,), weight, eps), in one pass per row."""
+    tensors = (residual, weight) if delta is None else (residual, delta, weight)
+    _check(*tensors, dtype=torch.float32)
+    d = residual.shape[-1]
+    if not residual.is_contiguous() or residual.dim() != 2 or weight.shape != (d,) or d % 8 != 0:
+        raise ValueError("add_rms_norm_: a contiguous (M, D) residual with D a multiple of 8 and a (D,) weight")
+    if delta is not None and delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm_: delta {tuple(delta.shape)} does not match {tuple(residual.shape)}")
+    delta = delta.contiguous() if delta is not None else None
+    weight = weight.contiguous()
+    out = torch.empty_like(residual)
+    load().kvgate_add_rms_norm_f32(residual.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                   weight.data_ptr(), out.data_ptr(), residual.shape[0], d, eps)
+    return out
+
+
+def rope_qk_(
+    q: torch.Tensor,  # (n, q_heads, D) float32, contiguous: rotated in place
+    k: torch.Tensor,  # (n, k_heads, D) float32, contiguous: rotated in place
+    positions: torch.Tensor,  # (n,) int64, each < cos.shape[0]
+    cos: torch.Tensor,  # (max_positions, D // 2) float32: cos(p * inv_freq)
+    sin: torch.Tensor,  # (max_positions, D // 2) float32
+) -> None:
+    """Rotary embedding of q and k in place, pairs (i, i + D/2) as Hugging Face's rotate_half."""
+    _check(q, k, cos, sin, dtype=torch.float32)
+    _check(positions, dtype=torch.int64)
+    n, _, d = q.shape
+    if not (q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_qk_: contiguous q, k and tables expected")
+    if k.dim() != 3 or k.shape[0] != n or k.shape[2] != d or d % 16 != 0 or cos.shape != (cos.shape[0], d // 2):
+        raise ValueError("rope_qk_: q (n, Hq, D), k (n, Hk, D) and (P, D/2) tables, D a multiple of 16")
+    if positions.shape != (n,) or sin.shape != cos.shape:
+        raise ValueError("rope_qk_: one position per token, cos and sin alike")
+    positions = positions.contiguous()
+    load().kvgate_rope_qk_f32(q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                              n, q.shape[1], k.shape[1], d)
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up written into gate (both (M, N) float32, contiguous, N a multiple of 8)."""
+    _check(gate, up, dtype=torch.float32)
+    if not (gate.is_contiguous() and up.is_contiguous()) or gate.shape != up.shape or gate.dim() != 2 \
+            or gate.shape[1] % 8 != 0:
+        raise ValueError("silu_mul_: contiguous (M, N) gate and up alike, N a multiple of 8")
+    load().kvgate_silu_mul_f32(gate.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1])
+    return gate
+
+
+def int4_available() -> bool:
+    """Whether the int4 kernel runs here: the library loads and the CPU has F16C besides AVX2/FMA."""
+    lib = load()
+    return lib is not None and lib.kvgate_int4_supported() == 1
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 @ the AutoAWQ GEMM weight (quantization/format.py) + bias -> (M, N) float32."""
+    _check(x, *([bias] if bias is not None else []), dtype=torch.float32)
+    _check(qweight, qzeros, dtype=torch.int32)
+    _check(scales, dtype=torch.float16)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or groups < 1 or k % groups or scales.shape != (groups, n) \
+            or qzeros.shape != (groups, n // 8):
+        raise ValueError(f"int4_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)} do not fit together")
+    if not (qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()) or \
+            (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        raise ValueError("int4_linear: contiguous qweight, qzeros, scales and an (N,) bias expected")
+    return int4_linear_unchecked(x, qweight, qzeros, scales, bias)
+
+
+def int4_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """`int4_linear` for callers that checked types and shapes once (the AWQ linear method)."""
+    return _int4_call("kvgate_int4_linear_f32", x, qweight, qzeros, scales, bias)
+
+
+def int4_linear_off(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`int4_linear` of the offset variant: W[k, n] = q * s + o per group, offsets (K/G, N) fp16
+    in place of qzeros (quantization/gguf_int4.py: GGUF's Q4_0 / Q4_1 blocks)."""
+    _check(x, *([bias] if bias is not None else []), dtype=torch.float32)
+    _check(qweight, dtype=torch.int32)
+    _check(offsets, scales, dtype=torch.float16)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or groups < 1 or k % groups or scales.shape != (groups, n) \
+            or offsets.shape != scales.shape:
+        raise ValueError(f"int4_linear_off: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"offsets {tuple(offsets.shape)}, scales {tuple(scales.shape)} do not fit together")
+    if not (qweight.is_contiguous() and offsets.is_contiguous() and scales.is_contiguous()) or \
+            (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        raise ValueError("int4_linear_off: contiguous qweight, offsets, scales and an (N,) bias expected")
+    return int4_linear_off_unchecked(x, qweight, offsets, scales, bias)
+
+
+def int4_linear_off_unchecked(x: torch.Tensor, qweight: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    return _int4_call("kvgate_int4_linear_off_f32", x, qweight, offsets, scales, bias)
+
+
+def _int4_call(name: str, x: torch.Tensor, qweight: torch.Tensor, per_group: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """One of the int4 kernels: per_group is qzeros (kvgate_int4_linear_f32) or offsets (_off_f32)."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = scales.shape[1]
+    y = x.new_empty((m, n))
+    rc = getattr(load(), name)(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), per_group.data_ptr(),
+                               scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               m, k, n, k // scales.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"{name} failed ({rc})")
+    return y
+
+
+def int8_rows(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ (w8 (N, K) int8 * scale (N,) float32)^T -> (M, N) float32; K a multiple of 8."""
+    _check(x, scale, dtype=torch.float32)
+    _check(w8, dtype=torch.int8)
+    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1] or scale.shape != (w8.shape[0],) \
+            or w8.shape[1] % 8 or not (w8.is_contiguous() and scale.is_contiguous()):
+        raise ValueError(f"int8_rows: x {tuple(x.shape)}, w8 {tuple(w8.shape)}, scale {tuple(scale.shape)}")
+    x = x.contiguous()
+    y = x.new_empty((x.shape[0], w8.shape[0]))
+    rc = load().kvgate_int8_rows_f32(y.data_ptr(), x.data_ptr(), w8.data_ptr(), scale.data_ptr(), x.shape[0],
+                                     x.shape[1], w8.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"kvgate_int8_rows_f32 failed ({rc})")
+    return y
+
+
+if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the path
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    if load() is None:
+        sys.exit(f"CPU kernels unavailable: {unavailable_reason()}")
+    print(library_path())

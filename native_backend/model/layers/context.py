@@ -1,0 +1,89 @@
+"""What a model is built with: the one place that decides precision, kernels and sharding.
+
+    LayerContext.for_device("cpu", torch.float32)   C-kernel linears, fused ops, 'cpu' attention,
+                                                     one-call decode steps (where the kernels build)
+    LayerContext.for_device("cpu", ..., cpu_kernels=False)   torch alone
+    LayerContext.for_device("cuda", torch.bfloat16)          dense linears, Triton attention
+    ctx.with_quantization(QuantConfig(group_size=64))        int4 AWQ linears (an AWQ checkpoint)
+    dataclasses.replace(ctx, gguf_q4=True)                   a GGUF's Q4_0 / Q4_1 linears kept int4
+
+Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
+after loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from native_backend.kernels import cpu_kernels
+from native_backend.model.attention import AttentionBackend, get_attention_backend
+from native_backend.model.layers.linear import C_KERNEL, DENSE, LinearMethod
+from native_backend.model.layers.ops import TORCH_OPS, TorchOps
+from native_backend.model.layers.sharding import SINGLE, ShardSpec
+from native_backend.model.quantization.format import QuantConfig
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    device: torch.device
+    dtype: torch.dtype  # weights and activations
+    linear_method: LinearMethod
+    ops: TorchOps
+    attention: AttentionBackend
+    shard: ShardSpec = field(default=SINGLE)
+    fuse_decode: bool = False  # CPU: whole decode steps through one C call (models.fused_decode)
+    kernels: str = ""  # what was chosen, for the engine's start-up line
+    head_method: LinearMethod | None = None  # the LM head's, when not linear_method (int4 models)
+    int8_head: bool = True  # int4 models with the C kernels: logits from an int8 copy of the head
+    gguf_q4: bool = False  # a GGUF's Q4_0 / Q4_1 linears run packed by the int4 method (else made float)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                   cpu_kernels: bool = True, attention: str | None = None,
+                   shard: ShardSpec = SINGLE) -> LayerContext:
+        """`attention` forces a backend ("reference", "cpu", "triton"); by default the device's."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            backend = get_attention_backend(device, attention)
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels=f"attention {backend.name}")
+        if not cpu_kernels:
+            backend = get_attention_backend(device, attention or "reference")
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)")
+        return _cpu_context(device, dtype, attention, shard)
+
+    def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
+        """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
+        linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head kept
+        in float as AWQ checkpoints store it, with an int8 copy for the logits on the CPU
+        (`int8_head`; the C kernel, or torch on the same numbers); one-call decode steps stay where
+        the int4 C kernel runs (the step calls it), else decode steps run per layer."""
+        if quant is None:
+            return self
+        from native_backend.model.quantization.method import Int8HeadMethod, int4_method  # imports layers.linear
+
+        kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
+        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda")
+        int8_head = self.int8_head and self.device.type == "cpu" and self.dtype == torch.float32
+        head = Int8HeadMethod(kernel=kernel) if int8_head else self.linear_method
+        fuse = self.fuse_decode and kernel
+        kernels = self.kernels if fuse else self.kernels.replace(", one-call decode steps", "")
+        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse,
+                                   kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
+
+
+def _cpu_context(device, dtype, attention, shard) -> LayerContext:
+    backend = get_attention_backend(device, attention)
+    if not cpu_kernels.available():
+        why = cpu_kernels.unavailable_reason()
+        return LayerContext(device, dtype, DENSE, TORCH_OPS, backend, shard,
+                            kernels=f"torch kernels (C kernels unavailable: {why})")
+    from native_backend.model.layers.cpu_ops import KERNEL_OPS  # imports the kernel library's bindings
+
+    # The one-call decode step runs float32 weights over the C attention kernel only.
+    fuse = dtype == torch.float32 and backend.name == "cpu" and shard.size == 1
+    fused = ", one-call decode steps" if fuse else ""
+    return LayerContext(device, dtype, C_KERNEL, KERNEL_OPS, backend, shard, fuse_decode=fuse,
+                        kernels=f"C kernels (attention '{backend.name}', C-kernel linears, fused layer ops{fused})")

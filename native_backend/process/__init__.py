@@ -1,0 +1,7 @@
+"""The engine process: the loop that drives an engine core in its own process, the async client
+the gateway's side holds, the messages between them, and the factory that builds the core.
+
+The client and the process loop import only core.interface and the standard library (the gateway
+side never loads torch); the factory, imported by name inside the engine process, may import every
+layer below.
+"""
