@@ -99,7 +99,7 @@ FORMATS = {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": J
 def _format_tag(value) -> str | None:
     """`type:<kind>`: gateway.schemas skips such tags in an error's path (response_format.json_schema.name)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"type:{kind}" if kind in FORMATS else None
+    return f"type:{kind}" if isinstance(kind, str) and kind in FORMATS else None  # a list or object is no kind
 
 
 ResponseFormat = Annotated[

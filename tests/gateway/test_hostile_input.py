@@ -129,3 +129,11 @@ def test_a_requests_total_work_is_bounded(gw, body, param):
 def test_within_the_bounds_all_choices_run(gw):
     r = post(gw, "/v1/completions", {"model": "echo", "prompt": ["a b", "c d", "e f"], "n": 2, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 6
+
+
+@pytest.mark.parametrize("kind", [[], {}, [[], 3], 1.5, None])
+def test_a_response_format_type_that_is_not_a_string_is_a_400(gw, kind):
+    """Found by the fuzz tier: an unhashable `type` was a 500."""
+    assert_400(post(gw, "/v1/chat/completions", {"model": "echo", "messages": MSG, "response_format": {"type": kind}}),
+               "response_format")
+    assert_still_serving(gw)
