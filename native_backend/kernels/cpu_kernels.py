@@ -8,7 +8,9 @@ half-written file (each compiles to a temporary name, then renames it in place).
 another user could have written (the file or its folder writable by group or others, or owned by
 someone else) is refused, not loaded: loading it would run their code.
 `python -m native_backend.kernels.cpu_kernels` builds it ahead of time and prints its path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
-returns None, `unavailable_reason()` says why, and callers keep their torch paths.
+returns None, `unavailable_reason()` says why, and callers keep their torch paths;
+`unsupported_reason()` tells a machine that cannot run them (its CPU, or the variable) from a
+compiler that is missing or fails and a library that does not load (a fault).
 
 It must be loaded after torch: built with -fopenmp, it then shares torch's libgomp (and so its
 thread pool and torch.set_num_threads) instead of starting a second OpenMP runtime.
@@ -40,6 +42,7 @@ SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "laye
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
+INT4_CPU_FLAGS = ("f16c",)  # the int4 kernel's fp16 scales, besides the above (kvgate_int4_supported)
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -98,6 +101,24 @@ def _platform_problem() -> str | None:
 PLATFORM_SUPPORTED = _platform_problem() is None
 
 
+def unsupported_reason(int4: bool = False) -> str | None:
+    """Why the kernels (with `int4`, the int4 kernel too) cannot run on this machine by design
+    (not x86-64, a CPU without the instructions, turned off by KVGATE_CPU_KERNELS=0), or None.
+    None does not mean they work here: a library that fails to build or load is a fault, which
+    `unavailable_reason()` reports and callers (and tests) must not take for a missing feature."""
+    problem = _disabled_reason() or _platform_problem()
+    if problem or not int4:
+        return problem
+    missing = [f for f in INT4_CPU_FLAGS if f not in _cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)} (the int4 kernel)" if missing else None
+
+
+def _disabled_reason() -> str | None:
+    if os.environ.get("KVGATE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "disabled by KVGATE_CPU_KERNELS"
+    return None
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library, building it if needed; None when it cannot be had here (logged once)."""
     return _loaded()[0]
@@ -125,10 +146,9 @@ class _Unavailable(Exception):
 
 
 def _load() -> ctypes.CDLL:
-    if os.environ.get("KVGATE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        raise _Unavailable("disabled by KVGATE_CPU_KERNELS")
-    if not PLATFORM_SUPPORTED:
-        raise _Unavailable(_platform_problem())
+    problem = unsupported_reason()
+    if problem:
+        raise _Unavailable(problem)
     path = _built_library()
     problem = untrusted_reason(path)
     if problem:

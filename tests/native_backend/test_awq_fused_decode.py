@@ -12,7 +12,6 @@ import torch
 from native_backend.core.batch import ScheduledChunk, SchedulerOutput
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.model_runner import ModelRunner
-from native_backend.kernels import cpu_kernels
 from native_backend.model.kv_cache import KVCache
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.loader import default_gguf_path, load_hf_model
@@ -22,8 +21,7 @@ from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
-pytestmark = [pytest.mark.skipif(not cpu_kernels.int4_available(), reason="needs the int4 C kernel (AVX2/FMA/F16C)"),
-              pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.usefixtures("int4_kernel"), pytest.mark.timeout(900)]  # tests/c_kernels.py
 GROUP, BLOCK = 16, 4
 
 

@@ -14,12 +14,14 @@ from native_backend.model.quantization import rtn
 from native_backend.model.quantization.format import pack_int4
 from native_backend.model.quantization.method import AWQLinearMethod
 from native_backend.model.quantization.reference import dequantize, int4_linear
+from c_kernels import need_kernels
 
 torch.set_num_threads(2)
-needs_int4_kernel = pytest.mark.skipif(not cpu_kernels.int4_available(),
-                                       reason="the int4 C kernel needs x86-64 with AVX2/FMA/F16C and a compiler")
+needs_int4_kernel = pytest.mark.usefixtures("int4_kernel")  # skips only where the CPU cannot run it (tests/c_kernels.py)
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out): q/o, k/v, gate/up, down
 ROWS = [1, 2, 3, 4, 5, 7, 13, 64, 129, 300]
+# Every shape with every group that divides its inputs (SmolLM2's 576 takes 32 and 64, not 128).
+GROUPED_SHAPES = [(k, n, g) for k, n in SMOLLM2_SHAPES for g in (32, 64, 128) if k % g == 0]
 
 
 def gen(seed):
@@ -39,11 +41,8 @@ def rel_err(y, ref):
 
 
 @needs_int4_kernel
-@pytest.mark.parametrize("k,n", SMOLLM2_SHAPES)
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k,n,group", GROUPED_SHAPES)
 def test_kernel_equals_the_reference(k, n, group):
-    if k % group:
-        pytest.skip(f"group {group} does not divide {k}")
     qweight, qzeros, scales = random_int4(k, n, group, seed=k + n + group)
     bias = torch.randn(n, generator=gen(5))
     for m in ROWS:
@@ -99,8 +98,10 @@ def load(layer, packed: rtn.Int4Weight, bias):
         param.weight_loader(param, tensor)
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_int4_kernel)])
+@pytest.mark.parametrize("kernel", [False, True])
 def test_column_and_row_parallel_int4_shards_add_up_to_the_whole(kernel, monkeypatch):
+    if kernel:
+        need_kernels(int4=True)
     w, b = torch.randn(48, 128, generator=gen(1)), torch.randn(48, generator=gen(2))
     packed = rtn.quantize_weight(w, 32)
     x = torch.randn(3, 128, generator=gen(3))

@@ -110,7 +110,7 @@ def test_logits_equal_transformers_holding_the_independently_unpacked_weights(ch
         assert (hf(torch.tensor([prompt])).logits[0] - ref).abs().max() > 1e-3
 
 
-@pytest.mark.skipif(not cpu_kernels.int4_available(), reason="needs the int4 C kernel")
+@pytest.mark.usefixtures("int4_kernel")
 def test_greedy_tokens_of_the_c_kernel_equal_the_torch_reference(checkpoint):
     _, _, out = checkpoint
     kernel = load_hf_model(str(out), LayerContext.for_device("cpu", torch.float32))
@@ -119,7 +119,7 @@ def test_greedy_tokens_of_the_c_kernel_equal_the_torch_reference(checkpoint):
     assert greedy(kernel, prompt, 24) == greedy(reference, prompt, 24)
 
 
-@pytest.mark.skipif(not cpu_kernels.int4_available(), reason="needs the int4 C kernel")
+@pytest.mark.usefixtures("int4_kernel")
 def test_the_int8_head_is_within_its_rounding_of_the_float_head(checkpoint):
     _, _, out = checkpoint
     model = load_hf_model(str(out))

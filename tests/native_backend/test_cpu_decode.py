@@ -9,14 +9,13 @@ import torch
 from native_backend.core.batch import ScheduledChunk, SchedulerOutput
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.model_runner import ModelRunner
-from native_backend.kernels import cpu_kernels
 from native_backend.model.kv_cache import KVCache
 from native_backend.model.layers.linear import KERNEL_MAX_ROWS
 from native_backend.model.models.fused_decode import FusedDecode
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
 BLOCK_SIZE = 4
 
 

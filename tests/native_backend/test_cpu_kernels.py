@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from native_backend.kernels import cpu_kernels
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

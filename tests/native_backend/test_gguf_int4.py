@@ -28,13 +28,15 @@ from native_backend.model.loader import default_gguf_path, load_model
 from native_backend.model.quantization import gguf_int4
 from native_backend.model.quantization.method import Int4OffsetMethod
 from native_backend.model.quantization.reference import dequantize_offset, int4_linear_offset
+from c_kernels import need_kernels
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.timeout(900)
-needs_int4_kernel = pytest.mark.skipif(not cpu_kernels.int4_available(),
-                                       reason="the int4 C kernel needs x86-64 with AVX2/FMA/F16C and a compiler")
+needs_int4_kernel = pytest.mark.usefixtures("int4_kernel")  # skips only where the CPU cannot run it (tests/c_kernels.py)
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out)
 ROWS = [1, 2, 3, 4, 5, 7, 13, 64, 129, 300]
+# Every shape with every group that divides its inputs (SmolLM2's 576 takes 32 and 64, not 128).
+GROUPED_SHAPES = [(k, n, g) for k, n in SMOLLM2_SHAPES for g in (32, 64, 128) if k % g == 0]
 
 
 def gen(seed):
@@ -56,11 +58,8 @@ def rel_err(y, ref):
 
 
 @needs_int4_kernel
-@pytest.mark.parametrize("k,n", SMOLLM2_SHAPES)
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k,n,group", GROUPED_SHAPES)
 def test_offset_kernel_equals_the_reference(k, n, group):
-    if k % group:
-        pytest.skip(f"group {group} does not divide {k}")
     p = random_offset_int4(k, n, group, seed=k + n + group)
     bias = torch.randn(n, generator=gen(5))
     for m in ROWS:
@@ -139,8 +138,10 @@ def test_a_gguf_mixing_other_types_is_not_taken():
         gguf_int4.quant_config(reader(*[Q.Q4_1] * 6, Q.Q6_K), "m.gguf")
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_int4_kernel)])
+@pytest.mark.parametrize("kernel", [False, True])
 def test_column_and_row_parallel_shards_of_the_offset_variant_add_up(kernel, monkeypatch):
+    if kernel:
+        need_kernels(int4=True)
     k, n = 128, 48
     p, b = random_offset_int4(k, n, 32, seed=3), torch.randn(n, generator=gen(2))
     x = torch.randn(3, k, generator=gen(3))

@@ -14,7 +14,7 @@ from native_backend.model.layers.ops import TORCH_OPS
 from native_backend.model.layers.rotary import RotaryEmbedding, apply_rope
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
 
 
 def randn(*shape, seed=0, scale=1.0):

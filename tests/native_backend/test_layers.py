@@ -17,7 +17,7 @@ from native_backend.model.loader import build_model, safetensors_tensors
 from llama_checkpoints import make_checkpoint
 
 torch.set_num_threads(2)
-needs_kernels = pytest.mark.skipif(not cpu_kernels.PLATFORM_SUPPORTED, reason="C kernels are for x86-64 with AVX2/FMA")
+needs_kernels = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
 
 
 def randn(*shape, seed=0):
