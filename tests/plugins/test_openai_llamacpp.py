@@ -113,6 +113,20 @@ def test_streamed_chat_through_kvgate_equals_llamacpp(clients):
     assert got == want and got
 
 
+def test_continuous_usage_through_kvgate_counts_what_llamacpp_sends(clients):
+    """llama-cpp-python's server sends no usage in its streams: through kvgate every chunk carries
+    the output tokens counted so far (prompt tokens unknown: 0), the last chunk their total."""
+    direct, front = clients
+    kw = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
+    direct.completions.create(model="smollm2", **kw)  # warm llama.cpp's prompt cache
+    want = direct.completions.create(model="smollm2", **kw).usage
+    chunks = [c.model_dump() for c in front.completions.create(
+        model="smol", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw)]
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1] if c["choices"][0]["text"]]
+    assert counts == list(range(1, len(counts) + 1)) and counts
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == want.completion_tokens
+
+
 def test_llamacpp_refusal_reaches_the_client_as_a_4xx(clients):
     _, front = clients
     with pytest.raises(openai.BadRequestError):
