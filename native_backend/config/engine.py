@@ -8,25 +8,22 @@
       speculative: SpeculativeOptions | None
 
 Each part checks itself once, in `__post_init__`, and raises ValueError naming the field; the
-native plugin's settings map onto these fields one by one (tests/plugins hold the two in step).
+native plugin's settings are these fields by name (EngineConfig.build; tests/plugins hold the two in step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
-KV_SCALES = ("auto", "calibrate", "unit")  # fp8's per-layer K/V scales: checkpoint else calibration | always calibrate | 1.0
+from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES, KV_SCALES, WEIGHT_QUANTIZATIONS
+
+MAX_BLOCK_SIZE = 256  # tokens per KV block, at most
 
 
 def _positive(owner: str, **values) -> None:
     for name, value in values.items():
         if value is not None and value <= 0:
             raise ValueError(f"{owner}.{name} must be positive, got {value}")
-
-
-WEIGHT_QUANTIZATIONS = ("none", "awq", "gguf")
 
 
 def _one_of(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -51,9 +48,12 @@ class ModelOptions:
         if not self.path:
             raise ValueError("model.path: a GGUF file or a Hugging Face directory is required")
         _one_of("model", "dtype", self.dtype, DTYPES)
-        _one_of("model", "quantization", self.quantization, WEIGHT_QUANTIZATIONS)
+        if self.quantization not in WEIGHT_QUANTIZATIONS:  # GPTQ, FP8 weights, ...: no kernels for them yet
+            raise ValueError(f"model.quantization: {self.quantization!r} is not supported by this engine: it runs "
+                             "float, AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use "
+                             f"{', '.join(WEIGHT_QUANTIZATIONS)}")
         if self.quantization == "gguf" and not self.path.endswith(".gguf"):
-            raise ValueError(f"model.quantization: gguf needs a .gguf file, got {self.path}")
+            raise ValueError(f"model.quantization: gguf needs a .gguf model file, got {self.path}")
         if not (self.device == "cpu" or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"model.device: {self.device!r} is not cpu, cuda or cuda:N")
@@ -73,6 +73,8 @@ class CacheOptions:
     def __post_init__(self):
         _positive("cache", block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
                   cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"cache.block_size must be at most {MAX_BLOCK_SIZE}, got {self.block_size}")
         _one_of("cache", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("cache", "kv_scales", self.kv_scales, KV_SCALES)
         if not 0.0 < self.memory_fraction <= 1.0:

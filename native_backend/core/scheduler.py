@@ -188,8 +188,6 @@ class Scheduler:
     def _validate(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        if seq.sampling.max_tokens is not None and seq.sampling.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
         c = self.config
         cache_slots = c.num_blocks * c.block_size
         if seq.sampling.max_tokens_default and seq.sampling.max_tokens is not None:

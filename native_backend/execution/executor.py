@@ -163,7 +163,7 @@ class InProcessExecutor:
 
     def _plan_kv_cache(self) -> KVCachePlan:
         mc, cache = self.model_config, self.config.cache
-        kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype)
+        kv_dtype = self.kv_dtype
         common = dict(num_layers=mc.num_layers, num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim,
                       bytes_per_element=kv_dtype.bytes_per_element,
                       scale_bytes_per_head=kv_dtype.scale_bytes_per_head, block_size=cache.block_size,

@@ -18,51 +18,27 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from native_backend.config.formats import KV_FORMATS, KVFormat, kv_format
 
 # ------------------------------------------------------------------------------ element types
 
 
 @dataclass(frozen=True)
-class KVCacheDType:
-    """How K/V elements are stored.
+class KVCacheDType(KVFormat):
+    """A KV format (config.formats: its bytes, scaling, kernel code) and the torch dtype it is
+    stored in."""
 
-    scaling "none":            stored = x in `storage` (a float dtype)
-    scaling "per_layer" (fp8): stored = fp8(clamp(x / scale, -max, max)), read = fp8 * scale, one K
-                               and one V scale per layer (`KVLayer.k_scale` / `v_scale`)
-    scaling "per_token_head" (int8): scale = max|x| / 127 over head_dim, stored = round(x / scale),
-                               one float32 scale per token per KV head beside the block
-    """
-
-    name: str
-    storage: torch.dtype
-    bytes_per_element: int
-    scaling: str = "none"
-    max_value: float = 0.0  # the largest finite stored magnitude (fp8 e4m3 448, e5m2 57344; int8 127)
-    code: int = 0  # the C and Triton kernels' name for the format (csrc/kv_quant.c)
-
-    @property
-    def quantized(self) -> bool:
-        return self.scaling != "none"
-
-    @property
-    def scale_bytes_per_head(self) -> int:
-        """Bytes of scale stored per token per KV head (K or V): int8's float32 scale."""
-        return 4 if self.scaling == "per_token_head" else 0
+    storage: torch.dtype = field(kw_only=True)
 
 
+_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
-    "float32": KVCacheDType("float32", torch.float32, 4),
-    "bfloat16": KVCacheDType("bfloat16", torch.bfloat16, 2),
-    "float16": KVCacheDType("float16", torch.float16, 2),
-    "fp8_e4m3": KVCacheDType("fp8_e4m3", torch.float8_e4m3fn, 1, "per_layer", 448.0, code=1),
-    "fp8_e5m2": KVCacheDType("fp8_e5m2", torch.float8_e5m2, 1, "per_layer", 57344.0, code=2),
-    "int8": KVCacheDType("int8", torch.int8, 1, "per_token_head", 127.0, code=3),
-}
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3",
-            "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+    name: KVCacheDType(**vars(fmt), storage=_STORAGE[name]) for name, fmt in KV_FORMATS.items()}
 
 
 def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
@@ -70,10 +46,7 @@ def resolve_kv_dtype(dtype: str | torch.dtype | KVCacheDType) -> KVCacheDType:
         return dtype
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
-    name = _ALIASES.get(dtype, dtype)
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
+    return KV_CACHE_DTYPES[kv_format(dtype).name]
 
 
 # ------------------------------------------------------------------------------ sizing (pure)

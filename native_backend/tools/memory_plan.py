@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from native_backend.config.formats import KV_FORMATS, WEIGHT_FORMATS, KVFormat, WeightFormat
 from native_backend.config.model import ModelConfig
 from native_backend.execution.parallel.validate import kv_heads_per_rank, split_problems, valid_tp_sizes
 
@@ -27,7 +28,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 RESERVE_BYTES = 512 * MiB  # CUDA context and allocator slack; the engine's ACTIVATION_RESERVE_BYTES
 LOGITS_BYTES = 4  # samplers read logits as float32
-INT8_SCALE_BYTES = 4  # int8 KV: one float32 scale per token per KV head, stored beside the block
 
 
 class PlanError(ValueError):
@@ -64,49 +64,6 @@ GPUS: dict[str, int] = {
     "A10G": 23028 * MiB,
     "L4": 23034 * MiB,
     "RTX-4090": 24564 * MiB,
-}
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How a checkpoint stores its weights. Embeddings, norms, biases and the LM head stay in
-    `other_bytes` (AWQ and FP8 checkpoints quantize only the decoder's linear layers)."""
-
-    name: str
-    linear_bits: int  # bits per weight of q/k/v/o and the MLP
-    other_bytes: int
-    group_size: int | None = None  # one scale and one zero point per `group_size` input weights
-    group_bits: int = 0  # bits of that scale + zero point
-    activation_bytes: int = 2  # the dtype the model computes (and an "auto" KV cache stores) in
-    auto_kv_dtype: str = "float16"
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "fp32": WeightFormat("fp32", 32, 4, activation_bytes=4, auto_kv_dtype="float32"),
-    "fp16": WeightFormat("fp16", 16, 2),
-    "bf16": WeightFormat("bf16", 16, 2, auto_kv_dtype="bfloat16"),
-    # AutoAWQ GEMM: int4 weights, an fp16 scale and a packed 4-bit zero per group of 128.
-    "awq-int4": WeightFormat("awq-int4", 4, 2, group_size=128, group_bits=16 + 4),
-    # Per-tensor scales (a few bytes a layer) are left out.
-    "fp8": WeightFormat("fp8", 8, 2, auto_kv_dtype="bfloat16"),
-}
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    name: str
-    bytes_per_element: int
-    scale_bytes_per_head: int = 0  # per token per KV head, stored in the block (int8)
-
-
-KV_FORMATS: dict[str, KVFormat] = {
-    "float32": KVFormat("float32", 4),
-    "bfloat16": KVFormat("bfloat16", 2),
-    "float16": KVFormat("float16", 2),
-    # fp8's per-layer K and V scales are two floats a layer, not per token: nothing to count.
-    "fp8_e4m3": KVFormat("fp8_e4m3", 1),
-    "fp8_e5m2": KVFormat("fp8_e5m2", 1),
-    "int8": KVFormat("int8", 1, INT8_SCALE_BYTES),
 }
 
 

@@ -67,7 +67,7 @@ def test_a_case_that_cannot_run_is_reported_not_raised(monkeypatch):
     from native_backend.model.kv_cache import KVCacheDType
 
     monkeypatch.setattr("native_backend.model.kv_cache.KV_CACHE_DTYPES",
-                        {"odd": KVCacheDType("odd", "no-such-dtype", 1)})
+                        {"odd": KVCacheDType("odd", 1, storage="no-such-dtype")})
     report = gpu_check.kernel_checks("cpu", "reference", cases=list(gpu_check.attention_cases(TINY, [(1, 1, 16)], (4,))),
                                      with_selfchecks=False)
     assert not report["ok"] and all("error" in r for r in report["results"])

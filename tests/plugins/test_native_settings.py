@@ -155,3 +155,21 @@ def test_check_config_passes_ngram_speculation_at_tp3_and_refuses_a_draft_model_
     else:
         assert code == 1 and error in output, output
         assert "Traceback" not in output
+
+
+def test_the_gateways_sampling_parameters_reach_the_engine_field_for_field():
+    """One set of sampling fields across the process boundary: nothing the gateway validated is
+    dropped on the way to the engine, and both sides default alike."""
+    from gateway.backend import GenerationRequest
+    from gateway.backend import SamplingParams as GatewaySampling
+    from kvgate_native.backend import _engine_sampling
+    from native_backend.core.sampling_params import SamplingParams as EngineSampling
+
+    def defaults(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    assert defaults(GatewaySampling) == defaults(EngineSampling)
+    sampling = GatewaySampling(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=7, stop=("x",),
+                               stop_token_ids=(1,), ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.25,
+                               repetition_penalty=1.5, logprobs=2)
+    assert dataclasses.asdict(_engine_sampling(GenerationRequest("r", "m", sampling))) == dataclasses.asdict(sampling)

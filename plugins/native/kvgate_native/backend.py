@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,12 +32,12 @@ from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
-from native_backend.process.client import AsyncEngineClient
-from native_backend.config.engine import (
-    CacheOptions, EngineConfig, ModelOptions, ParallelOptions, SchedulerOptions, SpeculativeOptions)
+from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, SpeculativeOptions
+from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES
 from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
 from native_backend.core.sampling_params import SamplingParams as EngineSampling
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
+from native_backend.process.client import AsyncEngineClient
 from native_backend.process.protocol import EngineDeadError
 from native_backend.text.tokenizer import Tokenizer, default_model_path
 
@@ -55,18 +54,19 @@ class SpeculativeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram", "draft"] = Field(description="ngram: prompt lookup; draft: a draft model.")
-    num_speculative_tokens: int = Field(4, gt=0, description="Tokens proposed and verified per step (k).")
-    prompt_lookup_min: int = Field(2, gt=0, description="ngram: shortest suffix match, tokens.")
-    prompt_lookup_max: int = Field(4, gt=0, description="ngram: longest suffix match, tokens.")
+    # Each the SpeculativeOptions field of that name; the values are checked once, by it.
+    method: str = Field(description=f"{' or '.join(SPECULATIVE_METHODS)}: prompt lookup, or a draft model.")
+    num_speculative_tokens: int = Field(4, description="Tokens proposed and verified per step (k).")
+    prompt_lookup_min: int = Field(2, description="ngram: shortest suffix match, tokens.")
+    prompt_lookup_max: int = Field(4, description="ngram: longest suffix match, tokens.")
     draft_model: str | None = Field(None, description="draft: GGUF file or HF directory with the target's "
                                     "tokenizer, e.g. an AWQ int4 copy of the target from `kvgate quantize` "
                                     "('default' is SmolLM2-135M-Instruct).")
-    draft_num_layers: int | None = Field(None, gt=0, description="draft: the target's first n layers "
+    draft_num_layers: int | None = Field(None, description="draft: the target's first n layers "
                                          "(self-speculative, no extra weights).")
-    max_batch_size: int | None = Field(4, gt=0, description="No speculation while more requests than this "
+    max_batch_size: int | None = Field(4, description="No speculation while more requests than this "
                                        "decode in one step; null: always.")
-    min_acceptance_rate: float = Field(0.2, ge=0, lt=1, description="A request accepting fewer drafts than this "
+    min_acceptance_rate: float = Field(0.2, description="A request accepting fewer drafts than this "
                                        "(moving average) pauses speculation for a while.")
 
     @model_validator(mode="after")
@@ -81,86 +81,84 @@ class SpeculativeSettings(BaseModel):
         return SpeculativeOptions(**values)
 
 
+# Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
+
+
 class NativeSettings(BaseModel):
     """What a deployment's `settings:` may hold for `backend: native`."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("default", description="GGUF file or HF directory; 'default' is SmolLM2-135M-Instruct.")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"] = Field(
+    # The engine's settings, each the EngineConfig field of that name (one mapping: engine_config);
+    # their values are checked once, by the engine's own parts (config/engine.py).
+    dtype: str = Field("float32", description=f"Weights and activations: {', '.join(DTYPES)}.")
+    kv_cache_dtype: str = Field(
         "auto", description="KV-cache storage: auto (the model's dtype), a float dtype, fp8 (per-layer scales) "
-        "or int8 (a scale per token and KV head).")
-    kv_scales: Literal["auto", "calibrate", "unit"] = Field(
+        f"or int8 (a scale per token and KV head); one of {', '.join(KV_CACHE_DTYPES)}.")
+    kv_scales: str = Field(
         "auto", description="fp8 KV only: per-layer K/V scales from the checkpoint when it has them, else from a "
         "calibration pass at start (auto); always calibrated (calibrate); or 1.0 (unit, with a warning).")
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    block_size: int = Field(16, gt=0, le=256, description="Tokens per KV-cache block.")
-    max_num_seqs: int = Field(32, gt=0, description="Requests running at once.")
-    max_num_batched_tokens: int = Field(512, gt=0, description="Token budget of one step.")
-    max_model_len: int | None = Field(None, gt=0, description="Context limit; default: the model's.")
-    kv_cache_bytes: int | None = Field(None, gt=0, description="KV-cache budget in bytes.")
-    memory_fraction: float = Field(0.9, gt=0, le=1, description="Of GPU memory, when on CUDA.")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N.")
+    block_size: int = Field(16, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(32, description="Requests running at once.")
+    max_num_batched_tokens: int = Field(512, description="Token budget of one step.")
+    max_model_len: int | None = Field(None, description="Context limit; default: the model's.")
+    kv_cache_bytes: int | None = Field(None, description="KV-cache budget in bytes.")
+    memory_fraction: float = Field(0.9, description="Of GPU memory, when on CUDA.")
     enable_prefix_caching: bool = True
-    num_threads: int | None = Field(None, gt=0, description="torch threads in the engine process.")
+    num_threads: int | None = Field(None, description="torch threads in the engine process.")
     cpu_kernels: bool = Field(True, description="On CPU, kvgate's C kernels (decode attention, small-batch "
                               "linears) where they build; false: torch alone.")
-    startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
-    supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
-                                             description="Watchdog and restarts of the engine process.")
-    # Accepted so deployment tooling can pass them, and refused unless the engine can honour them.
-    speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs on cuda) one engine shards the model "
+    tensor_parallel_size: int = Field(1, description="Ranks (GPUs on cuda) one engine shards the model "
                                       "across; the model's heads, KV heads, MLP and vocabulary must split, "
                                       "int4 linears in whole int32 words and groups (refused by this "
                                       "check and at start, naming the sizes that would).")
-    collective_timeout_s: float = Field(60.0, gt=0, description="Tensor parallelism: seconds after which an "
+    collective_timeout_s: float = Field(60.0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
                               "stored; an AWQ checkpoint is detected from its config.json, a GGUF is dequantized "
                               "to dtype), awq (an AWQ int4 directory is required, e.g. from `kvgate quantize`) or "
                               "gguf (a GGUF whose decoder linears are Q4_0 / Q4_1 runs them as stored, int4).")
+    speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
+    # The plugin's own: how it runs the engine process.
+    startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
+    supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
+                                             description="Watchdog and restarts of the engine process.")
 
     @model_validator(mode="after")
-    def _supported_so_far(self):
+    def _valid_for_the_engine(self):
+        """The engine's own checks, once (EngineConfig's parts), as a settings error; then what
+        only the model on disk can tell: whether tensor parallelism splits it."""
+        self.engine_config()
         check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None)
-        if self.quantization not in ("none", "awq", "gguf"):  # GPTQ, FP8 weights, ...: no kernels for them yet
-            raise ValueError(f"quantization: '{self.quantization}' is not supported by this engine: it runs float, "
-                             "AWQ int4 (AutoAWQ GEMM) and GGUF Q4_0 / Q4_1 checkpoints; use none, awq or gguf")
-        if self.quantization == "gguf" and not (self.model == "default" or self.model.endswith(".gguf")):
-            raise ValueError(f"quantization: gguf needs a .gguf model file, got {self.model}")
         if self.tensor_parallel_size > 1:
             self._check_the_split()
         return self
+
+    @property
+    def model_path(self) -> str:
+        return default_model_path() if self.model == "default" else self.model
 
     def _check_the_split(self) -> None:
         """The engine's own rule for the model as it is on disk (heads, KV heads, MLP, vocabulary;
         packed int4 linears in whole int32 words and whole groups), so that check-config refuses
         the sizes start-up would, naming the ones that work. Torch-free; a model that is not there
         (yet) is start()'s error, one that cannot be read the engine's."""
-        path = default_model_path() if self.model == "default" else self.model
-        if not os.path.exists(path):
+        if not os.path.exists(self.model_path):
             return
         try:
-            check_model_on_disk(path, self.tensor_parallel_size, self.quantization)
+            check_model_on_disk(self.model_path, self.tensor_parallel_size, self.quantization)
         except (OSError, KeyError, TypeError):  # an unreadable config.json / GGUF: the engine says what is wrong
             return
 
     def engine_config(self) -> EngineConfig:
-        """Field by field onto the engine's parts (tests/plugins holds the two field sets in step)."""
-        return EngineConfig(
-            model=ModelOptions(path=default_model_path() if self.model == "default" else self.model, dtype=self.dtype,
-                               device=self.device, num_threads=self.num_threads, cpu_kernels=self.cpu_kernels,
-                               tokenizer_cache_dir=str(tokenizer_cache_dir()), quantization=self.quantization),
-            cache=CacheOptions(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                               kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
-                               enable_prefix_caching=self.enable_prefix_caching, kv_scales=self.kv_scales),
-            scheduler=SchedulerOptions(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                       max_model_len=self.max_model_len),
-            parallel=ParallelOptions(tensor_parallel_size=self.tensor_parallel_size,
-                                     collective_timeout_s=self.collective_timeout_s),
-            speculative=self.speculative.options() if self.speculative is not None else None,
-        )
+        """Every setting but the plugin's own is the engine field of that name (EngineConfig.build
+        puts each in its part); the model's path and the tokenizer cache are filled in here."""
+        return EngineConfig.build(**self.model_dump(exclude=PLUGIN_ONLY | {"speculative"}), path=self.model_path,
+                                  tokenizer_cache_dir=str(tokenizer_cache_dir()),
+                                  speculative=self.speculative.options() if self.speculative is not None else None)
 
 
 class NativeBackend:
@@ -345,8 +343,9 @@ def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
 
 
 def _engine_sampling(request: GenerationRequest) -> EngineSampling:
-    fields = {f.name for f in dataclasses.fields(EngineSampling)}
-    return EngineSampling(**{k: v for k, v in dataclasses.asdict(request.sampling).items() if k in fields})
+    """The gateway's sampling parameters as the engine's, field for field: the two types have the
+    same fields (tests/plugins/test_native_settings.py), so nothing is dropped on the way."""
+    return EngineSampling(**dataclasses.asdict(request.sampling))
 
 
 def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = False) -> TokenEvent:

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from native_backend.config.formats import KV_FORMATS, WEIGHT_FORMATS
 from native_backend.tools import memory_plan as mp
 
 
@@ -36,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float,
                         help="an explicit KV budget per GPU in GiB (instead of --gpu: no weights subtracted)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs one model spans)")
-    parser.add_argument("--weights", default="fp16", help=f"one of: {', '.join(mp.WEIGHT_FORMATS)}")
+    parser.add_argument("--weights", default="fp16", help=f"one of: {', '.join(WEIGHT_FORMATS)}")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help=f"auto (the model's compute dtype) or one of: {', '.join(mp.KV_FORMATS)}")
+                        help=f"auto (the model's compute dtype) or one of: {', '.join(KV_FORMATS)}")
     parser.add_argument("--max-model-len", type=int, help="full context in tokens; default: the model's")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of GPU memory the engine may use")
@@ -102,7 +103,7 @@ def _budget_lines(plan: mp.MemoryPlan) -> list[str]:
 
 
 def _kv_formula(plan: mp.MemoryPlan) -> str:
-    kv = mp.KV_FORMATS[plan.kv_cache_dtype]
+    kv = KV_FORMATS[plan.kv_cache_dtype]
     element = f"{plan.model.head_dim} x {kv.bytes_per_element} B"
     if kv.scale_bytes_per_head:
         element = f"({element} + {kv.scale_bytes_per_head} B scale)"
