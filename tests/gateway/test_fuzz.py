@@ -3,7 +3,7 @@
 Valid and invalid bodies against the echo backend: no response >= 500, every 4xx an
 OpenAI-style error, and the gateway healthy and serving after, its breaker untouched. CI runs
 KVGATE_FUZZ_EXAMPLES (default 60) cases per operation and generation mode (a few hundred in
-all); the `fuzz` tier runs `KVGATE_FUZZ_EXAMPLES=2500` (>= 10,000 cases, see README).
+all); the `fuzz` tier runs `KVGATE_FUZZ_EXAMPLES=2500` (>= 10,000 cases, see docs/testing.md).
 """
 
 import json
