@@ -19,19 +19,29 @@ def tokenizer_cache_dir() -> Path:
     return kvgate_cache_dir() / "tokenizers"
 
 
-def untrusted_reason(path: Path) -> str | None:
+def untrusted_reason(path: Path, opened: os.stat_result | None = None) -> str | None:
     """Why code at `path` must not be loaded, or None. Loading a library runs it, so the file and
-    its folder must be writable by no one but their owner, and owned by us or root: otherwise
-    another user could have swapped in a library of their own. A shared folder with the sticky
-    bit (like /tmp) lets no one replace another user's file, so only the file counts there."""
-    for target in (path, path.parent):
+    every folder above it (symlinks resolved, as the loader opens it) must be owned by us or root
+    and writable by no one else: otherwise another user could have swapped in a library of their
+    own, or a folder on the way to it. A shared folder with the sticky bit (like /tmp) lets no one
+    rename another user's entry, so it may be writable by all. `opened`: the file's fstat when
+    the caller holds it open (what it checks is then what it loads)."""
+    real = Path(os.path.realpath(path))
+    for target in (real, *real.parents):
         try:
-            info = target.stat()
+            info = opened if target is real and opened is not None else target.stat()
         except OSError as exc:
             return f"cannot inspect {target}: {exc.strerror}"
-        if info.st_uid not in (os.getuid(), 0):
-            return f"{target} belongs to another user (uid {info.st_uid})"
-        sticky_dir = target is not path and info.st_mode & stat.S_ISVTX
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
-            return f"{target} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+        problem = _foreign_writer(target, info, folder=target is not real)
+        if problem:
+            return problem
+    return None
+
+
+def _foreign_writer(target: Path, info: os.stat_result, folder: bool) -> str | None:
+    if info.st_uid not in (os.getuid(), 0):
+        return f"{target} belongs to another user (uid {info.st_uid})"
+    sticky_folder = folder and info.st_mode & stat.S_ISVTX
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_folder:
+        return f"{target} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
     return None

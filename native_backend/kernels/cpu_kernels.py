@@ -5,8 +5,11 @@ into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_C
 default ~/.cache/kvgate), named by a hash of the sources and the flags: an edit builds anew, a
 library built elsewhere can be copied in, and concurrent builds never see each other's
 half-written file (each compiles to a temporary name, then renames it in place). A library that
-another user could have written (the file or its folder writable by group or others, or owned by
-someone else) is refused, not loaded: loading it would run their code.
+another user could have written (the file or any folder above it writable by group or others
+without the sticky bit, or owned by someone else) is refused, not loaded: loading it would run
+their code. The build records the library's sha256 beside it (`<library>.sha256`; copy both to
+move a library built elsewhere); a library whose bytes differ from the record is rebuilt, or
+refused where it cannot be, and the checked file is loaded through the descriptor that was checked.
 `python -m native_backend.kernels.cpu_kernels` builds it ahead of time and prints its path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
 returns None, `unavailable_reason()` says why, and callers keep their torch paths;
 `unsupported_reason()` tells a machine that cannot run them (its CPU, or the variable) from a
@@ -145,22 +148,80 @@ class _Unavailable(Exception):
     pass
 
 
+class _NotAsBuilt(_Unavailable):
+    """The library's bytes are not those its build recorded (swapped, damaged, or copied in
+    without its record): rebuilt where a compiler can, refused otherwise."""
+
+
 def _load() -> ctypes.CDLL:
     problem = unsupported_reason()
     if problem:
         raise _Unavailable(problem)
     path = _built_library()
-    problem = untrusted_reason(path)
+    try:
+        return _open_verified(path)
+    except _NotAsBuilt as changed:
+        log.warning("%s: rebuilding it", changed)
+        try:
+            _build(path)
+        except _Unavailable as failed:
+            raise _Unavailable(f"refusing to load {changed}; rebuilding it failed: {failed}") from None
+        return _open_verified(path)
+
+
+def _open_verified(path: Path) -> ctypes.CDLL:
+    """Load the library through a descriptor held from the checks to the load: what is checked
+    (owners and modes of the file and its folders, the bytes against the build's record) is the
+    very file loaded, whatever is renamed over its path meanwhile."""
+    try:
+        fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _Unavailable(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        problem = untrusted_reason(path, os.fstat(fd))
+        if problem:
+            raise _Unavailable(f"refusing to load {path}: {problem}")
+        _check_as_built(path, fd)
+        try:
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, restype
+        except (OSError, AttributeError) as exc:  # a damaged file in the cache
+            raise _Unavailable(f"cannot load {path}: {exc}") from None
+    finally:
+        os.close(fd)
+    lib._name = str(path)  # its repr and messages name the file, not the descriptor it came through
+    return lib
+
+
+def record_path(library: Path) -> Path:
+    """The build's record of the library's sha256, beside it."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _check_as_built(path: Path, fd: int) -> None:
+    try:
+        recorded = record_path(path).read_text().strip()
+    except FileNotFoundError:
+        raise _NotAsBuilt(f"{path}: no record of its build ({record_path(path).name})") from None
+    except OSError as exc:
+        raise _Unavailable(f"cannot read {record_path(path)}: {exc.strerror}") from None
+    problem = untrusted_reason(record_path(path))  # who can rewrite the record can vouch for any library
     if problem:
         raise _Unavailable(f"refusing to load {path}: {problem}")
-    try:
-        lib = ctypes.CDLL(str(path))
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-    except (OSError, AttributeError) as exc:  # a foreign or damaged file in the cache
-        raise _Unavailable(f"cannot load {path}: {exc}") from None
-    return lib
+    found = _sha256(fd)
+    if found != recorded:
+        raise _NotAsBuilt(f"{path}: its bytes changed since it was built (sha256 {found[:16]}, "
+                          f"recorded {recorded[:16]})")
+
+
+def _sha256(fd: int) -> str:
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
 
 
 def _compiler() -> str:
@@ -186,8 +247,13 @@ def library_path() -> Path:
 
 def _built_library() -> Path:
     target = library_path()
-    if target.exists():
-        return target
+    if not target.exists():
+        _build(target)
+    return target
+
+
+def _build(target: Path) -> None:
+    """Compile into a temporary file, record its sha256, then rename it over `target`."""
     cc = _compiler()
     try:
         target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -204,12 +270,24 @@ def _built_library() -> Path:
         if done.returncode != 0:
             raise _Unavailable(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)  # whatever the umask: readable by all, writable by its owner only
+        _write_record(tmp, record_path(target))
         os.replace(tmp, target)  # atomic: another process sees the whole file or none
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built CPU kernels: %s", target)
-    return target
+
+
+def _write_record(library: str, record: Path) -> None:
+    fd = os.open(library, os.O_RDONLY)
+    try:
+        text = _sha256(fd) + "\n"
+    finally:
+        os.close(fd)
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, record)
 
 
 # ------------------------------------------------------------------------------ torch-facing calls

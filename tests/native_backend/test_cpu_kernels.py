@@ -3,6 +3,7 @@ refused and loaded (in subprocesses where the process-wide load state or the env
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -147,7 +148,7 @@ def test_a_library_others_could_write_is_refused(tmp_path):
     """
     built = _run(code, **env)
     assert built.returncode == 0 and built.stdout.startswith("True"), built.stderr
-    [library] = kernels.iterdir()
+    [library] = kernels.glob("*.so")
     assert stat.S_IMODE(library.stat().st_mode) == 0o755 and stat.S_IMODE(kernels.stat().st_mode) & 0o022 == 0
 
     library.chmod(0o777)  # the file writable by anyone
@@ -160,3 +161,48 @@ def test_a_library_others_could_write_is_refused(tmp_path):
     assert refused.stdout.startswith("False") and f"{kernels} is writable by others" in refused.stdout
     kernels.chmod(0o1777)  # sticky, like /tmp: only the owner may replace its own file
     assert _run(code, **env).stdout.startswith("True")
+
+
+LOAD_AND_SAY_WHY = """
+    import torch
+    from native_backend.kernels import cpu_kernels
+    print(cpu_kernels.load() is not None, cpu_kernels.unavailable_reason())
+"""
+
+
+def test_a_library_under_a_folder_others_could_write_is_refused(tmp_path):
+    """Any folder on the way counts, not only the library's own: whoever can rename a folder
+    above it can put a library of their own at its path."""
+    shared = tmp_path / "shared"
+    env = {"KVGATE_KERNELS_DIR": str(shared / "team" / "kernels"), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
+    assert _run(LOAD_AND_SAY_WHY, **env).stdout.startswith("True")
+    shared.chmod(0o777)
+    refused = _run(LOAD_AND_SAY_WHY, **env)
+    assert refused.stdout.startswith("False") and f"{shared} is writable by others (mode 777)" in refused.stdout
+    shared.chmod(0o1777)  # sticky, like /tmp: no one may rename another's entry
+    assert _run(LOAD_AND_SAY_WHY, **env).stdout.startswith("True")
+
+
+def test_a_library_changed_after_its_build_is_rebuilt_or_refused(tmp_path):
+    """The build records the library's sha256: bytes that differ from it (swapped or damaged in
+    place) are never loaded; with a compiler the library is rebuilt, without one it is refused."""
+    kernels = tmp_path / "kernels"
+    env = {"KVGATE_KERNELS_DIR": str(kernels), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
+    assert _run(LOAD_AND_SAY_WHY, **env).stdout.startswith("True")
+    [library] = kernels.glob("*.so")
+    record = kernels / (library.name + ".sha256")
+    built = library.read_bytes()
+    assert record.read_text().split() == [hashlib.sha256(built).hexdigest()]
+
+    library.write_bytes(built + b"\0")  # still a loadable library, but not the one built here
+    refused = _run(LOAD_AND_SAY_WHY, CC="false", **env)
+    assert refused.stdout.startswith("False"), refused.stdout
+    assert "its bytes changed since it was built" in refused.stdout and "rebuilding it failed" in refused.stdout
+
+    rebuilt = _run(LOAD_AND_SAY_WHY, **env)
+    assert rebuilt.stdout.startswith("True") and "rebuilding it" in rebuilt.stderr
+    assert record.read_text().split() == [hashlib.sha256(library.read_bytes()).hexdigest()]
+
+    record.unlink()  # copied in without its record: nothing vouches for it
+    refused = _run(LOAD_AND_SAY_WHY, CC="false", **env)
+    assert refused.stdout.startswith("False") and "no record of its build" in refused.stdout
