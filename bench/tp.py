@@ -102,27 +102,31 @@ def allreduce_latency(size: int, numel: int, iters: int) -> float:
     a rank that the step's all-reduces also include."""
     import multiprocessing
 
-    from native_backend.execution.parallel.group import free_loopback_port
+    from native_backend.execution.parallel.group import open_rendezvous
 
-    ctx, port = multiprocessing.get_context("spawn"), free_loopback_port()
+    ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, numel, iters, results)) for r in range(size)]
-    for p in procs:
-        p.start()
+    with open_rendezvous() as listener:  # rank 0's store takes over a copy of it
+        port = listener.getsockname()[1]
+        procs = [ctx.Process(target=_allreduce_rank,
+                             args=(r, size, port, numel, iters, results, listener if r == 0 else None))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
     latency = results.get(timeout=600)
     for p in procs:
         p.join(60)
     return latency
 
 
-def _allreduce_rank(rank: int, size: int, port: int, numel: int, iters: int, results) -> None:
+def _allreduce_rank(rank: int, size: int, port: int, numel: int, iters: int, results, listener) -> None:
     import torch
     import torch.distributed as dist
 
     from native_backend.execution.parallel.group import join_group
 
     torch.set_num_threads(1)
-    join_group(rank, size, port, torch.device("cpu"), 60)
+    join_group(rank, size, port, torch.device("cpu"), 60, listener)
     x, times = torch.ones(numel), []
     for _ in range(iters + 10):
         started = time.perf_counter()

@@ -11,7 +11,7 @@
                                               which alone samples
 
 Modules: `validate` (which sizes split a model), `deltas` (what a step sends), `group` (the
-torch.distributed group: gloo on CPU, NCCL on CUDA, a free loopback port, a timeout on every
+torch.distributed group: gloo on CPU, NCCL on CUDA, everything on loopback, a timeout on every
 collective), `worker` (a rank's process), `executor` (rank 0's side: starts, steps, watches and
 stops the workers).
 """

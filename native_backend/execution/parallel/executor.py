@@ -30,7 +30,7 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.batch import RunnerOutput, SchedulerOutput
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
-from native_backend.execution.parallel.group import backend_for, free_loopback_port, join_group, leave_group, rank_device
+from native_backend.execution.parallel.group import backend_for, join_group, leave_group, open_rendezvous, rank_device
 from native_backend.execution.parallel.report import describe_rank
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.execution.parallel.worker import run_worker
@@ -82,7 +82,11 @@ class TensorParallelExecutor:
         self.weights = self.rank.weights  # the decoder linears' format, as every rank has it
 
     def _start(self) -> None:
-        port, ctx = free_loopback_port(), multiprocessing.get_context("spawn")
+        with open_rendezvous() as listener:  # closed if the start fails before the store takes it over
+            self._start_group(listener)
+
+    def _start_group(self, listener) -> None:
+        port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
             process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs),
@@ -94,7 +98,7 @@ class TensorParallelExecutor:
         blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
         ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
         self._send_all(("plan", min(blocks), ids))
-        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s)
+        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s, listener)
         self.rank.allocate_cache(min(blocks), ids)
         self.reports = [self.rank.memory_report(), *(m[1] for m in self._hear_from_all("ready"))]
 

@@ -1,11 +1,19 @@
-"""The tensor-parallel process group: gloo on the CPU, NCCL on CUDA, rendezvous on a free
-loopback port, and a timeout on every collective (a dead or stopped rank fails the step instead
-of hanging it: gloo reports a dead peer at once, a silent one after the timeout)."""
+"""The tensor-parallel process group: gloo on the CPU, NCCL on CUDA, and a timeout on every
+collective (a dead or stopped rank fails the step instead of hanging it: gloo reports a dead peer
+at once, a silent one after the timeout).
+
+Every rank runs on this machine, so nothing of the group listens beyond loopback: rank 0's
+rendezvous store listens on a socket it bound to 127.0.0.1 itself (torch's store, given a port,
+binds every interface) and holds from the moment the port is chosen (a port chosen, released and
+bound later could be taken meanwhile); gloo's and NCCL's own connections use the loopback
+interface unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Nothing on those ports
+authenticates a peer (docs/engine/tensor-parallel.md)."""
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import os
 import signal
 import socket
 
@@ -14,10 +22,14 @@ import torch
 PR_SET_PDEATHSIG = 1
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+RENDEZVOUS_HOST = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"  # Linux's name for it, in every network namespace
+
+
+def open_rendezvous() -> socket.socket:
+    """Rank 0's store socket: bound to loopback on a port the kernel picks, and listening from now
+    until the store takes it over (ranks that connect before that wait in its backlog)."""
+    return socket.create_server((RENDEZVOUS_HOST, 0), backlog=128)
 
 
 def backend_for(device: torch.device) -> str:
@@ -32,15 +44,27 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> None:
+def join_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float,
+               listener: socket.socket | None = None) -> None:
+    """Join the group whose store listens on loopback `port`; rank 0 passes the store's socket
+    (`open_rendezvous()`), which the store takes over."""
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(RENDEZVOUS_HOST, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(RENDEZVOUS_HOST, port, size, is_master=False, timeout=timeout)
+    # gloo's own listeners would bind the address the host name resolves to (a pod's IP), NCCL's
+    # bootstrap the first non-loopback interface: keep both on loopback unless told otherwise
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     kwargs = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # NCCL: bind the communicator to this rank's GPU now
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
 
 
 def leave_group() -> None:
