@@ -27,6 +27,19 @@ def openai_error_shape(ctx, response, case):
     return None
 
 
+def pairs_of(base_url: str, operations: tuple[str, ...] = ("POST",)) -> int:
+    """How many (operation, generation mode) pairs `fuzz` runs against this server's schema."""
+    schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    return sum(len(GenerationMode) for op in ops if op.method.upper() in operations)
+
+
+def examples_for_total(base_url: str, total: int, operations: tuple[str, ...] = ("POST",)) -> int:
+    """Examples per pair so that a tier runs `total` cases over every pair together, however many
+    endpoints the schema has (a tier sized per pair grew with each new endpoint)."""
+    return -(-total // pairs_of(base_url, operations))
+
+
 def fuzz(base_url: str, examples_per_mode: int, operations: tuple[str, ...] = ("POST",)) -> dict:
     """Run the cases; raise on the first failing check. Returns counts (every status, and the cases
     of each operation and generation mode: a pair that ran nothing must not hide in a total) and

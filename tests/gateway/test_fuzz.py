@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from fuzz_run import assert_each_pair_ran, fuzz
+from fuzz_run import assert_each_pair_ran, examples_for_total, fuzz
 from servers import GatewayServer
 
 FUZZ_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "60"))
@@ -60,10 +60,11 @@ def test_no_input_reaches_a_500_and_every_refusal_is_an_openai_error(gw):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_fuzz_tier_ten_thousand_cases(gw):
-    result = fuzz(gw.base_url, 2500)  # 2 operations x 2 generation modes x 2500
+    examples = examples_for_total(gw.base_url, 10_000)  # every operation x both generation modes
+    result = fuzz(gw.base_url, examples)
     print(f"fuzz tier (echo): {result}")
     assert result["cases"] >= 10_000
-    assert_each_pair_ran(result, 2500)
+    assert_each_pair_ran(result, examples)
     assert httpx.get(gw.base_url + "/health/live").status_code == 200
 
 

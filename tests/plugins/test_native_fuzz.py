@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from fuzz_run import assert_each_pair_ran, fuzz
+from fuzz_run import assert_each_pair_ran, examples_for_total, fuzz
 from servers import GatewayServer
 
 pytestmark = pytest.mark.timeout(1800)
@@ -54,7 +54,8 @@ def test_fuzzing_the_native_engine_never_reaches_a_500(gw):
 
 @pytest.mark.slow
 def test_fuzz_tier_native(gw):
-    result = fuzz(gw.base_url, 500)
+    examples = examples_for_total(gw.base_url, 2_000)  # every operation x both generation modes
+    result = fuzz(gw.base_url, examples)
     print(f"fuzz tier (native): {result}")
-    assert_each_pair_ran(result, 500)
+    assert_each_pair_ran(result, examples)
     check_engine_unharmed(gw)
