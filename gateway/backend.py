@@ -175,6 +175,20 @@ class LoadSnapshot:
     incarnation: int = 0
 
 
+@dataclass(frozen=True)
+class KVEventsSource:
+    """Where a deployment's engine publishes its KV events (vLLM's format: ZMQ PUB, msgpack
+    batches with sequence numbers) and how it hashes blocks, so the gateway can hash prompts the
+    same way. `bind`: the engine connects to the gateway, whose subscriber then binds `endpoint`."""
+
+    endpoint: str  # ZMQ address the gateway subscribes to, e.g. tcp://127.0.0.1:5557
+    replay_endpoint: str | None = None  # ZMQ ROUTER resending buffered batches; None: none
+    topic: str = ""  # prefix of the topics to receive
+    block_size: int = 16  # tokens per KV block, as the engine counts them
+    hash_seed: str = "0"  # the engine's prefix-hash seed (vLLM: PYTHONHASHSEED, sha256_cbor)
+    bind: bool = False
+
+
 @dataclass
 class EmbeddingRequest:
     """One /v1/embeddings request: each input is text or token ids; the answer has one vector
@@ -258,6 +272,11 @@ class Backend(Protocol):
     or its JSON body), with text, finish_reason and usage filled in for the books. Requests to
     backends that do not declare it are translated onto chat (gateway.translate), as are all of
     Anthropic's Messages requests.
+
+    Optionally a backend publishes KV events: `kv_events_source() -> KVEventsSource | None`; the
+    `precise_prefix` policy then indexes its cached blocks. To score a prompt it needs its token
+    ids: `prompt_token_ids(request) -> list[int] | None` (cheap and synchronous: it runs while
+    routing; None or an exception means "cannot tell", and routing falls back).
 
     Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
     the events that became ready together (one network read of an upstream stream). The gateway

@@ -6,6 +6,7 @@
       scheduler:   SchedulerOptions    batch limits, context length
       parallel:    ParallelOptions     tensor-parallel size, collective timeout
       speculative: SpeculativeOptions | None
+      kv_events:   KVEventsOptions | None   the prefix cache's changes, published as vLLM's KV events
 
 Each part checks itself once, in `__post_init__`, and raises ValueError naming the field; the
 native plugin's settings are these fields by name (EngineConfig.build; tests/plugins hold the two in step).
@@ -69,6 +70,9 @@ class CacheOptions:
     cpu_kv_cache_bytes: int = 2 << 30  # default KV budget on CPU, where memory is shared
     enable_prefix_caching: bool = True
     kv_scales: str = "auto"  # fp8 only: auto (the checkpoint's, else calibrated) | calibrate | unit (1.0)
+    # Seeds the prefix cache's chained block hashes (vLLM sha256_cbor; this is its PYTHONHASHSEED):
+    # engines, ours or vLLM's, with the same seed and block_size give equal prefixes equal hashes.
+    prefix_hash_seed: str = "0"
 
     def __post_init__(self):
         _positive("cache", block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
@@ -158,6 +162,33 @@ class SpeculativeOptions:
             raise ValueError("speculative.draft_model: a GGUF file or a Hugging Face directory is required")
 
 
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsOptions:
+    """KV events: which blocks the prefix cache stores and evicts, published like vLLM's
+    `--kv-events-config` (ZMQ PUB of msgpack batches with sequence numbers; a ROUTER at
+    `replay_endpoint` resends the last `buffer_steps` batches). An endpoint with `*` or `::`, or an
+    ipc:// or inproc:// one, is bound; any other is connected to (a subscriber that binds)."""
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # None: no replay; a subscriber that misses a batch starts over
+    topic: str = ""  # the first frame of every message
+    buffer_steps: int = 10000  # batches kept for replay
+    hwm: int = 100000  # ZMQ send high-water mark, messages (a slow subscriber loses the rest)
+
+    def __post_init__(self):
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(ZMQ_TRANSPORTS):
+                raise ValueError(f"kv_events.{name}: {value!r} is not a ZMQ address "
+                                 f"({', '.join(t + '...' for t in ZMQ_TRANSPORTS)})")
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise ValueError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
+        _positive("kv_events", buffer_steps=self.buffer_steps, hwm=self.hwm)
+
+
 MAX_SPECULATIVE_TOKENS = 7  # 1 + k rows per request: the CPU kernels' short-query path takes up to 8
 
 
@@ -168,6 +199,7 @@ class EngineConfig:
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     speculative: SpeculativeOptions | None = None
+    kv_events: KVEventsOptions | None = None
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -178,15 +210,19 @@ class EngineConfig:
     def build(cls, **settings) -> EngineConfig:
         """From flat setting names, each of which belongs to exactly one part (`FIELD_PARTS`);
         an unknown name raises instead of being dropped. `speculative` (a dict or
-        SpeculativeOptions) is the one nested part: it is absent unless asked for."""
+        SpeculativeOptions) and `kv_events` (a dict or KVEventsOptions) are the nested parts: each
+        is absent unless asked for."""
         parts: dict[str, dict] = {name: {} for name in PARTS}
         speculative = settings.pop("speculative", None)
+        kv_events = settings.pop("kv_events", None)
         for key, value in settings.items():
             if key not in FIELD_PARTS:
                 raise TypeError(f"unknown engine setting {key!r}")
             parts[FIELD_PARTS[key]][key] = value
         spec = SpeculativeOptions(**speculative) if isinstance(speculative, dict) else speculative
-        return cls(**{name: PARTS[name](**values) for name, values in parts.items()}, speculative=spec)
+        events = KVEventsOptions(**kv_events) if isinstance(kv_events, dict) else kv_events
+        return cls(**{name: PARTS[name](**values) for name, values in parts.items()}, speculative=spec,
+                   kv_events=events)
 
 
 PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions}

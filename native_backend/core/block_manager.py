@@ -5,8 +5,10 @@ the physical blocks that hold its positions in order. Nothing here touches tenso
 runner turns block tables into slot mappings.
 
 Prefix caching: once every slot of a block holds computed KV, the block gets a hash chained with
-its prefix, hash((parent_hash, tokens)), so equal hashes mean equal token histories up to the end
-of the block. Another request whose prompt starts with the same blocks reuses them (ref count +1)
+its prefix, so equal hashes mean equal token histories up to the end of the block. The hash is
+vLLM v1's `sha256_cbor` scheme (SHA-256 of canonical CBOR `[parent, tokens, null]`, the first
+block's parent derived from a seed like vLLM's PYTHONHASHSEED), so that one router's index can
+hold the blocks of our engines and of vLLM engines alike (see `kv_events`). Another request whose prompt starts with the same blocks reuses them (ref count +1)
 instead of recomputing. A cached block nobody references is not freed outright: it waits in an
 LRU, still findable by hash, and is evicted only when a block is needed and no never-cached free
 block is left.
@@ -21,32 +23,47 @@ block is left.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import cbor2
+
+from native_backend.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
 from native_backend.core.sequence import Sequence
 
-ROOT_HASH = 0  # parent hash of a sequence's first block (fixed, so hashes are reproducible)
+DEFAULT_HASH_SEED = "0"  # as PYTHONHASHSEED=0 for vLLM: engines with the same seed share hashes
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int, token_ids: list[int]) -> int:
-    """Chained block hash: depends on the block's tokens and, through the parent, on all before."""
-    return hash((parent_hash, tuple(token_ids)))
+def _sha256_cbor(value) -> bytes:
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def root_hash(seed: str) -> bytes:
+    """The parent of a sequence's first block: vLLM's NONE_HASH for PYTHONHASHSEED=`seed`."""
+    return _sha256_cbor(seed)
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained block hash: depends on the block's tokens and, through the parent, on all before
+    (no extra keys: no LoRA, multimodal inputs or cache salt in this engine)."""
+    return _sha256_cbor((parent_hash, tuple(token_ids), None))
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and computed (and caching is on)
+    block_hash: bytes | None = None  # set once the block is full and computed (and caching is on)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_seed: str = DEFAULT_HASH_SEED, record_kv_events: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -57,12 +74,15 @@ class BlockManager:
         self._free_ids: deque[int] = deque(range(num_blocks))
         # Unreferenced blocks that still hold cached KV, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: dict[int, int] = {}
+        self._root_hash = root_hash(hash_seed)
+        self._hash_to_block: dict[bytes, int] = {}
         # request_id -> how many leading blocks of its table were offered to the prefix cache.
         self._num_registered: dict[str, int] = {}
         # Prefix-cache effectiveness, in tokens (as vLLM counts it).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # What entered and left the prefix cache since the last take_kv_events (None: not kept).
+        self._kv_events: list[KVEvent] | None = [AllBlocksCleared()] if record_kv_events else None
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -108,13 +128,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of seq's first `num_blocks` full blocks (memoized on the sequence)."""
         hashes = seq.block_hashes
         num_blocks = min(num_blocks, seq.num_tokens // self.block_size)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else self._root_hash
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
             hashes.append(hash_block(parent, tokens))
         return hashes[:num_blocks]
@@ -180,14 +200,16 @@ class BlockManager:
             block_id = self._free_ids.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently released
-            self._forget_hash(self.blocks[block_id])
+            self._note_removed(self._forget_hash(self.blocks[block_id]))
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def _forget_hash(self, block: Block) -> None:
-        if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
-            del self._hash_to_block[block.block_hash]
+    def _forget_hash(self, block: Block) -> bytes | None:
+        forgotten = block.block_hash
+        if forgotten is not None and self._hash_to_block.get(forgotten) == block.block_id:
+            del self._hash_to_block[forgotten]
         block.block_hash = None
+        return forgotten
 
     # --- prefix registration ---------------------------------------------------------------
 
@@ -204,17 +226,59 @@ class BlockManager:
         if num_full <= start:
             return
         hashes = self._full_block_hashes(seq, num_full)
-        for i in range(start, num_full):
-            self._register(seq.block_table[i], hashes[i])
+        stored = [i for i in range(start, num_full) if self._register(seq.block_table[i], hashes[i])]
         self._num_registered[seq.request_id] = num_full
+        if self._kv_events is not None and stored:
+            self._note_stored(seq, hashes, stored)
 
-    def _register(self, block_id: int, block_hash: int) -> None:
+    def _register(self, block_id: int, block_hash: bytes) -> bool:
+        """Whether the block became the cached copy of its hash."""
         # Two requests may compute the same block concurrently; the first one to finish it stays
         # the cached copy, the duplicate stays unhashed and returns to the free list when released.
         if block_hash in self._hash_to_block:
-            return
+            return False
         self.blocks[block_id].block_hash = block_hash
         self._hash_to_block[block_hash] = block_id
+        return True
+
+    # --- KV events (what a router's index learns; process.kv_publisher sends them) -----------
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call, in order; [] when not recording. The
+        first call after start returns AllBlocksCleared first: whatever a subscriber knew of this
+        engine's cache from before is gone."""
+        if self._kv_events is None:
+            return []
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def _note_stored(self, seq: Sequence, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks, chained to the block
+        before the run (None for a sequence's first block), as vLLM's cache_full_blocks does."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        size = self.block_size
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self._kv_events.append(BlockStored(
+                block_hashes=tuple(external_hash(hashes[i]) for i in run),
+                parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+                token_ids=tuple(seq.token_ids(first * size, end * size)),
+                block_size=size,
+            ))
+
+    def _note_removed(self, block_hash: bytes | None) -> None:
+        if self._kv_events is None or block_hash is None:
+            return
+        last = self._kv_events[-1] if self._kv_events else None
+        if isinstance(last, BlockRemoved):  # evictions of one step travel as one event
+            last.block_hashes.append(external_hash(block_hash))
+        else:
+            self._kv_events.append(BlockRemoved([external_hash(block_hash)]))
 
     # --- release ---------------------------------------------------------------------------
 

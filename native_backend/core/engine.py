@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from native_backend.config.engine import EngineConfig
 from native_backend.core.interface import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
+from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.core.sequence import Sequence
 from native_backend.core.spec_policy import SpeculationPolicy
@@ -47,8 +49,9 @@ class _TextState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor):
-        """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor)."""
+    def __init__(self, config: EngineConfig, executor, kv_events: Callable[[list[KVEvent]], None] | None = None):
+        """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor).
+        `kv_events`: where the prefix cache's changes go after each step (process.kv_publisher)."""
         self.config = config
         self.executor = executor
         self.model_config = self.executor.model_config
@@ -64,12 +67,16 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            prefix_hash_seed=config.cache.prefix_hash_seed,
+            record_kv_events=kv_events is not None,
         ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
         self._texts: dict[str, _TextState] = {}
         self.num_steps = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0
         self.num_failed_requests = 0  # failed alone (their fault) while the others went on
+        self._kv_events = kv_events
+        self._publish_kv_events()  # AllBlocksCleared: a subscriber forgets what an earlier engine held
 
     def describe(self) -> str:
         return self.executor.describe()
@@ -112,11 +119,18 @@ class LLMEngine:
         self._note_prefill(scheduled)
         runner_output = self.executor.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
+        self._publish_kv_events()
         outputs = [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events is not None:
+            events = self.scheduler.block_manager.take_kv_events()
+            if events:
+                self._kv_events(events)
 
     def _note_prefill(self, scheduled) -> None:
         now = time.time()

@@ -45,6 +45,8 @@ class SchedulerConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request, at most
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None  # the model's end-of-sequence token (per request override)
+    prefix_hash_seed: str = "0"  # seeds the prefix cache's chained block hashes (vLLM's PYTHONHASHSEED)
+    record_kv_events: bool = False  # keep the prefix cache's changes for a KV-event publisher
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -166,7 +168,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | None = None):
         self.config = config
         self.speculation = speculation
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.prefix_hash_seed, config.record_kv_events)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order

@@ -53,7 +53,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     # Chained hashes of this sequence's full blocks (derived from tokens only, so they survive
     # preemption and let a resumed request hit its own evicted-but-still-cached blocks).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     num_preemptions: int = 0
     arrival_index: int = 0  # set by the scheduler: breaks arrival_time ties in FIFO order

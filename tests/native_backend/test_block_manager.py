@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from native_backend.core.block_manager import ROOT_HASH, BlockManager, hash_block
+from native_backend.core.block_manager import BlockManager, hash_block, root_hash
 from native_backend.core.sequence import Sequence
 
 
@@ -80,7 +80,7 @@ def test_only_full_computed_blocks_get_a_hash():
     compute(bm, s, 6)  # 9 computed: blocks 0 and 1 full, block 2 holds one token
     hashed = [bm.blocks[b].block_hash is not None for b in s.block_table]
     assert hashed == [True, True, False]
-    assert bm.blocks[s.block_table[1]].block_hash == hash_block(hash_block(ROOT_HASH, [0, 1, 2, 3]), [4, 5, 6, 7])
+    assert bm.blocks[s.block_table[1]].block_hash == hash_block(hash_block(root_hash("0"), [0, 1, 2, 3]), [4, 5, 6, 7])
 
 
 def test_uncomputed_tokens_are_never_cached():

@@ -12,14 +12,14 @@ import sys
 import pydantic
 import pytest
 
-from kvgate_native.backend import NativeSettings, SpeculativeSettings
-from native_backend.config.engine import FIELD_PARTS, EngineConfig, SpeculativeOptions
+from kvgate_native.backend import KVEventsSettings, NativeSettings, SpeculativeSettings
+from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
-NESTED = {"speculative"}  # a nested part, absent unless asked for: its fields are held in step below
+NESTED = {"speculative", "kv_events"}  # nested parts, absent unless asked for: their fields are held in step below
 SPECULATIVE = dict(method="draft", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
                    draft_model="/models/draft.gguf", draft_num_layers=None, max_batch_size=5,
                    min_acceptance_rate=0.3)
@@ -29,6 +29,15 @@ def test_every_setting_is_an_engine_field_and_back():
     settings = set(NativeSettings.model_fields) - PLUGIN_ONLY - NESTED
     assert settings == set(FIELD_PARTS) - ENGINE_ONLY
     assert set(SpeculativeSettings.model_fields) == {f.name for f in dataclasses.fields(SpeculativeOptions)}
+    assert set(KVEventsSettings.model_fields) == {f.name for f in dataclasses.fields(KVEventsOptions)}
+
+
+def test_kv_events_settings_arrive_as_the_engines_options_and_are_checked_by_it():
+    events = dict(endpoint="tcp://*:6001", replay_endpoint="tcp://*:6002", topic="kv@a", buffer_steps=5, hwm=9)
+    assert NativeSettings(kv_events=events).engine_config().kv_events == KVEventsOptions(**events)
+    assert NativeSettings().engine_config().kv_events is None
+    with pytest.raises(pydantic.ValidationError, match="kv_events.endpoint.*not a ZMQ address"):
+        NativeSettings(kv_events={"endpoint": "localhost:5557"})
 
 
 def test_speculative_settings_arrive_field_by_field():
@@ -63,7 +72,7 @@ def _non_default_settings() -> dict:
     return dict(dtype="bfloat16", device="cuda:1", num_threads=3, cpu_kernels=False, block_size=32,
                 kv_cache_dtype="int8", kv_cache_bytes=123 << 20, memory_fraction=0.5, enable_prefix_caching=False,
                 kv_scales="unit", max_num_seqs=7, max_num_batched_tokens=99, max_model_len=777, tensor_parallel_size=1,
-                collective_timeout_s=7.5, quantization="gguf")
+                collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234")
 
 
 def test_each_setting_arrives_in_its_part():

@@ -25,19 +25,20 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import (
-    Capabilities, DetokenizeRequest, GenerationRequest, LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult,
-    TokenLogprob, TopLogprob, Usage)
+    Capabilities, DetokenizeRequest, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, TokenizeRequest,
+    TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
-from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, SpeculativeOptions
+from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, KVEventsOptions, SpeculativeOptions
 from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES
 from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
 from native_backend.core.sampling_params import SamplingParams as EngineSampling
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.process.client import AsyncEngineClient
+from native_backend.process.kv_publisher import binds as publisher_binds
 from native_backend.process.protocol import EngineDeadError
 from native_backend.text.tokenizer import Tokenizer, default_model_path
 
@@ -81,6 +82,29 @@ class SpeculativeSettings(BaseModel):
         return SpeculativeOptions(**values)
 
 
+class KVEventsSettings(BaseModel):
+    """`settings.kv_events` of a native deployment (KVEventsOptions, field by field; vLLM's
+    --kv-events-config): the engine publishes which prefix-cache blocks it stores and evicts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str = Field("tcp://*:5557", description="ZMQ PUB address: one with * or :: (or ipc://) is bound, "
+                          "any other connected to (a subscriber that binds). The gateway subscribes to it.")
+    replay_endpoint: str | None = Field(None, description="ZMQ ROUTER address (bound) that resends the last "
+                                        "buffer_steps batches from a sequence number on; null: no replay.")
+    topic: str = Field("", description="First frame of every message (llm-d uses kv@<pod>@<model>).")
+    buffer_steps: int = Field(10000, description="Batches kept for replay.")
+    hwm: int = Field(100000, description="ZMQ send high-water mark, messages.")
+
+    @model_validator(mode="after")
+    def _valid_for_the_engine(self):
+        self.options()
+        return self
+
+    def options(self) -> KVEventsOptions:
+        return KVEventsOptions(**self.model_dump())
+
+
 # Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
 
@@ -122,6 +146,11 @@ class NativeSettings(BaseModel):
                               "to dtype), awq (an AWQ int4 directory is required, e.g. from `kvgate quantize`) or "
                               "gguf (a GGUF whose decoder linears are Q4_0 / Q4_1 runs them as stored, int4).")
     speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
+    prefix_hash_seed: str = Field("0", description="Seed of the prefix cache's chained block hashes (vLLM's "
+                                  "sha256_cbor with PYTHONHASHSEED=this): equal prefixes get equal hashes on "
+                                  "every engine with the same seed and block_size.")
+    kv_events: KVEventsSettings | None = Field(None, description="Publish KV events (blocks stored/evicted) "
+                                               "in vLLM's format over ZMQ; off when absent.")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -156,9 +185,10 @@ class NativeSettings(BaseModel):
     def engine_config(self) -> EngineConfig:
         """Every setting but the plugin's own is the engine field of that name (EngineConfig.build
         puts each in its part); the model's path and the tokenizer cache are filled in here."""
-        return EngineConfig.build(**self.model_dump(exclude=PLUGIN_ONLY | {"speculative"}), path=self.model_path,
-                                  tokenizer_cache_dir=str(tokenizer_cache_dir()),
-                                  speculative=self.speculative.options() if self.speculative is not None else None)
+        return EngineConfig.build(**self.model_dump(exclude=PLUGIN_ONLY | {"speculative", "kv_events"}),
+                                  path=self.model_path, tokenizer_cache_dir=str(tokenizer_cache_dir()),
+                                  speculative=self.speculative.options() if self.speculative is not None else None,
+                                  kv_events=self.kv_events.options() if self.kv_events is not None else None)
 
 
 class NativeBackend:
@@ -288,6 +318,23 @@ class NativeBackend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, lambda: tokenizer.decode(ids, skip_special_tokens=False))
 
+    def kv_events_source(self) -> KVEventsSource | None:
+        """Where this deployment's engine publishes its KV events, as the gateway reaches it (a
+        wildcard bind address becomes loopback: the engine runs on this machine)."""
+        events = self.config.kv_events
+        if events is None:
+            return None
+        return KVEventsSource(
+            endpoint=_local_address(events.endpoint),
+            replay_endpoint=_local_address(events.replay_endpoint) if events.replay_endpoint else None,
+            topic=events.topic, block_size=self.config.cache.block_size,
+            hash_seed=self.config.cache.prefix_hash_seed, bind=not publisher_binds(events.endpoint))
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int] | None:
+        """The prompt's token ids for routing (the same template as generation); None before the
+        tokenizer is loaded."""
+        return self._prompt_ids(request) if self.tokenizer is not None else None
+
     def _ready_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise Overloaded(f"Deployment '{self.name}' is still starting.", retry_after_s=5)
@@ -312,6 +359,16 @@ class NativeBackend:
         except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
             log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
             raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
+
+
+def _local_address(endpoint: str) -> str:
+    """A ZMQ address a process on this machine connects to: tcp://*:p and tcp://0.0.0.0:p become
+    tcp://127.0.0.1:p, tcp://[::]:p becomes tcp://[::1]:p; others are kept."""
+    for wildcard, loopback in (("tcp://*:", "tcp://127.0.0.1:"), ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+                               ("tcp://[::]:", "tcp://[::1]:")):
+        if endpoint.startswith(wildcard):
+            return loopback + endpoint[len(wildcard):]
+    return endpoint
 
 
 def _flat_stats(stats: dict) -> dict[str, float]:
