@@ -26,7 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gateway.config import RequestLimits  # noqa: E402
-from native_backend.text.tokenizer import Tokenizer, default_model_path  # noqa: E402
+from native_backend.config.default_model import default_gguf_path  # noqa: E402
+from native_backend.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def inputs(limits: RequestLimits) -> dict:
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenize_stall.json"))
     args = parser.parse_args()
     limits = RequestLimits()
-    tokenizer = Tokenizer.from_pretrained(default_model_path())
+    tokenizer = Tokenizer.from_pretrained(default_gguf_path())
     rows = asyncio.run(measure(tokenizer, inputs(limits), args.repeats))
     print(f"{'input':26} {'where':7} {'tokens':>8} {'loop stall ms':>14} {'tokenize ms':>12}")
     for r in rows:

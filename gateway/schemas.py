@@ -57,6 +57,7 @@ def _integral_float(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral_float)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral_float)]
+MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral_float)]  # max_tokens, max_completion_tokens
 
 
 class _Strict(BaseModel):
@@ -117,7 +118,7 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
-    max_tokens: Int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    max_tokens: MaxTokens | None = DEFAULT_COMPLETION_TOKENS
     logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
     best_of: Int | None = Field(None, ge=1)
@@ -166,8 +167,8 @@ class Message(_Strict):
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: Int | None = Field(None, ge=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0)
     tools: list[FunctionTool] | None = None
@@ -228,8 +229,8 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
     req = _validate(CompletionBody, body)
     prompts = _prompt_list(req.prompt)
     if "max_tokens" not in req.model_fields_set:
-        # The client asked for no number: OpenAI's default, but never over this server's limit.
-        req.max_tokens = min(DEFAULT_COMPLETION_TOKENS, limits.max_tokens)
+        # The client asked for no number: OpenAI's default (the field's), but never over this server's limit.
+        req.max_tokens = min(req.max_tokens, limits.max_tokens)
     _check_limits(req, req.max_tokens, req.logprobs, limits)
     _check_prompts(prompts, req.n, limits)
     extra = _extras(req, limits)

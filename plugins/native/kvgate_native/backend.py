@@ -40,7 +40,8 @@ from native_backend.execution.parallel.validate import check_model_on_disk, chec
 from native_backend.process.client import AsyncEngineClient
 from native_backend.process.kv_publisher import binds as publisher_binds
 from native_backend.process.protocol import EngineDeadError
-from native_backend.text.tokenizer import Tokenizer, default_model_path
+from native_backend.config.default_model import default_gguf_path
+from native_backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.native")
 TOKENIZE_THREADS = 2
@@ -78,7 +79,7 @@ class SpeculativeSettings(BaseModel):
     def options(self) -> SpeculativeOptions:
         values = self.model_dump()
         if values["draft_model"] == "default":
-            values["draft_model"] = default_model_path()
+            values["draft_model"] = default_gguf_path()
         return SpeculativeOptions(**values)
 
 
@@ -168,7 +169,7 @@ class NativeSettings(BaseModel):
 
     @property
     def model_path(self) -> str:
-        return default_model_path() if self.model == "default" else self.model
+        return default_gguf_path() if self.model == "default" else self.model
 
     def _check_the_split(self) -> None:
         """The engine's own rule for the model as it is on disk (heads, KV heads, MLP, vocabulary;

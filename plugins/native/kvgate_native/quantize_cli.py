@@ -34,12 +34,12 @@ class QuantizeCommand:
     def run(args: argparse.Namespace) -> int:
         import torch
 
-        from native_backend.text.tokenizer import default_model_path
+        from native_backend.config.default_model import default_gguf_path
         from native_backend.tools.quantize import QuantizeOptions, quantize_model
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        source = default_model_path() if args.model == "default" else args.model
+        source = default_gguf_path() if args.model == "default" else args.model
         options = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size,
                                   calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
         try:
