@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 
@@ -134,12 +135,9 @@ def _sla_class(request: Request, state, key: ApiKey | None) -> SlaClass:
 
 async def _serve(request: Request, parse, id_prefix: str):
     state = request.app.state.kvgate
-    registry, config = state.registry, state.config  # one consistent view across a reload
+    registry = state.registry  # the one this request was routed in, across a reload
     key = _api_key(request)
-    await check_key_before_parsing(request)
-    with refusals_counted(request):
-        limits = config.server.limits
-        parsed, pool, sla = _parse_and_route(request, state, key, parse, await _json_body(request, limits), limits)
+    parsed, pool, sla = await parsed_body(request, functools.partial(_parse_and_route, request, state, key, parse))
     if key is not None:
         await _admit_key(state, key, parsed.num_choices, (parsed.sampling.max_tokens or 0) * parsed.num_choices)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
@@ -244,8 +242,8 @@ def _parse_and_route(request: Request, state, key: ApiKey | None, parse, body, l
 
 
 async def parsed_body(request: Request, parse):
-    """`parse(body, limits)` of the request's JSON body, in the admission order every endpoint
-    keeps: a key at its limit is refused before the body is read, and a body refused by the
+    """`parse(body, limits)` of the request's JSON body (a parse that also routes the request
+    returns its route too: `_serve`'s), in the admission order every endpoint keeps: a key at its limit is refused before the body is read, and a body refused by the
     parse still counts as one of the key's requests."""
     limits = request.app.state.kvgate.config.server.limits
     await check_key_before_parsing(request)
@@ -274,18 +272,20 @@ def refusals_counted(request: Request):
 
 
 async def _check_key(state, key: ApiKey) -> None:
-    try:
-        await state.limiter.admissible(key)
-    except RateLimited:
-        state.metrics.rate_limited.labels(key.name).inc()
-        raise
+    await _rate_limited_counted(state, key, state.limiter.admissible(key))
 
 
 async def _admit_key(state, key: ApiKey, choices: int, reserve_tokens: int) -> None:
+    # Each prompt x n is a request's worth of work; the most it can generate is charged to the
+    # key's tokens up front, and what it did not use is refunded when it finishes.
+    await _rate_limited_counted(state, key, state.limiter.acquire(key, choices, reserve_tokens))
+
+
+async def _rate_limited_counted(state, key: ApiKey, verdict) -> None:
+    """Await the limiter's `verdict` on `key`; a refusal (429) is counted in the key's
+    rate-limited metric before it goes on to the client."""
     try:
-        # Each prompt x n is a request's worth of work; the most it can generate is charged to
-        # the key's tokens up front, and what it did not use is refunded when it finishes.
-        await state.limiter.acquire(key, choices, reserve_tokens)
+        await verdict
     except RateLimited:
         state.metrics.rate_limited.labels(key.name).inc()
         raise
@@ -343,9 +343,7 @@ async def _stream(recorder: RequestRecorder, parsed: ParsedRequest, shape: Respo
             recorder.tokens(index, batch)
             state, chunks = states[index], []
             for event in batch:
-                state.add(event)
-                if event.text or event.finish_reason or event.logprobs or event.tool_calls or event.reasoning \
-                        or event.refusal or event.raw:
+                if state.add(event):  # shows the client something (not token ids or usage alone)
                     if event.raw:  # a passed-through answer goes as it came
                         chunks.append(event.raw)
                         continue

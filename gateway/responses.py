@@ -25,17 +25,25 @@ class ChoiceState:
     raw: list[bytes] = field(default_factory=list)  # a passed-through answer, as it came
     tokens: int = 0  # output tokens counted here (token ids, or text pieces when there are none)
 
-    def add(self, event: TokenEvent) -> None:
-        self.tokens += len(event.token_ids) or bool(event.text)
-        if event.text:
-            self.text.append(event.text)
-        self.logprobs.extend(event.logprobs)
-        if event.finish_reason:
-            self.finish_reason = event.finish_reason
+    def add(self, event: TokenEvent) -> bool:
+        """Take in one event; whether it shows the client anything, that is, whether a stream
+        sends a chunk for it (token ids, usage or timings alone are not shown). Per token: each
+        field is read once, here, and the stream writer asks this instead of reading them again."""
+        text = event.text
+        self.tokens += len(event.token_ids) or bool(text)
+        if text:
+            self.text.append(text)
+        logprobs = event.logprobs
+        self.logprobs.extend(logprobs)
+        finish_reason = event.finish_reason
+        if finish_reason:
+            self.finish_reason = finish_reason
         if event.usage:
             self.usage = event.usage
-        if event.tool_calls or event.reasoning or event.refusal or event.raw:  # more than text (inline: per token)
+        if event.tool_calls or event.reasoning or event.refusal or event.raw:  # more than text (rare)
             self._add_more(event)
+            return True
+        return bool(text or finish_reason or logprobs)
 
     def _add_more(self, event: TokenEvent) -> None:
         for delta in event.tool_calls:

@@ -5,5 +5,5 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 # What every run reports about its skips, and what CI refuses to skip (tests/skips.py); the C
-# kernel tests' fixtures (tests/c_kernels.py).
-pytest_plugins = ["skips", "c_kernels"]
+# kernel tests' fixtures (tests/c_kernels.py); the `scripted_upstream` fixture (tests/scripted_upstream.py).
+pytest_plugins = ["skips", "c_kernels", "scripted_upstream"]

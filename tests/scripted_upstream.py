@@ -30,6 +30,7 @@ import json
 import math
 import time
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -38,6 +39,14 @@ from starlette.routing import Route
 from servers import AppServer
 
 DEFAULT_DIMENSIONS = 8
+
+
+@pytest.fixture(scope="module")
+def scripted_upstream():
+    """One `ScriptedUpstream` for a test module's tests (a test that sets `tool_arguments` sets
+    them before its own request). Registered for every test by tests/conftest.py."""
+    with ScriptedUpstream() as server:
+        yield server
 
 
 class ScriptedUpstream(AppServer):

@@ -12,7 +12,6 @@ import anthropic
 import jsonschema
 import pytest
 
-from scripted_upstream import ScriptedUpstream
 from servers import GatewayServer
 
 # The scripted upstream serves chat, not the Responses API a vLLM serves: it says so, and
@@ -43,14 +42,8 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with ScriptedUpstream() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def gw(upstream):
-    with GatewayServer(CONFIG.format(base=upstream.base_url)) as server:
+def gw(scripted_upstream):
+    with GatewayServer(CONFIG.format(base=scripted_upstream.base_url)) as server:
         yield server
 
 
@@ -67,14 +60,14 @@ def claude(gw):
 # ------------------------------------------------------------------------------ Responses
 
 
-def test_responses_function_call_round_trip(oai, upstream):
-    upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "C"}
+def test_responses_function_call_round_trip(oai, scripted_upstream):
+    scripted_upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "C"}
     first = oai.responses.create(model="agent", input=QUESTION, tools=RESPONSES_TOOLS[:1], tool_choice="auto")
     assert first.status == "completed"
     [call] = first.output
     assert (call.type, call.call_id, call.name) == ("function_call", "call_0", "get_weather")
     assert json.loads(call.arguments) == {"city": "Paris", "unit": "C"}
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert sent["tools"] == [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER_PARAMETERS}}]
 
@@ -82,15 +75,15 @@ def test_responses_function_call_round_trip(oai, upstream):
                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}]
     second = oai.responses.create(model="agent", input=history, tools=RESPONSES_TOOLS[:1])
     assert second.output_text == "Tool call_0 said: 18 degrees, sunny"
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert sent["messages"][1:] == [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
         {"role": "tool", "content": "18 degrees, sunny", "tool_call_id": "call_0"}]
 
 
-def test_responses_streamed_function_calls_add_up(oai, upstream):
-    upstream.tool_arguments.clear()  # arguments built from each tool's schema
+def test_responses_streamed_function_calls_add_up(oai, scripted_upstream):
+    scripted_upstream.tool_arguments.clear()  # arguments built from each tool's schema
     with oai.responses.stream(model="agent", input=QUESTION, tools=RESPONSES_TOOLS, tool_choice="required") as stream:
         seen = list(stream)
         final = stream.get_final_response()
@@ -132,8 +125,8 @@ def test_responses_tools_to_a_model_without_them_is_a_400_naming_tools(oai):
 # ------------------------------------------------------------------------------ Messages
 
 
-def test_messages_tool_use_round_trip(claude, upstream):
-    upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "F"}
+def test_messages_tool_use_round_trip(claude, scripted_upstream):
+    scripted_upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "F"}
     first = claude.messages.create(model="agent", max_tokens=64, tools=ANTHROPIC_TOOLS[:1],
                                    messages=[{"role": "user", "content": QUESTION}])
     assert first.stop_reason == "tool_use"
@@ -145,14 +138,14 @@ def test_messages_tool_use_round_trip(claude, upstream):
         {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "64F, clear"}]}])
     assert second.stop_reason == "end_turn" and second.content[0].text == "Tool call_0 said: 64F, clear"
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert sent["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                 "arguments": json.dumps({"city": "Paris", "unit": "F"})}
     assert sent["messages"][2] == {"role": "tool", "content": "64F, clear", "tool_call_id": "call_0"}
 
 
-def test_messages_stream_gathers_tool_use_inputs(claude, upstream):
-    upstream.tool_arguments.clear()
+def test_messages_stream_gathers_tool_use_inputs(claude, scripted_upstream):
+    scripted_upstream.tool_arguments.clear()
     with claude.messages.stream(model="agent", max_tokens=64, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
                                 messages=[{"role": "user", "content": QUESTION}]) as stream:
         kinds = [event.type for event in stream]
@@ -165,12 +158,12 @@ def test_messages_stream_gathers_tool_use_inputs(claude, upstream):
     assert kinds.count("input_json") > 4  # the SDK's event per partial_json delta
 
 
-def test_messages_tool_choice_of_one_tool(claude, upstream):
+def test_messages_tool_choice_of_one_tool(claude, scripted_upstream):
     m = claude.messages.create(model="agent", max_tokens=64, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "tool", "name": "get_time"},
                                messages=[{"role": "user", "content": "what time is it?"}])
     assert [b.name for b in m.content] == ["get_time"]
-    assert upstream.bodies("/v1/chat/completions")[-1]["tool_choice"] == {"type": "function",
+    assert scripted_upstream.bodies("/v1/chat/completions")[-1]["tool_choice"] == {"type": "function",
                                                                           "function": {"name": "get_time"}}
 
 
@@ -185,9 +178,9 @@ def test_messages_tools_to_a_model_without_them_is_anthropics_400(claude):
 # ------------------------------------------------------------------------------ reasoning, refusals
 
 
-def test_responses_reasoning_comes_back_as_a_reasoning_item(oai, upstream):
+def test_responses_reasoning_comes_back_as_a_reasoning_item(oai, scripted_upstream):
     r = oai.responses.create(model="agent", input="hello there", reasoning={"effort": "low"})
-    assert upstream.bodies("/v1/chat/completions")[-1]["reasoning_effort"] == "low"
+    assert scripted_upstream.bodies("/v1/chat/completions")[-1]["reasoning_effort"] == "low"
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == "Thinking at low effort." and r.output_text == "hello there"
     with oai.responses.stream(model="agent", input="hello there", reasoning={"effort": "high"}) as stream:

@@ -42,21 +42,15 @@ models:
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with ScriptedUpstream(model="scripted") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def exporter():
     return InMemorySpanExporter()
 
 
 @pytest.fixture(scope="module")
-def gw(upstream, exporter):
+def gw(scripted_upstream, exporter):
     from servers import free_port
 
-    config = CONFIG.format(base=upstream.base_url, dead=free_port())
+    config = CONFIG.format(base=scripted_upstream.base_url, dead=free_port())
     with GatewayServer(config, span_exporter=exporter) as server:
         yield server
 
@@ -86,13 +80,13 @@ def test_embeddings_of_token_arrays_and_dimensions(gw):
     assert [len(d.embedding) for d in out.data] == [5, 5] and out.usage.prompt_tokens == 4
 
 
-def test_embeddings_through_an_upstream_fail_over_a_dead_deployment(gw, upstream):
+def test_embeddings_through_an_upstream_fail_over_a_dead_deployment(gw, scripted_upstream):
     dead = next(d for d in gw.state.registry.deployments() if d.name == "dead-0")
     for _ in range(2):  # equal deployments take turns: one of these goes to dead-0 first
         out = client(gw).embeddings.create(model="scripted", input=["red apples", "green pears"], dimensions=6)
         for row, text in zip(out.data, ["red apples", "green pears"]):
             assert [round(x, 5) for x in row.embedding] == [round(x, 5) for x in vector_of(text, 6)]
-    assert upstream.bodies("/v1/embeddings")[-1]["encoding_format"] == "float"
+    assert scripted_upstream.bodies("/v1/embeddings")[-1]["encoding_format"] == "float"
     assert dead.breaker.consecutive_failures >= 1 and dead.in_flight == 0
 
 
@@ -106,12 +100,12 @@ def test_tokenize_and_detokenize_round_trip_on_echo(gw):
     assert chat["tokens"] == tokens["tokens"][1:3]  # the chat form adds no BOS unless asked
 
 
-def test_tokenize_through_an_upstream_in_vllms_shape(gw, upstream):
+def test_tokenize_through_an_upstream_in_vllms_shape(gw, scripted_upstream):
     body = {"model": "scripted", "messages": [{"role": "user", "content": "hello there"}],
             "add_generation_prompt": True}
     tokens = post(gw, "/tokenize", body).json()
-    assert tokens["count"] == 2 and tokens["max_model_len"] == upstream.max_model_len
-    sent = upstream.bodies("/tokenize")[-1]
+    assert tokens["count"] == 2 and tokens["max_model_len"] == scripted_upstream.max_model_len
+    sent = scripted_upstream.bodies("/tokenize")[-1]
     assert sent["messages"] == body["messages"] and sent["add_generation_prompt"] is True
     assert post(gw, "/detokenize", {"model": "scripted", "tokens": tokens["tokens"]}).json() == {"prompt": "hello there"}
 

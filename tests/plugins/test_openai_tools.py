@@ -13,7 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from scripted_upstream import ScriptedUpstream
 from servers import GatewayServer
 
 CONFIG = """
@@ -64,16 +63,10 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with ScriptedUpstream() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def gw(upstream):
+def gw(scripted_upstream):
     from servers import free_port
 
-    with GatewayServer(CONFIG.format(base=upstream.base_url, dead=free_port())) as server:
+    with GatewayServer(CONFIG.format(base=scripted_upstream.base_url, dead=free_port())) as server:
         yield server
 
 
@@ -82,8 +75,8 @@ def client(gw):
     return gw.openai(timeout=30)
 
 
-def test_tool_call_then_tool_result_round_trip(client, upstream):
-    upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "C"}
+def test_tool_call_then_tool_result_round_trip(client, scripted_upstream):
+    scripted_upstream.tool_arguments["get_weather"] = {"city": "Paris", "unit": "C"}
     first = client.chat.completions.create(model="agent", messages=ASK, tools=[WEATHER], tool_choice="auto")
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -97,14 +90,14 @@ def test_tool_call_then_tool_result_round_trip(client, upstream):
     second = client.chat.completions.create(model="agent", messages=history, tools=[WEATHER])
     assert second.choices[0].finish_reason == "stop"
     assert second.choices[0].message.content == "Tool call_0 said: 18 degrees, sunny"
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert sent["messages"][1]["tool_calls"] == [call.model_dump()]
     assert sent["messages"][2] == {"role": "tool", "content": "18 degrees, sunny", "tool_call_id": "call_0"}
     assert sent["tools"] == [WEATHER]
 
 
-def test_streamed_tool_calls_arrive_in_fragments_and_add_up(client, upstream):
-    upstream.tool_arguments.pop("get_weather", None)  # arguments built from the schema
+def test_streamed_tool_calls_arrive_in_fragments_and_add_up(client, scripted_upstream):
+    scripted_upstream.tool_arguments.pop("get_weather", None)  # arguments built from the schema
     stream = client.chat.completions.create(model="agent", messages=ASK, tools=[WEATHER, CLOCK],
                                             tool_choice="required", stream=True,
                                             stream_options={"include_usage": True})
@@ -128,18 +121,18 @@ def test_streamed_tool_calls_arrive_in_fragments_and_add_up(client, upstream):
     assert calls[1]["id"] == "call_1"
 
 
-def test_named_tool_choice_and_parallel_flag_reach_the_upstream(client, upstream):
+def test_named_tool_choice_and_parallel_flag_reach_the_upstream(client, scripted_upstream):
     answer = client.chat.completions.create(model="agent", messages=ASK, tools=[WEATHER, CLOCK],
                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
                                             parallel_tool_calls=False)
     assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["get_time"]
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
     assert sent["parallel_tool_calls"] is False
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_answer_is_valid_against_the_schema(client, upstream, stream):
+def test_json_schema_answer_is_valid_against_the_schema(client, scripted_upstream, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     kw = dict(model="agent", messages=[{"role": "user", "content": "Invent a person."}], response_format=fmt)
     if stream:
@@ -148,7 +141,7 @@ def test_json_schema_answer_is_valid_against_the_schema(client, upstream, stream
     else:
         text = client.chat.completions.create(**kw).choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
-    assert upstream.bodies("/v1/chat/completions")[-1]["response_format"] == fmt
+    assert scripted_upstream.bodies("/v1/chat/completions")[-1]["response_format"] == fmt
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -168,23 +161,23 @@ def test_reasoning_and_refusal_come_back(gw, stream):
     assert reasoning == "Thinking at low effort." and refusal == "not today"
 
 
-def test_a_vendor_field_a_deployment_declared_is_forwarded_verbatim(client, upstream):
+def test_a_vendor_field_a_deployment_declared_is_forwarded_verbatim(client, scripted_upstream):
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}, "min_tokens": 2}
     client.chat.completions.create(model="agent", messages=ASK, extra_body=kwargs)
-    sent = upstream.bodies("/v1/chat/completions")[-1]
+    sent = scripted_upstream.bodies("/v1/chat/completions")[-1]
     assert {k: sent[k] for k in kwargs} == kwargs
 
 
-def test_requests_that_need_tools_go_only_to_deployments_that_have_them(client, gw, upstream):
-    before = len(upstream.bodies("/v1/chat/completions"))
+def test_requests_that_need_tools_go_only_to_deployments_that_have_them(client, gw, scripted_upstream):
+    before = len(scripted_upstream.bodies("/v1/chat/completions"))
     for _ in range(6):
         answer = client.chat.completions.create(model="mixed", messages=ASK, tools=[WEATHER])
         assert answer.choices[0].finish_reason == "tool_calls"
-    assert len(upstream.bodies("/v1/chat/completions")) == before + 6
+    assert len(scripted_upstream.bodies("/v1/chat/completions")) == before + 6
     # Plain requests still use both deployments (least_loaded takes equal ones in turn).
     for _ in range(4):
         client.chat.completions.create(model="mixed", messages=ASK, max_tokens=2)
-    assert len(upstream.bodies("/v1/chat/completions")) == before + 8
+    assert len(scripted_upstream.bodies("/v1/chat/completions")) == before + 8
 
 
 def test_failover_stays_within_the_deployments_that_declare_the_feature(gw):
