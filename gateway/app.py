@@ -24,6 +24,7 @@ from gateway.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.auth import AuthMiddleware, KeyLimiter, KeyStore
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, InvalidRequestError, MethodNotAllowed, NotFoundError
+from gateway.hot_routes import HotRoutes
 from gateway.key_watch import watch_keys_file
 from gateway.limits_store import make_limiter
 from gateway.sessions import SessionBook
@@ -220,52 +221,6 @@ def create_app(state: GatewayState):
     app = AuthMiddleware(app, keys_of=lambda: state.keys, sessions=state.sessions)
     app = BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
     return AnthropicErrors(app, paths=frozenset({"/v1/messages", "/v1/messages/count_tokens"}))
-
-
-class HotRoutes:
-    """POST /v1/completions and /v1/chat/completions go straight to their endpoints instead of
-    through Starlette's error middleware, exception middleware, router and endpoint wrapper
-    (three `send` wrappers and a route scan per request). Errors are answered as Starlette
-    answers them, by the same handlers: an APIError or HTTPException before the response starts
-    by its handler; after the start, or anything else, as ServerErrorMiddleware does (the 500
-    handler when nothing was sent yet, then re-raised for the server to log)."""
-
-    def __init__(self, app: Starlette, endpoints: dict):
-        self.app = app
-        self.endpoints = endpoints
-
-    async def __call__(self, scope, receive, send):
-        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if endpoint is None or scope.get("root_path"):
-            return await self.app(scope, receive, send)
-        scope["app"] = self.app
-        request = Request(scope, receive, send)
-        started = False
-
-        async def sender(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            response = await endpoint(request)
-            await response(scope, receive, sender)
-        except Exception as exc:
-            handler = _api_error if isinstance(exc, APIError) else _http_error if isinstance(exc, HTTPException) else None
-            if handler is not None and not started:
-                await (await handler(request, exc))(scope, receive, sender)
-                exc.__traceback__ = None  # as Starlette: a reused exception would pile up tracebacks
-                return
-            if handler is not None:
-                raise_this: Exception = RuntimeError("Caught handled exception, but response already started.")
-                raise_this.__cause__ = exc
-            else:
-                raise_this = exc
-            answer = await _unexpected_error(Request(scope), raise_this)  # it logs, started or not
-            if not started:
-                await answer(scope, receive, send)
-            raise raise_this
 
 
 def _reload_on_sighup(state: GatewayState) -> None:

@@ -1,5 +1,6 @@
 """POST /v1/completions and /v1/chat/completions skip Starlette's middleware stack and router
-(gateway.app.HotRoutes); their errors must be answered exactly as Starlette answered them.
+(gateway.hot_routes.HotRoutes); their errors must be answered exactly as Starlette answered them,
+and no middleware may sit in the skipped stack.
 
 Each case runs twice on a real server: through HotRoutes, and with HotRoutes passing every
 request on to Starlette (the way these routes were served before), and both answers must match.
@@ -9,10 +10,16 @@ import logging
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 
 from gateway import api
-from gateway.app import HotRoutes
+from gateway.app import build_state, create_app
+from gateway.config import parse_config
 from gateway.errors import RateLimited
+from gateway.hot_routes import HotRoutes, skipped_layers
 from servers import GatewayServer
 
 CONFIG = """
@@ -97,3 +104,50 @@ def test_an_unexpected_error_mid_stream_ends_the_stream_without_done(gw, monkeyp
     assert any("unhandled error on POST /v1/completions" in m for m in caplog.messages)
     monkeypatch.setattr(api, "stream_chunk", original)
     assert post(gw).status_code == 200
+
+
+# -- what the hot path skips -------------------------------------------------------------------
+
+def _hot_routes_of(app) -> HotRoutes:
+    """The HotRoutes inside the pure-ASGI layers create_app wraps around it."""
+    while not isinstance(app, HotRoutes):
+        app = app.app
+    return app
+
+
+def test_the_gateway_app_has_no_middleware_the_hot_routes_would_skip():
+    """Fails when middleware is added to the Starlette app that gateway.app builds: it would see
+    every route but the two busiest. Request-wide behaviour goes around the whole app."""
+    hot = _hot_routes_of(create_app(build_state(parse_config(CONFIG))))
+    assert skipped_layers(hot.app) == []
+    assert set(hot.endpoints) == {"/v1/completions", "/v1/chat/completions"}
+
+
+async def _error(request, exc):
+    raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: Starlette(middleware=[Middleware(GZipMiddleware)], exception_handlers={Exception: _error}),
+    lambda: Starlette(max_body_size=1024, exception_handlers={Exception: _error}),
+], ids=["user middleware", "max_body_size"])
+def test_hot_routes_refuse_an_app_whose_middleware_they_would_skip(build):
+    with pytest.raises(RuntimeError, match="HotRoutes would skip (GZipMiddleware|RequestBodyLimitMiddleware)"):
+        HotRoutes(build(), {"/v1/completions": api.completions})
+
+
+def test_hot_routes_take_their_error_handlers_from_the_app():
+    async def by_status(request, exc):
+        return "by status"
+
+    class Refusal(RateLimited):
+        pass
+
+    app = Starlette(exception_handlers={RateLimited: _error, 418: by_status, Exception: _error})
+    hot = HotRoutes(app, {"/v1/completions": api.completions})
+    assert hot.handler_of(Refusal("Slow down.")) is _error  # by class, its nearest base
+    assert hot.handler_of(HTTPException(418)) is by_status
+    assert hot.handler_of(HTTPException(404)).__name__ == "http_exception"  # Starlette's own
+    assert hot.handler_of(ZeroDivisionError()) is None and hot.unexpected is _error
+    with pytest.raises(RuntimeError, match="handler for Exception"):
+        HotRoutes(Starlette(), {"/v1/completions": api.completions})
