@@ -43,7 +43,7 @@ def relay(upstream: str):
             more = message.get("more_body", False)
         if not client:
             client.append(H1Client(256, 30.0, connect_s=5.0, headers={"content-type": "application/json"}))
-        response = await client[0].request("POST", upstream + scope["path"], body, {})
+        response = await client[0].send("POST", upstream + scope["path"], body, {})
         try:
             content_type = response.headers.get("content-type", "application/json").encode()
             await send({"type": "http.response.start", "status": response.status_code,

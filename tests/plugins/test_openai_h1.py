@@ -18,8 +18,9 @@ import time
 import pytest
 
 from kvgate_openai import h1
-from kvgate_openai.h1 import H1Client, StreamBroken, UpstreamUnreachable
+from kvgate_openai.h1 import H1Client
 from kvgate_openai.pool import ClientPool
+from kvgate_openai.transport import StreamBroken, UpstreamUnreachable
 from servers import content_length
 
 
@@ -102,7 +103,7 @@ async def read_all(response) -> bytes:
 
 
 async def fetch(c: H1Client, url: str, body: bytes = b"{}", headers: dict | None = None) -> tuple[int, bytes]:
-    response = await c.request("POST", url, body, headers or {})
+    response = await c.send("POST", url, body, headers or {})
     try:
         return response.status_code, await read_all(response)
     finally:
@@ -139,7 +140,7 @@ def test_a_corrupt_compressed_answer_breaks_the_stream():
     async def main():
         async with Upstream(fixed(b"not gzip at all", b"content-encoding: gzip\r\n")) as up:
             c = client()
-            response = await c.request("POST", up.url, b"{}", {})
+            response = await c.send("POST", up.url, b"{}", {})
             try:
                 with pytest.raises(StreamBroken, match="bad compressed body"):
                     await read_all(response)
@@ -156,7 +157,7 @@ def test_content_length_body_and_the_request_on_the_wire():
     async def main():
         async with Upstream(fixed(b'{"ok": true}', b"X-Thing: Yes\r\n")) as up:
             c = client(headers={"content-type": "application/json", "authorization": "Bearer k"})
-            response = await c.request("POST", up.url, b'{"a": 1}', {"traceparent": "00-abc-01"})
+            response = await c.send("POST", up.url, b'{"a": 1}', {"traceparent": "00-abc-01"})
             assert response.status_code == 200
             assert response.headers.get("X-THING") == "Yes" and response.headers["content-type"] == "application/json"
             assert await read_all(response) == b'{"ok": true}' and response.complete()
@@ -167,6 +168,25 @@ def test_content_length_body_and_the_request_on_the_wire():
             assert _headers(head) == {"host": f"127.0.0.1:{up.port}", "content-type": "application/json",
                                       "authorization": "Bearer k", "traceparent": "00-abc-01",
                                       "content-length": "8"}
+            await c.aclose()
+    run(main())
+
+
+def test_a_get_goes_out_without_a_body_and_its_connection_is_reused():
+    """Metrics scrapes are GETs: no content-length (RFC 9110: none for a request without
+    content), and the next request finds the connection in step."""
+    async def main():
+        async with Upstream(fixed(b"vllm:num_requests_running 3\n")) as up:
+            c = client()
+            for _ in range(2):
+                response = await c.send("GET", up.url, b"", {})
+                assert await read_all(response) == b"vllm:num_requests_running 3\n"
+                await response.aclose()
+            assert await fetch(c, up.url) == (200, b"vllm:num_requests_running 3\n")
+            [conn] = up.connections
+            (get, body), _, (post, _) = conn.requests
+            assert get.startswith(b"GET /v1/completions HTTP/1.1\r\n") and body == b""
+            assert "content-length" not in _headers(get) and _headers(post)["content-length"] == "2"
             await c.aclose()
     run(main())
 
@@ -184,7 +204,7 @@ def test_chunked_body_with_an_extension_and_trailers():
             for _ in range(2):  # the second on the same connection: the trailers were consumed
                 assert await fetch(c, up.url) == (200, b"hello world")
             assert len(up.connections) == 1
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             await read_all(response)
             assert "x-checksum" not in response.headers  # a trailer is not a header
             await response.aclose()
@@ -247,7 +267,7 @@ def test_interim_answers_are_skipped():
     async def main():
         async with Upstream(answer) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             assert response.status_code == 201 and "link" not in response.headers
             assert await read_all(response) == b"ok"
             await response.aclose()
@@ -265,7 +285,7 @@ def test_an_error_status_is_an_answer_like_any_other():
                 return True
             up.answer = answer
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             assert response.status_code == 429 and response.headers.get("retry-after") == "3"
             await response.aclose()
             await c.aclose()
@@ -408,7 +428,7 @@ def test_a_new_connection_that_drops_the_request_is_not_retried(how):
         async with Upstream(answer) as up:
             c = client()
             with pytest.raises(UpstreamUnreachable):
-                await c.request("POST", up.url, b"", {})
+                await c.send("POST", up.url, b"", {})
             assert len(up.connections) == 1 and c.reuse_retries == 0
             assert await _slots_free(c)
             await c.aclose()
@@ -435,11 +455,11 @@ def test_requests_beyond_the_limit_wait_in_order_and_a_cancelled_waiter_takes_no
     async def main():
         async with Upstream(fixed(b"ok")) as up:
             c = client(max_connections=2)
-            held = [await c.request("POST", up.url, b"", {}) for _ in range(2)]
+            held = [await c.send("POST", up.url, b"", {}) for _ in range(2)]
             order = []
 
             async def wait_turn(name):
-                response = await c.request("POST", up.url, b"", {})
+                response = await c.send("POST", up.url, b"", {})
                 order.append(name)
                 return response
 
@@ -470,9 +490,9 @@ def test_a_waiter_handed_a_slot_as_it_is_cancelled_passes_the_slot_on():
     async def main():
         async with Upstream(fixed(b"ok")) as up:
             c = client(max_connections=1)
-            held = await c.request("POST", up.url, b"", {})
-            first = asyncio.create_task(c.request("POST", up.url, b"", {}))
-            second = asyncio.create_task(c.request("POST", up.url, b"", {}))
+            held = await c.send("POST", up.url, b"", {})
+            first = asyncio.create_task(c.send("POST", up.url, b"", {}))
+            second = asyncio.create_task(c.send("POST", up.url, b"", {}))
             await asyncio.sleep(0.01)
             await read_all(held)
             await held.aclose()  # hands the slot to `first`, which has not run yet
@@ -520,7 +540,7 @@ def test_closing_an_answer_before_its_end_closes_the_connection():
     async def main():
         async with Upstream(_partial(b"part", 1000, "wait")) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             chunks = response.aiter_bytes()
             assert await anext(chunks) == b"part"
             await response.aclose()
@@ -536,7 +556,7 @@ def test_closing_from_another_task_wakes_the_reader():
     async def main():
         async with Upstream(_partial(b"part", 1000, "wait")) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
 
             async def reader():
                 return [part async for part in response.aiter_bytes()]
@@ -555,7 +575,7 @@ def test_a_body_cut_short_is_a_broken_stream(then):
     async def main():
         async with Upstream(_partial(b"part", 1000, then)) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             with pytest.raises(StreamBroken):
                 await read_all(response)
             await response.aclose()
@@ -570,7 +590,7 @@ def test_bad_chunked_framing_is_a_broken_stream_and_the_connection_is_not_reused
     async def main():
         async with Upstream(answer) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             with pytest.raises(StreamBroken):
                 await read_all(response)
             await response.aclose()
@@ -586,7 +606,7 @@ def test_a_garbled_status_line_is_unreachable():
         async with Upstream(answer) as up:
             c = client()
             with pytest.raises(UpstreamUnreachable):
-                await c.request("POST", up.url, b"", {})
+                await c.send("POST", up.url, b"", {})
             assert await _slots_free(c)
             await c.aclose()
     run(main())
@@ -607,7 +627,7 @@ def test_the_callers_deadline_ends_a_silent_upstream_and_its_connection_is_not_r
             c = client(max_connections=1)
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.2):
-                    await c.request("POST", up.url, b"", {})
+                    await c.send("POST", up.url, b"", {})
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
             assert await fetch(c, up.url) == (200, b"ok")  # the slot came back; a new connection
             assert len(up.connections) == 2
@@ -623,7 +643,7 @@ def test_a_refused_connection_is_unreachable():
             port = s.getsockname()[1]  # bound, not listening: connections are refused
             c = client()
             with pytest.raises(UpstreamUnreachable, match="ConnectionRefused"):
-                await c.request("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
+                await c.send("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
             assert await _slots_free(c)
             await c.aclose()
     run(main())
@@ -648,7 +668,7 @@ def test_a_connection_that_is_never_accepted_times_out_as_unreachable():
                 c = client(connect_s=0.3)
                 with pytest.raises(UpstreamUnreachable, match="ConnectionTimeout"):
                     async with asyncio.timeout(5):  # the caller's deadline is not what ends it
-                        await c.request("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
+                        await c.send("POST", f"http://127.0.0.1:{port}/v1/completions", b"", {})
                 assert await _slots_free(c)
                 await c.aclose()
             finally:
@@ -661,7 +681,7 @@ def test_a_response_dropped_without_aclose_gives_its_slot_back():
     async def main():
         async with Upstream(_partial(b"part", 1000, "wait")) as up:
             c = client(max_connections=1)
-            response = await c.request("POST", up.url, b"", {})
+            response = await c.send("POST", up.url, b"", {})
             del response
             gc.collect()
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed: it was not read to its end
@@ -707,7 +727,7 @@ def test_a_header_that_could_split_the_request_is_refused():
         async with Upstream(fixed(b"ok")) as up:
             c = client()
             with pytest.raises(ValueError):
-                await c.request("POST", up.url, b"", {"tracestate": "a\r\nx-injected: 1"})
+                await c.send("POST", up.url, b"", {"tracestate": "a\r\nx-injected: 1"})
             assert up.connections == [] and await _slots_free(c)
             await c.aclose()
     run(main())
@@ -729,8 +749,8 @@ def test_an_answer_nobody_reads_is_not_buffered_without_bound():
     async def main():
         async with Upstream(answer) as up:
             c = client()
-            response = await c.request("POST", up.url, b"", {})
-            conn = response._conn
+            response = await c.send("POST", up.url, b"", {})
+            conn = response.body._conn
             await eventually(lambda: conn.paused)  # the server writes as fast as we let it
             await asyncio.sleep(0.2)  # and goes on trying: what arrives now must not be read
             assert conn.paused and not conn.transport.is_reading()
@@ -751,7 +771,7 @@ def test_closing_the_client_closes_every_connection_and_fails_waiters():
     async def main():
         async with Upstream(fixed(b"ok")) as up:
             c = client(max_connections=3)
-            responses = [await c.request("POST", up.url, b"", {}) for _ in range(3)]
+            responses = [await c.send("POST", up.url, b"", {}) for _ in range(3)]
             for response in responses[:2]:  # two idle, one in use
                 await read_all(response)
                 await response.aclose()
@@ -762,11 +782,11 @@ def test_closing_the_client_closes_every_connection_and_fails_waiters():
             assert await read_all(responses[2]) == b"ok"  # it had arrived whole before the close
             await responses[2].aclose()
             with pytest.raises(UpstreamUnreachable):
-                await c.request("POST", up.url, b"", {})
+                await c.send("POST", up.url, b"", {})
 
             c = client(max_connections=1)
-            held = await c.request("POST", up.url, b"", {})
-            waiter = asyncio.create_task(c.request("POST", up.url, b"", {}))
+            held = await c.send("POST", up.url, b"", {})
+            waiter = asyncio.create_task(c.send("POST", up.url, b"", {}))
             await asyncio.sleep(0.01)
             await c.aclose()
             with pytest.raises(UpstreamUnreachable):
@@ -786,10 +806,10 @@ def test_the_pool_sends_plain_http_through_h1():
         async with Upstream(fixed(b"ok")) as up:
             pool = _pool()
             response = await pool.send("POST", up.url, content=b"{}", headers={})
-            assert isinstance(response, h1.H1Response)
+            assert pool._h1.new_connections == 1
             assert [p async for p in response.aiter_bytes()] == [b"ok"]
             await response.aclose()
-            assert pool._session is None  # aiohttp never started
+            assert pool._aiohttp._session is None  # aiohttp never started
             await pool.aclose()
     run(main())
 
@@ -810,7 +830,7 @@ def test_the_pool_keeps_aiohttp_for_https():
         with pytest.raises(Exception):
             await pool.send("POST", f"https://127.0.0.1:{port}/v1/completions", content=b"{}", headers={})
         assert (await hello)[:2] == b"\x16\x03"
-        assert pool._h1 is None or pool._h1.new_connections == 0
+        assert pool._h1.new_connections == 0
         await pool.aclose()
         server.close()
     run(main())
@@ -827,12 +847,12 @@ def test_the_pool_keeps_aiohttp_when_a_proxy_applies(monkeypatch):
             pool = _pool()
             response = await pool.send("POST", "http://upstream.invalid:9/v1/completions", content=b"{}",
                                        headers={})
-            assert not isinstance(response, h1.H1Response)
+            assert pool._aiohttp._session is not None
             assert b"".join([p async for p in response.aiter_bytes()]) == b"via proxy"
             await response.aclose()
             head = proxy.connections[0].requests[0][0]
             assert head.startswith(b"POST http://upstream.invalid:9/v1/completions HTTP/1.1")
-            assert pool._h1 is None or pool._h1.new_connections == 0
+            assert pool._h1.new_connections == 0
             await pool.aclose()
     run(main())
 

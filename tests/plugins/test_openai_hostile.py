@@ -140,11 +140,15 @@ def test_a_long_line_in_many_pieces_is_decoded_in_linear_time():
 
 def test_a_metrics_page_over_the_bound_is_not_read(upstream):
     from kvgate_openai.load import _scrape
+    from kvgate_openai.pool import ClientPool
 
     async def main():
-        async with httpx.AsyncClient() as client:
-            _, huge = await _scrape(client, upstream.base_url + "/huge-metrics", 10, limit=1 << 20)
-            _, page = await _scrape(client, upstream.base_url + "/metrics", 10, limit=1 << 20)
+        pool = ClientPool(1, connect_s=5, headers={})
+        try:
+            _, huge = await _scrape(pool, upstream.base_url + "/huge-metrics", limit=1 << 20)
+            _, page = await _scrape(pool, upstream.base_url + "/metrics", limit=1 << 20)
+        finally:
+            await pool.aclose()
         return huge, page
 
     huge, page = asyncio.run(main())

@@ -26,10 +26,12 @@ from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, R
 from gateway.idle import IdleWatch
 from kvgate_openai import relay, upstream_errors, wire
 from kvgate_openai.load import LoadTracker, poll_forever
-from kvgate_openai.pool import AnswerTooLarge, ClientPool, HeadLimits, StreamBroken, UpstreamResponse, UpstreamUnreachable
+from kvgate_openai.h1 import HeadLimits
+from kvgate_openai.pool import ClientPool
 from kvgate_openai.settings import OpenAISettings
 from kvgate_openai.sse import EventTooLarge, SSEDecoder
 from kvgate_openai.token_calls import TokenCalls
+from kvgate_openai.transport import AnswerTooLarge, Response, StreamBroken, UpstreamUnreachable
 
 log = logging.getLogger("kvgate.openai")
 
@@ -46,8 +48,9 @@ class OpenAIBackend(TokenCalls):
         self.name = name
         self.tracker = LoadTracker(settings)
         self._pool: ClientPool | None = None
+        self._scrapes: ClientPool | None = None
         self._poller: asyncio.Task | None = None
-        self._responses: dict[str, UpstreamResponse] = {}
+        self._responses: dict[str, Response] = {}
         self._aborted: set[str] = set()
         self._scrub = upstream_errors.Scrubber(None)
         self._capabilities = settings.declared()
@@ -70,12 +73,14 @@ class OpenAIBackend(TokenCalls):
             headers["authorization"] = f"Bearer {key}"
         # Reads are bounded by our own first-byte and idle deadlines (they differ); waiting for
         # a pooled connection counts towards the first byte.
-        self._pool = ClientPool(s.max_connections, s.keepalive_expiry_s, headers=headers,
-                                connect_s=s.connect_s, scrape_timeout_s=s.stale_after_s,
-                                head_limits=HeadLimits(s.max_response_headers, s.max_response_head_bytes))
+        limits = HeadLimits(s.max_response_headers, s.max_response_head_bytes)
+        self._pool = ClientPool(s.max_connections, s.keepalive_expiry_s, headers=headers, connect_s=s.connect_s,
+                                head_limits=limits)
         url = s.scrape_url()
-        if url:
-            self._poller = asyncio.create_task(poll_forever(self._pool.any, url, self.tracker, self.name))
+        if url:  # one scrape at a time, on a connection of its own
+            self._scrapes = ClientPool(1, s.keepalive_expiry_s, headers=headers, connect_s=s.connect_s,
+                                       head_limits=limits)
+            self._poller = asyncio.create_task(poll_forever(self._scrapes, url, self.tracker, self.name))
 
     def _api_key(self) -> str | None:
         env = self.settings.api_key_env
@@ -91,9 +96,10 @@ class OpenAIBackend(TokenCalls):
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
-        if self._pool:
-            await self._pool.aclose()
-            self._pool = None
+        for pool in (self._pool, self._scrapes):
+            if pool is not None:
+                await pool.aclose()
+        self._pool = self._scrapes = None
 
     def load(self) -> LoadSnapshot:
         return self.tracker.snapshot()
@@ -171,7 +177,7 @@ class OpenAIBackend(TokenCalls):
         self.tracker.inflight += 1
         return pool
 
-    async def _free(self, pool: ClientPool, request, response: UpstreamResponse | None) -> None:
+    async def _free(self, pool: ClientPool, request, response: Response | None) -> None:
         pool.give_back()
         self.tracker.inflight -= 1
         self._responses.pop(request.request_id, None)
@@ -179,7 +185,7 @@ class OpenAIBackend(TokenCalls):
         if response is not None:
             await response.aclose()
 
-    async def _send(self, pool: ClientPool, url: str, body: dict, request, deadline: float) -> UpstreamResponse:
+    async def _send(self, pool: ClientPool, url: str, body: dict, request, deadline: float) -> Response:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
         content = fastjson.dumps(body)
         try:
@@ -198,7 +204,7 @@ class OpenAIBackend(TokenCalls):
             raise await self._refusal(response, deadline)
         return response
 
-    async def _refusal(self, response: UpstreamResponse, deadline: float) -> APIError:
+    async def _refusal(self, response: Response, deadline: float) -> APIError:
         try:
             async with asyncio.timeout_at(deadline):
                 raw = await _read_some(response, MAX_ERROR_BODY)
@@ -217,7 +223,7 @@ class OpenAIBackend(TokenCalls):
             log.warning("deployment %s: the upstream rejected our credentials (HTTP %s)", self.name, response.status_code)
         return error
 
-    async def _events(self, response: UpstreamResponse, request: GenerationRequest, chat: bool, deadline: float,
+    async def _events(self, response: Response, request: GenerationRequest, chat: bool, deadline: float,
                       idle: IdleWatch):
         """Lists of token events, one per upstream read that held any; the finishing event waits
         for the usage chunk, and ends the last list."""
@@ -278,7 +284,7 @@ class OpenAIBackend(TokenCalls):
                 break
         yield [self._last(finish, usage, sent, request, ended_cleanly=False)]
 
-    async def _relayed(self, response: UpstreamResponse, request: GenerationRequest, deadline: float,
+    async def _relayed(self, response: Response, request: GenerationRequest, deadline: float,
                        idle: IdleWatch):
         """A passed-through stream (relay.py): lists of its events as they came, one per upstream
         read, up to the event that ends the response."""
@@ -331,7 +337,7 @@ class OpenAIBackend(TokenCalls):
             raise BackendError(f"The backend '{self.name}' sent a stream event over "
                                f"{decoder.max_event_bytes} bytes.") from None
 
-    async def _whole(self, response: UpstreamResponse, request: GenerationRequest, chat: bool,
+    async def _whole(self, response: Response, request: GenerationRequest, chat: bool,
                      deadline: float) -> TokenEvent:
         """The single event of a non-streamed answer, read whole within the first-byte deadline."""
         try:
@@ -357,7 +363,7 @@ class OpenAIBackend(TokenCalls):
         except (ValueError, AttributeError, TypeError):
             raise BackendError(f"The backend '{self.name}' sent an answer that is not a response object.") from None
 
-    async def _read_json(self, response: UpstreamResponse, deadline: float) -> object:
+    async def _read_json(self, response: Response, deadline: float) -> object:
         """A whole answer as JSON, within the first-byte deadline and max_body_bytes; a body
         with an `error` is raised as its gateway error. StreamBroken passes through."""
         raw = await self._read_raw(response, deadline)
@@ -371,7 +377,7 @@ class OpenAIBackend(TokenCalls):
             raise error
         return body
 
-    async def _read_raw(self, response: UpstreamResponse, deadline: float) -> bytes:
+    async def _read_raw(self, response: Response, deadline: float) -> bytes:
         """A whole answer's bytes, within the first-byte deadline and max_body_bytes."""
         limit = self.settings.max_body_bytes
         read = _read_some(response, limit + 1)
@@ -465,11 +471,11 @@ class OpenAIBackend(TokenCalls):
         return BackendError(f"The backend '{self.name}' cannot be reached.")
 
 
-def _is_event_stream(response: UpstreamResponse) -> bool:
+def _is_event_stream(response: Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-async def _read_some(response: UpstreamResponse, limit: int) -> bytes:
+async def _read_some(response: Response, limit: int) -> bytes:
     """At most `limit` bytes of the body (the rest is never read)."""
     parts, size = [], 0
     async for part in response.aiter_bytes():

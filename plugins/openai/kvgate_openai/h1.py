@@ -3,23 +3,22 @@
 aiohttp was the largest single cost left on the gateway's hot path (~135 Python calls of the ~920
 per non-streamed request, ~270 of ~2,440 per streamed one: bench/request_cost.py), most of it
 generality we never use (cookies, redirects, payload registry, multidicts, compression, traces).
-This client does only what the `openai` backend needs: POST a body, read a streamed answer.
-`pool.ClientPool` sends plain `http://` requests without a proxy here and keeps aiohttp for
-https and proxies, so TLS and proxy behaviour stay aiohttp's.
+This client does only what the `openai` backend needs: POST a body (or GET a metrics page),
+read a streamed answer. `pool.ClientPool` sends plain `http://` requests without a proxy here
+and keeps aiohttp for https and proxies, so TLS and proxy behaviour stay aiohttp's; both are
+`transport.KeepAliveClient`s and answer with a `transport.Response`.
 
-    H1Client.request ── slot (FIFO waiters) ── idle connection (LIFO) or a new one
+    H1Client.send ── slot (FIFO waiters) ── idle connection (LIFO) or a new one
         │                                             │
-        └── H1Response <── _Connection(asyncio.Protocol) <── httptools.HttpResponseParser
-              aiter_bytes: every byte buffered so far in one piece
+        └── Response(_Body) <── _Connection(asyncio.Protocol) <── httptools.HttpResponseParser
+              chunks: every byte buffered so far in one piece
 
 Connections: at most `max_connections` in use (the rest wait, first come first served) and open
 (an idle one to another host gives way); idle ones are kept per (host, port), newest reused
 first, and closed after `keepalive_expiry_s` (0: one request per connection). A connection goes back to the pool only when its answer was read to the
 end and the answer allows reuse; an answer abandoned before its end closes its connection (that
-is how an upstream learns of an abort). A request sent on a reused connection that fails before
-any response byte (the upstream closed the idle connection as we reused it) is sent once more on
-a new one, which serves that request only; a POST that never got a response byte was never run,
-so one retry is safe.
+is how an upstream learns of an abort). A request that a reused connection dropped is sent once
+more under `transport.KeepAliveClient`'s rule, holding its slot.
 """
 
 from __future__ import annotations
@@ -34,6 +33,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvgate_openai.transport import (
+    AnswerTooLarge,
+    KeepAliveClient,
+    Response,
+    ReusedConnectionDropped,
+    StreamBroken,
+    UpstreamUnreachable,
+)
+
 log = logging.getLogger("kvgate.openai")
 
 # Reading pauses when this much of an answer is buffered and unread, and resumes once the reader
@@ -46,6 +54,8 @@ DNS_TTL_S = 10.0
 # A compressed answer is inflated at most this much at a time: a small body that inflates to
 # gigabytes (a "gzip bomb") reaches the readers, and their bounds, in pieces, never whole.
 INFLATE_PIECE = 64 * 1024
+# Methods whose requests carry no body: no content-length is sent for them.
+BODYLESS = ("GET",)
 
 
 class HeadLimits:
@@ -54,22 +64,6 @@ class HeadLimits:
     def __init__(self, max_headers: int = 100, max_bytes: int = 64 * 1024):
         self.max_headers = max_headers
         self.max_bytes = max_bytes
-
-
-class UpstreamUnreachable(Exception):
-    """The request could not be sent or got no response: connect failed, connection dropped."""
-
-
-class StreamBroken(Exception):
-    """The response body broke off (reset, truncated, malformed framing)."""
-
-
-class AnswerTooLarge(StreamBroken):
-    """An answer over one of our bounds (its head's size or count of headers); the message says which."""
-
-
-class _Dropped(Exception):
-    """The connection failed before any response byte: on a reused connection, the keep-alive race."""
 
 
 class Headers(dict):
@@ -221,17 +215,15 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
 
-class H1Response:
-    """A streamed upstream answer: the interface of pool.UpstreamResponse."""
+class _Body:
+    """An answer's body as it arrives on its connection (a `transport.Body`)."""
 
-    __slots__ = ("status_code", "headers", "_conn", "_client", "_ended", "compressed")
+    __slots__ = ("_conn", "_client", "_ended", "compressed")
 
     def __init__(self, client: H1Client, conn: _Connection):
         self._client = client
         self._conn: _Connection | None = conn
         self._ended = False
-        self.status_code = conn.status
-        self.headers = conn.headers
         # We ask for no compression; an upstream (or a proxy before it) that compresses anyway
         # gets decoded as aiohttp would have, not handed on as bytes no parser can read.
         self.compressed = conn.headers.get("content-encoding", "identity").strip().lower() in COMPRESSED
@@ -241,7 +233,7 @@ class H1Response:
         conn = self._conn
         return conn is None or conn.done or conn.error is not None
 
-    def aiter_bytes(self):
+    def chunks(self):
         return self._inflated() if self.compressed else self._raw_bytes()
 
     async def _inflated(self):
@@ -292,7 +284,7 @@ class H1Response:
         if conn is not None:
             self._client._give_back(conn)
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Give the connection back when the body was read to its end; otherwise close it, which
         is also how an upstream learns that a request was aborted."""
         self._give_back()
@@ -340,7 +332,7 @@ def plain_http(url: str) -> bool:
     return True
 
 
-class H1Client:
+class H1Client(KeepAliveClient):
     """A keep-alive pool of HTTP/1.1 connections to plain-http upstreams."""
 
     def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict,
@@ -349,7 +341,6 @@ class H1Client:
         self.head_limits = head_limits or HeadLimits()
         self.keepalive_expiry_s = keepalive_expiry_s
         self.connect_s = connect_s
-        self.reuse_retries = 0
         self.new_connections = 0
         fixed = "".join(f"{_valid(k)}: {_valid(v)}\r\n" for k, v in headers.items())
         if keepalive_expiry_s <= 0:
@@ -367,45 +358,42 @@ class H1Client:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def request(self, method: str, url: str, content: bytes, headers: dict) -> H1Response:
-        """Send and wait for the answer's status and headers. Not for HEAD requests (the
-        parser, not knowing the method, would wait for a body)."""
+    async def send(self, method: str, url: str, content: bytes, headers: dict) -> Response:
+        """Send and wait for the answer's status and headers; a retry under the keep-alive rule
+        keeps the slot of the first try. Not for HEAD requests (the parser, not knowing the
+        method, would wait for a body)."""
         if self._closed:
             raise UpstreamUnreachable("the client is closed")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        await self._acquire()
+        try:
+            return await super().send(method, url, content, headers)
+        except BaseException:
+            self._release_slot()
+            raise
+
+    async def attempt(self, method: str, url: str, content: bytes, headers: dict, *, fresh: bool) -> Response:
+        """One try, in a slot already taken: on the newest idle connection unless `fresh`."""
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = _Target(url)
         payload = target.head(method, self._fixed)
         if headers:
             payload += "".join(f"{_valid(k)}: {_valid(v)}\r\n" for k, v in headers.items()).encode()
-        payload += b"content-length: %d\r\n\r\n%b" % (len(content), content)
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        await self._acquire()
-        try:
-            reused = self._reuse(target.key)
-            if reused is not None:
-                try:
-                    return await self._exchange(reused, payload)
-                except _Dropped as exc:
-                    self.reuse_retries += 1
-                    log.info("%s: a reused connection closed under a request (%s); retrying on a new connection",
-                             url, exc)
+        if content or method not in BODYLESS:
+            payload += b"content-length: %d\r\n\r\n%b" % (len(content), content)
+        else:
+            payload += b"\r\n"
+        conn = None if fresh else self._reuse(target.key)
+        if conn is None:
             conn = await self._connect(target)
-            # A retry's connection serves that request only (as aiohttp's retry session did): the
-            # upstream that closed one idle connection under us may be closing the others.
-            conn.once = reused is not None
-            try:
-                return await self._exchange(conn, payload)
-            except _Dropped as exc:  # a new connection failed: that is the upstream's doing
-                raise UpstreamUnreachable(str(exc)) from None
-        except BaseException:
-            self._release_slot()
-            raise
+            conn.once = fresh  # a retry's connection serves that request only (see the rule)
+        return await self._exchange(conn, payload)
 
-    async def _exchange(self, conn: _Connection, payload: bytes) -> H1Response:
+    async def _exchange(self, conn: _Connection, payload: bytes) -> Response:
         if conn.lost:
-            raise _Dropped("closed")
+            raise self._dropped(conn, "closed")
         conn.active = True
         conn.transport.write(payload)
         try:
@@ -414,13 +402,19 @@ class H1Client:
                     if conn.too_large:
                         raise AnswerTooLarge(conn.error)
                     if not conn.got_bytes:
-                        raise _Dropped(conn.error)
+                        raise self._dropped(conn, conn.error)
                     raise UpstreamUnreachable(conn.error)
                 await conn.wait()
         except BaseException:  # failed, or cancelled (the caller's deadline): never reused
             conn.close()
             raise
-        return H1Response(self, conn)
+        return Response(conn.status, conn.headers, _Body(self, conn))
+
+    @staticmethod
+    def _dropped(conn: _Connection, why: str) -> Exception:
+        """A connection failed before any response byte: a reused one in the keep-alive race (sent
+        again), a new one by the upstream's doing."""
+        return ReusedConnectionDropped(why) if conn.reused else UpstreamUnreachable(why)
 
     # -- slots: at most max_connections requests hold a connection -------------------------
 

@@ -6,11 +6,11 @@ import asyncio
 import logging
 import time
 
-import httpx
-
 from gateway.backend import LoadSnapshot
 from kvgate_openai import metrics
+from kvgate_openai.pool import ClientPool
 from kvgate_openai.settings import OpenAISettings
+from kvgate_openai.transport import Response, StreamBroken, UpstreamUnreachable
 
 log = logging.getLogger("kvgate.openai")
 
@@ -68,16 +68,17 @@ class LoadTracker:
             self.read_at = time.monotonic()
 
 
-async def poll_forever(client: httpx.AsyncClient, url: str, tracker: LoadTracker, deployment: str) -> None:
-    """Scrape `url` every poll interval until cancelled (by the backend's stop())."""
+async def poll_forever(pool: ClientPool, url: str, tracker: LoadTracker, deployment: str) -> None:
+    """Scrape `url` every poll interval until cancelled (by the backend's stop()). `pool` is the
+    scrapes' own: a pool whose every connection carries a generation must not hold them up."""
     s = tracker.settings
     tracker.polling = True
-    timeout = httpx.Timeout(s.stale_after_s, connect=s.connect_s)
     warned = False
     while True:
         try:
-            response, text = await _scrape(client, url, timeout, s.max_scrape_bytes)
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(s.stale_after_s):  # an older answer would be stale anyway
+                response, text = await _scrape(pool, url, s.max_scrape_bytes)
+        except (TimeoutError, UpstreamUnreachable, StreamBroken) as exc:
             tracker.failed()
             log.debug("scrape of %s for %s failed: %s", url, deployment, type(exc).__name__)
         else:
@@ -93,20 +94,24 @@ async def poll_forever(client: httpx.AsyncClient, url: str, tracker: LoadTracker
         await asyncio.sleep(s.metrics_poll_s)
 
 
-async def _scrape(client: httpx.AsyncClient, url: str, timeout, limit: int) -> tuple[httpx.Response, str | None]:
+async def _scrape(pool: ClientPool, url: str, limit: int) -> tuple[Response, str | None]:
     """The answer and its text, read to at most `limit` bytes (None past it: a page that size is
-    no metrics page, and reading it whole would hold it all in memory)."""
-    async with client.stream("GET", url, timeout=timeout) as response:
+    no metrics page, and reading it whole would hold it all in memory). Prometheus' text format
+    is UTF-8."""
+    response = await pool.send("GET", url, content=b"", headers={})
+    try:
         parts, size = [], 0
         async for part in response.aiter_bytes():
             size += len(part)
             if size > limit:
                 return response, None
             parts.append(part)
-    return response, b"".join(parts).decode(response.encoding or "utf-8", errors="replace")
+    finally:
+        await response.aclose()
+    return response, b"".join(parts).decode("utf-8", errors="replace")
 
 
-def _reading_of(response: httpx.Response, text: str, preset: str) -> metrics.Reading | None:
+def _reading_of(response: Response, text: str, preset: str) -> metrics.Reading | None:
     if response.status_code != 200 or "json" in response.headers.get("content-type", ""):
         return None  # no metrics, or trtllm-serve's JSON stats at /metrics
     try:

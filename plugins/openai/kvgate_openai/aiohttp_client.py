@@ -1,0 +1,135 @@
+"""aiohttp as a `transport.KeepAliveClient`: the `openai` backend's client for https upstreams
+and proxied ones (HTTP(S)_PROXY, NO_PROXY), whose TLS and proxy handling h1.py does not repeat.
+
+Two sessions: `_session` keeps idle connections for `keepalive_expiry_s`; `_fresh` keeps none, so
+a retry under the keep-alive rule always opens a new connection, which serves that request only.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ssl
+
+import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
+
+from kvgate_openai.transport import KeepAliveClient, Response, ReusedConnectionDropped, StreamBroken, UpstreamUnreachable
+
+# How a connection that the upstream closed under our request fails before any response byte:
+# FIN (ServerDisconnectedError), RST while writing or reading (ClientOSError).
+DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+# Set by `_Connector` when the request being sent (in this task) needed a new connection.
+_NEW_CONNECTION: contextvars.ContextVar[list | None] = contextvars.ContextVar("kvgate_new_connection", default=None)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """Says whether a request went out on a new connection. aiohttp's trace hooks say it too,
+    but a session with any trace config runs its hooks (an awaited signal and an attrs object
+    each) at every step of every request and per response chunk read: 34 of the 1,132 Python
+    calls of a non-streamed request (bench/request_cost.py)."""
+
+    async def _create_connection(self, req, traces, timeout):
+        mark = _NEW_CONNECTION.get()
+        if mark is not None:
+            mark.append(True)
+        return await super()._create_connection(req, traces, timeout)
+
+
+class _Body:
+    """An aiohttp answer's body (a `transport.Body`)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: aiohttp.ClientResponse):
+        self._raw = raw
+
+    def complete(self) -> bool:
+        return self._raw.content.is_eof()
+
+    async def chunks(self):
+        try:
+            async for part in self._raw.content.iter_any():
+                yield part
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise StreamBroken(type(exc).__name__) from exc
+
+    def close(self) -> None:
+        if self._raw.content.at_eof():
+            self._raw.release()
+        else:
+            self._raw.close()
+
+
+class AiohttpClient(KeepAliveClient):
+    """aiohttp sessions, made on first use (they belong to the running event loop)."""
+
+    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict):
+        self.max_connections = max_connections
+        self._keepalive_expiry_s = keepalive_expiry_s
+        self._headers = headers
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+        self._tls = _tls_context()
+        self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self._proxies: dict[str, str | None] = {}
+
+    def proxy(self, url: str) -> str | None:
+        """The proxy the environment (HTTP(S)_PROXY, NO_PROXY) names for this URL, looked up the
+        first time (a deployment sends to a couple of URLs, so the string itself is the key: no
+        URL parsing per request)."""
+        if url not in self._proxies:
+            try:
+                proxy, _ = get_env_proxy_for_url(URL(url))
+                self._proxies[url] = str(proxy)
+            except LookupError:
+                self._proxies[url] = None
+        return self._proxies[url]
+
+    async def attempt(self, method: str, url: str, content: bytes, headers: dict, *, fresh: bool) -> Response:
+        reusing, fresh_only = self._sessions()
+        session = fresh_only if fresh else reusing
+        new_connection: list = []
+        mark = _NEW_CONNECTION.set(new_connection)
+        try:
+            raw = await session.request(method, url, data=content, headers=headers, proxy=self.proxy(url))
+        except DROPPED as exc:
+            if new_connection:  # a new connection failed: that is the upstream's doing
+                raise UpstreamUnreachable(type(exc).__name__) from exc
+            raise ReusedConnectionDropped(type(exc).__name__) from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnreachable(type(exc).__name__) from exc
+        finally:
+            _NEW_CONNECTION.reset(mark)
+        return Response(raw.status, raw.headers, _Body(raw))  # headers: case-insensitive
+
+    def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+        if self._session is None:
+            reuse = self._keepalive_expiry_s > 0
+            self._session = self._new_session(
+                _Connector(limit=self.max_connections, limit_per_host=0, ssl=self._tls,
+                           keepalive_timeout=self._keepalive_expiry_s if reuse else None,
+                           force_close=not reuse))
+            self._fresh = self._new_session(_Connector(limit=self.max_connections, ssl=self._tls, force_close=True))
+        return self._session, self._fresh
+
+    def _new_session(self, connector) -> aiohttp.ClientSession:
+        # trust_env would look up proxies and netrc in a thread on every request; the proxy is
+        # looked up once per upstream instead (`proxy`). No cookie jar: a cookie one client's
+        # answer set must never ride along on another client's request.
+        return aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
+                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def aclose(self) -> None:
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+
+
+def _tls_context() -> ssl.SSLContext:
+    try:
+        import certifi  # the CAs httpx and requests verify against; the system store may lack public ones
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
