@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.hookspecs import hookimpl
+from gateway.prefix_routing import PrecisePrefix
 from gateway.routing import BUILTIN_POLICIES
 
 
@@ -10,3 +11,4 @@ from gateway.routing import BUILTIN_POLICIES
 def register_routing_policies(register):
     for name, factory in BUILTIN_POLICIES.items():
         register(name, factory)
+    register("precise_prefix", PrecisePrefix)

@@ -122,6 +122,7 @@ class _LiveCollector:
         yield from _spec_decode_metrics(state.registry)
         yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
+        yield from _kv_index_metrics(state.registry)
         yield from _limits_store_gauge(state.limiter)
         yield from _discovery_metrics(state.registry)
 
@@ -210,6 +211,41 @@ def _restart_counters(registry):
         if load is not None and "engine_restarts" in load.extra:
             restarts.add_metric([d.model, d.name], load.extra["engine_restarts"])
     yield restarts
+
+
+KV_EVENT_COUNTERS = {  # StreamStats field -> what the counter counts
+    "batches": "KV event batches applied to the index.",
+    "events": "KV events applied to the index.",
+    "gaps": "Gaps in a deployment's KV event sequence numbers.",
+    "resyncs": "KV event gaps repaired through the replay endpoint.",
+    "forgotten": "Times a deployment's indexed blocks were dropped (lost events, restart, garbage).",
+    "garbage": "Messages on a KV event stream that were not event batches.",
+    "out_of_order": "KV event batches that arrived late or twice (ignored).",
+    "restarts": "KV event publishers seen starting over.",
+}
+
+
+def _kv_index_metrics(registry):
+    """The precise_prefix index of each model: its size and bound, and each deployment's
+    blocks and event stream counters."""
+    size = GaugeMetricFamily("kvgate_kv_index_blocks", "Block hashes in the model's KV index.", labels=["model"])
+    evicted = CounterMetricFamily("kvgate_kv_index_evicted_blocks", "Block hashes dropped to stay within "
+                                  "max_index_blocks.", labels=["model"])
+    held = GaugeMetricFamily("kvgate_kv_index_deployment_blocks", "KV blocks the index says a deployment holds.",
+                             labels=["model", "deployment"])
+    counters = {name: CounterMetricFamily(f"kvgate_kv_events_{name}", doc, labels=["model", "deployment"])
+                for name, doc in KV_EVENT_COUNTERS.items()}
+    for pool in registry.pools:
+        feed = getattr(pool.policy, "kv_feed", None)
+        if feed is None:
+            continue
+        size.add_metric([pool.name], len(feed.index))
+        evicted.add_metric([pool.name], feed.index.evicted)
+        for name, stream in feed.streams.items():
+            held.add_metric([pool.name, name], feed.index.blocks_of(name))
+            for field, family in counters.items():
+                family.add_metric([pool.name, name], getattr(stream.stats, field))
+    yield from (size, evicted, held, *counters.values())
 
 
 CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_gpu_blocks")  # vLLM's names for them

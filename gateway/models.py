@@ -75,7 +75,16 @@ class ModelPool:
         """A discovery group's routable members changed: route over the new list from now on
         (a request that already holds a member keeps it), and let queued requests try them."""
         self.deployments = self.static + [m for g in self.groups for m in g.members()]
+        self.follow_kv_events()
         self.admission.wake()
+
+    def follow_kv_events(self) -> None:
+        """A policy that indexes KV events (precise_prefix) follows the deployments routed over
+        now, and forgets those that left (discovery, drain, reload)."""
+        feed = getattr(self.policy, "kv_feed", None)
+        if feed is not None:
+            feed.retain(self.deployments)
+            feed.track([d for d in self.deployments if d.started])
 
     def take(self, request, exclude: frozenset[str] = frozenset()) -> Deployment | None:
         """Choose a deployment that can take `request` now (and serves what it needs) and claim a
@@ -179,7 +188,12 @@ class ModelRegistry:
         for p in self.pools:
             p.refresh_members()
 
+    async def close_kv_feeds(self) -> None:
+        """Stop following KV events (a reload's replaced registry, or shutdown)."""
+        await asyncio.gather(*(p.policy.kv_feed.close() for p in self.pools if hasattr(p.policy, "kv_feed")))
+
     async def stop(self) -> None:
+        await self.close_kv_feeds()
         await asyncio.gather(*(g.close() for g in self.groups()))
         await asyncio.gather(*(d.stop() for d in self.deployments() if d.started))
 

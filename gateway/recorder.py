@@ -52,6 +52,10 @@ class RequestRecorder:
             attrs = {"kvgate.policy": pool.config.policy, "kvgate.deployment": deployment.name,
                      "kvgate.candidates": list(scores or {}),
                      "kvgate.candidate_scores": [round(s, 4) for s in (scores or {}).values()]}
+            matched = getattr(pool.policy, "matched_tokens", None)
+            tokens = matched(self.request_id) if matched is not None else None
+            if tokens is not None:  # precise_prefix: the prompt tokens the index says it holds
+                attrs["kvgate.kv_prefix_matched_tokens"] = tokens
             self.trace.child("kvgate.route", attrs).end()
 
     def attempt(self, deployment, upstream_model: str, number: int):

@@ -38,6 +38,7 @@ async def reload_config(state) -> tuple[bool, str]:
         await registry.start()
         old = state.registry
         state.config, state.registry, state.keys, state.key_problems = config, registry, keys, problems
+        await old.close_kv_feeds()  # the new pools' policies follow the engines' KV events anew
         for problem in problems:
             log.error("keys file: %s; that entry is no key until it is fixed", problem)
         kept = set(registry.deployments())

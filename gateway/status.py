@@ -100,7 +100,7 @@ def _pool(pool) -> dict:
     return {
         "name": pool.name, "aliases": pool.aliases, "policy": pool.config.policy,
         "in_flight": pool.in_flight, "queued": pool.admission.queued,
-        "deployments": [_deployment(d) for d in pool.deployments],
+        "deployments": [_with_kv_index(_deployment(d), getattr(pool.policy, "kv_feed", None)) for d in pool.deployments],
         "discovery": [g.status() for g in pool.groups],
     }
 
@@ -126,6 +126,15 @@ def _deployment(d) -> dict:
         "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,
         "capacity": load.capacity, "engine": engine,
     }
+
+
+def _with_kv_index(view: dict, feed) -> dict:
+    """precise_prefix: the blocks the model's KV index says this deployment caches, and whether
+    its events are live (null: it publishes none, or the policy keeps no index)."""
+    stream = feed.streams.get(view["name"]) if feed is not None else None
+    if stream is not None:
+        view["kv_index"] = {"blocks": feed.index.blocks_of(view["name"]), "live": stream.live}
+    return view
 
 
 def _spec_decode(extra: dict) -> dict:

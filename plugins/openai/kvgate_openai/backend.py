@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import gateway
 from gateway import fastjson
-from gateway.backend import Capabilities, GenerationRequest, LoadSnapshot, TokenEvent, Usage
+from gateway.backend import Capabilities, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from kvgate_openai import relay, upstream_errors, wire
@@ -100,6 +100,11 @@ class OpenAIBackend(TokenCalls):
             if pool is not None:
                 await pool.aclose()
         self._pool = self._scrapes = None
+
+    def kv_events_source(self) -> KVEventsSource | None:
+        """The upstream engine's KV events as `settings.kv_events` declares them (vLLM, SGLang)."""
+        events = self.settings.kv_events
+        return KVEventsSource(**events.model_dump()) if events is not None else None
 
     def load(self) -> LoadSnapshot:
         return self.tracker.snapshot()

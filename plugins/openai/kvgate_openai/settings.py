@@ -34,6 +34,29 @@ class CapabilityOverrides(BaseModel):
         return names
 
 
+class KVEventsSettings(BaseModel):
+    """Where the upstream engine publishes its KV events (vLLM's or SGLang's --kv-events-config,
+    ZMQ publisher) and how it hashes blocks, for the gateway's precise_prefix index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str = Field(description="ZMQ address of its PUB socket as reachable from the gateway, e.g. "
+                          "tcp://vllm-0:5557 (the engine binds tcp://*:5557).")
+    replay_endpoint: str | None = Field(None, description="ZMQ address of its replay ROUTER; null: none.")
+    topic: str = Field("", description="Topic prefix to receive.")
+    block_size: int = Field(16, gt=0, description="The engine's KV block size, tokens.")
+    hash_seed: str = Field("0", description="The engine's PYTHONHASHSEED (it must hash with "
+                           "--prefix-caching-hash-algo sha256_cbor).")
+    bind: bool = Field(False, description="The engine connects to the gateway: the gateway binds endpoint.")
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"{value!r} is not a ZMQ address (tcp://, ipc:// or inproc://)")
+        return value
+
+
 class OpenAISettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -93,6 +116,8 @@ class OpenAISettings(BaseModel):
         "max_tokens", description="Name of the output limit on chat requests (OpenAI's reasoning "
         "models only accept max_completion_tokens)."
     )
+    kv_events: KVEventsSettings | None = Field(
+        None, description="The upstream engine's KV events, for precise_prefix routing; none when absent.")
 
     @field_validator("base_url", "metrics_url")
     @classmethod

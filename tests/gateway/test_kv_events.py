@@ -1,0 +1,282 @@
+"""KV events into the gateway's index: both wire forms, the engine's own publisher, and the faults
+a publisher can commit (disappearing, restarting, garbage, out-of-order sequence numbers, floods):
+the index stays consistent and bounded and the deployment is named in a warning.
+
+The faulty publishers are raw ZMQ sockets driven by each test; the well-behaved one is the
+engine's (native_backend.process.kv_publisher) fed by a real block manager."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.backend import KVEventsSource
+from gateway.kv_events import BadBatch, EventStream, decode_batch
+from gateway.kv_index import KVIndex
+from native_backend.config.engine import KVEventsOptions
+from native_backend.core import kv_events as core
+from native_backend.process.kv_publisher import KVEventPublisher
+
+ENCODE = msgspec.msgpack.encode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stored(*hashes, legacy=False):
+    if legacy:
+        return ["BlockStored", list(hashes), None, list(range(4 * len(hashes))), 4, None]
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
+            "token_ids": list(range(4 * len(hashes))), "block_size": 4}
+
+
+def removed(*hashes):
+    return {"type": "BlockRemoved", "block_hashes": list(hashes)}
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+
+
+def batch(*events, legacy=False) -> bytes:
+    return ENCODE([time.time(), list(events)] if legacy else {"ts": time.time(), "events": list(events)})
+
+
+def test_both_wire_forms_decode_to_the_same_events():
+    current = decode_batch(batch(stored(1, 2), removed(2), CLEARED))
+    legacy = decode_batch(ENCODE([1.0, [stored(1, 2, legacy=True), ["BlockRemoved", [2], "GPU"],
+                                        ["AllBlocksCleared"]]]))
+    assert current == legacy == [("BlockStored", [1, 2]), ("BlockRemoved", [2]), ("AllBlocksCleared", [])]
+    # bytes hashes count by their last 8 bytes; signed int64 ones as unsigned
+    assert decode_batch(batch(stored(b"\xff" * 24 + (5).to_bytes(8, "big"), -1))) == [("BlockStored", [5, 2**64 - 1])]
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", ENCODE({"ts": 1.0}), ENCODE([1.0, [{"type": "Nope"}]]),
+                                     ENCODE({"ts": 1, "events": [{"type": "BlockStored"}]}), ENCODE("x")])
+def test_what_is_not_a_batch_is_refused(payload):
+    with pytest.raises(BadBatch):
+        decode_batch(payload)
+
+
+class RawPublisher:
+    """A publisher the test drives frame by frame, with an optional replay endpoint serving what
+    the test put in `kept`."""
+
+    def __init__(self, context: zmq.asyncio.Context, topic: bytes = b"kv"):
+        self.port, self.replay_port = free_port(), free_port()
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.topic = topic
+        self.kept: dict[int, bytes] = {}
+        self.replays: list[int] = []
+        self._server = asyncio.get_running_loop().create_task(self._serve())
+
+    def source(self, replay=True) -> KVEventsSource:
+        return KVEventsSource(f"tcp://127.0.0.1:{self.port}",
+                              f"tcp://127.0.0.1:{self.replay_port}" if replay else None, topic="kv", block_size=4)
+
+    async def send(self, seq: int, payload: bytes, keep=True) -> None:
+        if keep:
+            self.kept[seq] = payload
+        await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    async def _serve(self) -> None:
+        while True:
+            ident, empty, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.replays.append(first)
+            for seq in sorted(s for s in self.kept if s >= first):
+                await self.router.send_multipart([ident, empty, seq.to_bytes(8, "big"), self.kept[seq]])
+            await self.router.send_multipart([ident, empty, (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._server.cancel()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def run(scenario):
+    """Run `scenario(context, publisher, stream_for)` with a raw publisher and a way to follow it."""
+    async def main():
+        context = zmq.asyncio.Context()
+        publisher = RawPublisher(context)
+        streams = []
+
+        async def stream_for(index: KVIndex, replay=True, name="engine-a") -> EventStream:
+            stream = EventStream(name, publisher.source(replay), index, context)
+            stream.start()
+            streams.append(stream)
+            await until(lambda: stream.connected)
+            await asyncio.sleep(0.2)  # the subscription travels to the PUB after the connection
+            return stream
+        try:
+            await scenario(context, publisher, stream_for)
+        finally:
+            for stream in streams:
+                await stream.close()
+            publisher.close()
+            context.term()
+    asyncio.run(main())
+
+
+def test_a_gap_is_repaired_through_the_replay_endpoint():
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1, 2)))
+        await publisher.send(1, batch(removed(2)), keep=True)
+        publisher.kept[1] = batch(removed(2))
+        await until(lambda: stream.stats.batches == 2)
+        publisher.kept[2] = batch(stored(7))  # published but lost on the way
+        await publisher.send(3, batch(stored(8)))
+        await until(lambda: stream.stats.batches == 4)
+        assert publisher.replays == [2] and stream.stats.gaps == 1 and stream.stats.resyncs == 1
+        assert index.longest_prefix([1], ["engine-a"]) == {"engine-a": 1}
+        assert index.blocks_of("engine-a") == 3  # 1, 7 (replayed), 8
+    run(scenario)
+
+
+def test_a_gap_without_replay_forgets_the_deployment_rather_than_keep_stale_blocks(caplog):
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        index.stored("engine-b", [1])
+        stream = await stream_for(index, replay=False)
+        await publisher.send(0, batch(stored(1, 2)))
+        await until(lambda: stream.stats.batches == 1)
+        await publisher.send(5, batch(stored(9)))  # 1..4 were lost: any of them may have evicted 1 or 2
+        await until(lambda: stream.stats.batches == 2)
+        assert index.blocks_of("engine-a") == 1 and index.longest_prefix([9], ["engine-a"]) == {"engine-a": 1}
+        assert index.blocks_of("engine-b") == 1  # another deployment's blocks are untouched
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("engine-a" in r.message and "batches 1..4 were missed" in r.message for r in caplog.records)
+
+
+def test_out_of_order_and_duplicate_batches_are_ignored(caplog):
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=False)
+        for seq, payload in [(0, batch(stored(1))), (1, batch(stored(2))), (2, batch(removed(2))),
+                             (1, batch(stored(2))), (2, batch(removed(2)))]:
+            await publisher.send(seq, payload)
+        await publisher.send(3, batch(stored(3)))
+        await until(lambda: stream.stats.batches == 4)
+        assert stream.stats.out_of_order == 2
+        assert index.longest_prefix([1, 2], ["engine-a"]) == {"engine-a": 1}  # the late store of 2 did not revive it
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("engine-a" in r.message and "arrived after" in r.message for r in caplog.records)
+
+
+def test_a_restarted_publisher_starts_the_deployment_over():
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=False)
+        for seq in range(3):
+            await publisher.send(seq, batch(stored(10 + seq)))
+        await until(lambda: stream.stats.batches == 3)
+        await publisher.send(0, batch(CLEARED))  # a new engine: its cache is empty
+        await publisher.send(1, batch(stored(50)))
+        await until(lambda: stream.stats.batches == 5)
+        assert stream.stats.restarts == 1 and index.blocks_of("engine-a") == 1
+        assert index.longest_prefix([50], ["engine-a"]) == {"engine-a": 1}
+    run(scenario)
+
+
+def test_garbage_frames_are_counted_named_and_survived(caplog):
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=False)
+        await publisher.send(0, batch(stored(1)))
+        await publisher.pub.send_multipart([b"kv", b"no seq"])  # two frames
+        await publisher.pub.send_multipart([b"kv", b"\x00\x01", b"x"])  # a 2-byte seq
+        await publisher.send(1, b"\xc1 not msgpack")  # its batch is lost: forget
+        await publisher.send(2, batch(stored(2)))
+        await until(lambda: stream.stats.batches == 2)
+        assert stream.stats.garbage == 3 and stream.live
+        assert index.blocks_of("engine-a") == 1 and index.longest_prefix([2], ["engine-a"]) == {"engine-a": 1}
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("engine-a" in r.message and "not KV event batches" in r.message for r in caplog.records)
+
+
+def test_a_flood_stays_within_the_bound_and_the_loop_keeps_serving():
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex(max_blocks=500)
+        stream = await stream_for(index, replay=False)
+        ticks = 0
+
+        async def other_work():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        worker = asyncio.get_running_loop().create_task(other_work())
+        for seq in range(3000):
+            await publisher.send(seq, batch(stored(*range(seq * 4, seq * 4 + 4))), keep=False)
+        await until(lambda: stream.stats.batches + stream.stats.gaps >= 1 and
+                    index.longest_prefix([2999 * 4], ["engine-a"]) == {"engine-a": 1}, timeout_s=30)
+        worker.cancel()
+        assert len(index) <= 500 and index.blocks_of("engine-a") == len(index)
+        assert ticks > 3000 // 64  # the subscriber yielded to other tasks while it applied the flood
+    run(scenario)
+
+
+def test_a_publisher_that_goes_away_is_no_longer_live(caplog):
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1)))
+        await until(lambda: stream.live)
+        publisher.close()
+        await until(lambda: not stream.live)
+        assert index.blocks_of("engine-a") == 1  # kept: a restart (seq 0 again) or a gap decides
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("engine-a" in r.message and "went away" in r.message for r in caplog.records)
+
+
+def test_the_engines_publisher_feeds_the_index_and_a_late_subscriber_catches_up_by_replay():
+    async def main():
+        port, replay_port = free_port(), free_port()
+        publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{port}",
+                                                     replay_endpoint=f"tcp://*:{replay_port}", topic="kv@x"))
+        context = zmq.asyncio.Context()
+        index = KVIndex()
+        publisher.publish([core.AllBlocksCleared()])
+        publisher.publish([core.BlockStored((11, 12), None, tuple(range(8)), 4)])  # before anyone listens
+        await asyncio.sleep(0.2)
+        source = KVEventsSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv@")
+        stream = EventStream("native-0", source, index, context)
+        stream.start()
+        try:
+            await until(lambda: stream.connected)
+            await asyncio.sleep(0.2)
+            publisher.publish([core.BlockStored((13,), 12, tuple(range(8, 12)), 4), core.BlockRemoved([11])])
+            await until(lambda: stream.stats.batches == 3, 3)
+            assert stream.stats.resyncs == 1  # batches 0 and 1 came from the replay
+            assert index.longest_prefix([11, 12, 13], ["native-0"]) == {"native-0": 0}
+            assert index.blocks_of("native-0") == 2
+        finally:
+            await stream.close()
+            context.term()
+            publisher.close()
+    asyncio.run(main())

@@ -1,0 +1,257 @@
+"""`precise_prefix` routes by what the engines report they cache: a prompt goes to the deployment
+holding the longest run of its blocks, load tempers it, and without live events it routes as
+`prefix_affinity` does. Each "engine" here is a real block manager publishing through the
+engine's own KV-event publisher; the deployments are echo backends that declare those events."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.backend import GenerationRequest, KVEventsSource, LoadSnapshot, SamplingParams
+from gateway.breaker import CircuitBreaker
+from gateway.hookspecs import hookimpl
+from gateway.models import Deployment
+from gateway.prefix_routing import PrecisePrefix
+from gateway.routing import PrefixAffinity
+from kvgate_echo import EchoBackend, EchoSettings
+from native_backend.config.engine import KVEventsOptions
+from native_backend.core.block_manager import BlockManager
+from native_backend.core.sequence import Sequence
+from native_backend.process.kv_publisher import KVEventPublisher
+from servers import GatewayServer
+
+BLOCK = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """A prefix cache that publishes what it stores, as the native engine does."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.blocks = BlockManager(num_blocks=256, block_size=BLOCK, record_kv_events=True)
+        self.publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{self.port}"))
+
+    def serve(self, tokens: list[int]) -> None:
+        seq = Sequence(f"r{time.monotonic_ns()}", tokens)
+        cached = self.blocks.get_computed_prefix(seq)
+        self.blocks.allocate_slots(seq, len(tokens) - cached, cached)
+        seq.num_computed_tokens = len(tokens)
+        self.blocks.cache_full_blocks(seq)
+        self.publisher.publish(self.blocks.take_kv_events())
+
+
+class PublishingEcho(EchoBackend):
+    """An echo backend in front of `engine`: it declares the engine's events and reads token-id prompts."""
+
+    def __init__(self, name: str, engine: Engine | None):
+        super().__init__(EchoSettings(), name=name)
+        self.engine = engine
+
+    def kv_events_source(self):
+        return KVEventsSource(f"tcp://127.0.0.1:{self.engine.port}", block_size=BLOCK) if self.engine else None
+
+    def prompt_token_ids(self, request):
+        return request.prompt if isinstance(request.prompt, list) else None
+
+
+def deployment(name: str, engine: Engine | None) -> Deployment:
+    return Deployment(name, "m", "m", 1.0, PublishingEcho(name, engine), CircuitBreaker(3, 1.0), started=True)
+
+
+def request(tokens, request_id="r"):
+    return GenerationRequest(request_id=request_id, model="m", sampling=SamplingParams(), prompt=tokens)
+
+
+SYSTEM_A = list(range(100, 132))  # 8 blocks
+SYSTEM_B = list(range(500, 532))
+
+
+async def settle(policy, ds, condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        policy.kv_feed.track(ds)
+        assert time.monotonic() < deadline, "the index did not catch up"
+        await asyncio.sleep(0.02)
+
+
+def with_engines(scenario, n=3):
+    async def main():
+        engines = [Engine() for _ in range(n)]
+        ds = [deployment(f"d{i}", e) for i, e in enumerate(engines)]
+        policy = PrecisePrefix({})
+        policy.kv_feed.track(ds)
+        try:
+            await settle(policy, ds, lambda: all(s.connected for s in policy.kv_feed.streams.values()))
+            await asyncio.sleep(0.3)  # subscriptions reach the publishers
+            await scenario(policy, ds, engines)
+        finally:
+            await policy.kv_feed.close()
+            for e in engines:
+                e.publisher.close()
+    asyncio.run(main())
+
+
+def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix():
+    async def scenario(policy, ds, engines):
+        engines[1].serve(SYSTEM_A + [1, 2, 3, 4])
+        engines[2].serve(SYSTEM_B + [1, 2, 3, 4])
+        engines[0].serve(SYSTEM_A[:8])  # only the first 2 blocks of A
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d1") == 9 and
+                     policy.kv_feed.index.blocks_of("d2") == 9 and policy.kv_feed.index.blocks_of("d0") == 2)
+        assert policy.choose(request(SYSTEM_A + [9] * 12, "qa"), ds).name == "d1"
+        assert policy.matched_tokens("qa") == 32
+        assert policy.choose(request(SYSTEM_B + [7] * 5, "qb"), ds).name == "d2"
+        assert policy.choose(request(SYSTEM_A[:8] + [0] * 30, "q0"), ds).name in {"d0", "d1"}  # both hold 2 blocks
+        assert policy.matched_tokens("q0") == 8
+    with_engines(scenario)
+
+
+def test_load_tempers_the_prefix_so_a_hot_engine_does_not_take_everything():
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A)
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d0") == 8)
+        prompt = SYSTEM_A + list(range(40))  # 32 of 72 tokens cached on d0: a 0.44 head start
+        assert policy.choose(request(prompt), ds).name == "d0"
+        ds[0].in_flight = 1  # load score 1 (no capacity known): more than the head start
+        assert policy.choose(request(prompt), ds).name != "d0"
+    with_engines(scenario)
+
+
+def test_a_restarted_or_departed_engine_is_forgotten():
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A)
+        engines[1].serve(SYSTEM_B)
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d1") == 8)
+        ds[0].backend.load = lambda: LoadSnapshot(incarnation=1)  # a new engine process
+        policy.kv_feed.track(ds)
+        assert policy.kv_feed.index.blocks_of("d0") == 0
+        policy.kv_feed.retain([ds[0], ds[2]])  # d1 left the pool (drained, or gone from DNS)
+        assert policy.kv_feed.index.blocks_of("d1") == 0 and "d1" not in policy.kv_feed.streams
+    with_engines(scenario)
+
+
+def test_without_live_events_it_routes_as_prefix_affinity():
+    async def scenario():
+        ds = [deployment(f"d{i}", None) for i in range(4)]  # no events declared
+        policy, affinity = PrecisePrefix({"prefix_chars": 16}), PrefixAffinity({"prefix_chars": 16})
+        for i in range(20):
+            r = request([i, i + 1, i + 2] * 5)
+            assert policy.choose(r, ds) is affinity.choose(r, ds)
+        assert policy.matched_tokens("r") is None
+        await policy.kv_feed.close()
+    asyncio.run(scenario())
+
+
+def test_unknown_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="unknown option.*prefix_weigth"):
+        PrecisePrefix({"prefix_weigth": 2})
+
+
+def test_it_is_registered_through_the_hook():
+    from gateway.plugins import collect_routing_policies, make_plugin_manager
+
+    registry = collect_routing_policies(make_plugin_manager())
+    assert registry.get("precise_prefix") is PrecisePrefix
+
+
+def test_an_openai_deployment_declaring_its_engines_events_is_indexed_too():
+    """A vLLM engine behind the openai backend: the gateway follows the events its settings name
+    (here published by our engine's publisher, which speaks vLLM's format)."""
+    from kvgate_openai import make_openai_backend
+
+    async def scenario():
+        engine = Engine()
+        backend = make_openai_backend({"base_url": "http://127.0.0.1:9/v1", "kv_events": {
+            "endpoint": f"tcp://127.0.0.1:{engine.port}", "block_size": BLOCK, "hash_seed": "0"}}, "vllm-0")
+        d = Deployment("vllm-0", "m", "m", 1.0, backend, CircuitBreaker(3, 1.0), started=True)
+        policy = PrecisePrefix({})
+        try:
+            policy.kv_feed.track([d])
+            await settle(policy, [d], lambda: policy.kv_feed.streams["vllm-0"].connected)
+            await asyncio.sleep(0.3)
+            engine.serve(SYSTEM_A)
+            await settle(policy, [d], lambda: policy.kv_feed.index.blocks_of("vllm-0") == 8)
+            assert policy.kv_feed.live("vllm-0")
+        finally:
+            await policy.kv_feed.close()
+            engine.publisher.close()
+    asyncio.run(scenario())
+
+
+def test_openai_kv_events_settings_are_checked():
+    from kvgate_openai import make_openai_backend
+
+    with pytest.raises(ValueError, match="kv_events.endpoint.*not a ZMQ address"):
+        make_openai_backend({"base_url": "http://h/v1", "kv_events": {"endpoint": "vllm-0:5557"}}, "x")
+
+
+class PublishingEchoPlugin:
+    """Registers `kv_echo`: an echo backend in front of one of `engines` (settings: {engine: i})."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    @hookimpl
+    def register_backends(self, register, config):
+        register("kv_echo", lambda settings, name: PublishingEcho(name, self.engines[settings["engine"]]))
+
+
+GATEWAY = """
+models:
+  - name: m
+    policy: precise_prefix
+    deployments:
+      - {name: d0, backend: kv_echo, settings: {engine: 0}}
+      - {name: d1, backend: kv_echo, settings: {engine: 1}}
+"""
+
+
+def test_through_the_gateway_the_route_span_metrics_and_status_page_show_the_index():
+    engines = [Engine(), Engine()]
+    exporter = InMemorySpanExporter()
+    try:
+        with GatewayServer(GATEWAY, extra_plugins={"kv_echo": PublishingEchoPlugin(engines)},
+                           span_exporter=exporter) as gw:
+            deadline = time.monotonic() + 10
+            while True:  # the subscribers start with the pool; the first request finds them connected
+                httpx.post(gw.base_url + "/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 1})
+                streams = gw.state.registry.pools[0].policy.kv_feed.streams
+                if len(streams) == 2 and all(s.connected for s in streams.values()):
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(0.3)
+            engines[1].serve(SYSTEM_B)
+            pool = gw.state.registry.pools[0]
+            while pool.policy.kv_feed.index.blocks_of("d1") < 8:
+                assert time.monotonic() < deadline + 10
+                time.sleep(0.05)
+            exporter.clear()
+            r = httpx.post(gw.base_url + "/v1/completions", json={"model": "m", "prompt": SYSTEM_B + [3, 4], "max_tokens": 2})
+            assert r.status_code == 200
+            route = next(s for s in exporter.get_finished_spans() if s.name == "kvgate.route")
+            assert route.attributes["kvgate.deployment"] == "d1"
+            assert route.attributes["kvgate.kv_prefix_matched_tokens"] == 32
+            status = httpx.get(gw.base_url + "/status.json").json()
+            views = {d["name"]: d for d in status["models"][0]["deployments"]}
+            assert views["d1"]["kv_index"] == {"blocks": 8, "live": True}
+            assert views["d0"]["kv_index"]["blocks"] == 0
+            metrics = httpx.get(gw.base_url + "/metrics").text
+            assert 'kvgate_kv_index_deployment_blocks{deployment="d1",model="m"} 8.0' in metrics
+            assert 'kvgate_kv_events_batches_total{deployment="d1",model="m"}' in metrics
+            assert 'kvgate_kv_index_blocks{model="m"} 8.0' in metrics
+    finally:
+        for e in engines:
+            e.publisher.close()
