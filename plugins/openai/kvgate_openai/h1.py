@@ -271,28 +271,25 @@ class _Body:
                 yield buf[0] if len(buf) == 1 else b"".join(buf)
             elif conn.done:
                 self._ended = True
-                self._give_back()
+                self.close()
                 return
             elif conn.error is not None:
-                self._give_back()
+                self.close()
                 raise (AnswerTooLarge if conn.too_large else StreamBroken)(conn.error)
             else:
                 await conn.wait()
 
-    def _give_back(self) -> None:
+    def close(self) -> None:
+        """Give the connection back when the body was read to its end; otherwise close it, which
+        is also how an upstream learns that a request was aborted."""
         conn, self._conn = self._conn, None
         if conn is not None:
             self._client._give_back(conn)
 
-    def close(self) -> None:
-        """Give the connection back when the body was read to its end; otherwise close it, which
-        is also how an upstream learns that a request was aborted."""
-        self._give_back()
-
     def __del__(self) -> None:
         # A response dropped without aclose must not keep its slot: the pool would run dry.
         if self._conn is not None:
-            self._give_back()
+            self.close()
 
 
 class _Target:
