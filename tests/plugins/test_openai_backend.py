@@ -491,6 +491,30 @@ def test_load_comes_from_the_upstream_metrics_and_goes_stale(upstream, preset, p
     assert not sick.healthy and healed.waiting == expected[0]
 
 
+def test_scrapes_go_on_while_every_connection_carries_a_generation(upstream):
+    """Scrapes have a connection of their own: a pool whose only connection a stalled stream
+    holds neither makes the metrics stale nor the deployment unhealthy."""
+    upstream.metrics_text, upstream.metrics_hang = VLLM_PAGE, False
+    backend = _backend(upstream, max_connections=1, metrics="vllm", metrics_url=upstream.base_url + "/metrics",
+                       metrics_poll_s=0.05, metrics_stale_s=0.3, unhealthy_after=2)
+
+    async def go(b):
+        await _wait_for(b, lambda s: "metrics_stale" not in s.extra)
+        holder = asyncio.create_task(_collect(b, _request("slow")))  # three tokens, then silence
+        try:
+            await asyncio.sleep(0.2)
+            read_at = b.tracker.read_at
+            await asyncio.sleep(1.0)  # over three stale periods, every connection taken
+            return read_at, b.tracker.read_at, b.load()
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+
+    read_at, later, load = run(go, backend)
+    assert later > read_at and load.healthy and "metrics_stale" not in load.extra
+    assert (load.waiting, load.running) == (5, 7)
+
+
 def test_without_metrics_load_is_the_in_flight_count(upstream):
     async def go(b):
         request = _request("slow")
