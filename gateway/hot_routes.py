@@ -11,6 +11,8 @@ app instead, as gateway.app does.
 
 from __future__ import annotations
 
+import inspect
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.errors import ServerErrorMiddleware
@@ -56,6 +58,8 @@ class HotRoutes:
         self.by_status: dict = {}
         self.unexpected = None
         for key, handler in self.app.exception_handlers.items():
+            if not inspect.iscoroutinefunction(handler):  # Starlette would run it in a thread
+                raise RuntimeError(f"HotRoutes awaits the app's exception handlers; the one for {key!r} is not async")
             if key in (500, Exception):
                 self.unexpected = handler
             elif isinstance(key, int):

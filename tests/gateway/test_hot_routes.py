@@ -151,3 +151,6 @@ def test_hot_routes_take_their_error_handlers_from_the_app():
     assert hot.handler_of(ZeroDivisionError()) is None and hot.unexpected is _error
     with pytest.raises(RuntimeError, match="handler for Exception"):
         HotRoutes(Starlette(), {"/v1/completions": api.completions})
+    with pytest.raises(RuntimeError, match="the one for 418 is not async"):
+        HotRoutes(Starlette(exception_handlers={418: lambda request, exc: None, Exception: _error}),
+                  {"/v1/completions": api.completions})
