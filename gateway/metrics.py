@@ -200,6 +200,14 @@ ENGINE_SERIES = (
     ("kvgate_engine_step_tokens", None, "Tokens computed by engine steps (prompt and output).", "counter", "num_step_tokens"),
     ("kvgate_engine_step_seconds", None, "Time spent in engine steps.", "counter", "step_seconds"),
     ("kvgate_engine_kv_blocks_total", None, "KV-cache blocks in the engine.", "gauge", "kv_blocks_total"),
+    ("kvgate_engine_grammar_compiles", None, "Output constraints (JSON schemas, regexes, grammars) compiled.",
+     "counter", "grammar_compiles"),
+    ("kvgate_engine_grammar_cache_hits", None, "Constrained requests served a grammar compiled before.",
+     "counter", "grammar_cache_hits"),
+    ("kvgate_engine_grammar_failures", None, "Constraints refused by the grammar library or past the compile "
+     "deadline.", "counter", "grammar_failures"),
+    ("kvgate_engine_grammar_compile_seconds", None, "Time spent compiling constraints.", "counter",
+     "grammar_compile_seconds"),
 )
 
 

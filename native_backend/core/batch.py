@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from native_backend.core.sampling_params import SamplingParams
 
 
@@ -37,6 +39,9 @@ class ScheduledChunk:
     # the executor's draft model proposes them. The runner returns the accepted drafts plus one.
     num_spec_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # Constrained decoding: the tokens the request's grammar allows next (int32 words, bit t % 32
+    # of word t // 32 for token t), for a sampling chunk of a constrained request; else None.
+    token_bitmask: np.ndarray | None = None
 
 
 def step_tokens(chunk: ScheduledChunk) -> list[int]:

@@ -3,18 +3,25 @@
     add_request ──> Scheduler (waiting) ──schedule()──> SchedulerOutput ──Executor.execute()──>
     RunnerOutput ──Scheduler.update()──> StepResults ──detokenize, stop strings──> RequestOutputs
 
+A constrained request (EngineRequest.grammar) first waits outside the scheduler for its grammar,
+compiled on a worker thread (core.grammars), while the batch runs on; then it joins the scheduler
+with its own matcher. A constraint the library refuses ends it before any token (EngineError
+"invalid" naming the request parameter).
+
 The core never touches the model: the executor builds it, owns it and runs it. The engine is
 handed its executor (process.factory builds both), so the core imports nothing of execution.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from native_backend.config.engine import EngineConfig
+from native_backend.core.grammars import GrammarService
 from native_backend.core.interface import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
 from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
@@ -22,6 +29,8 @@ from native_backend.core.sequence import Sequence
 from native_backend.core.spec_policy import SpeculationPolicy
 from native_backend.core.spec_stats import SpecDecodeStats
 from native_backend.text.detokenizer import IncrementalDetokenizer
+from native_backend.text.grammar import GrammarCompiler
+from native_backend.text.grammar_spec import GrammarError, GrammarSpec
 from native_backend.text.stop import StopStringMatcher
 from native_backend.text.tokenizer import Tokenizer
 
@@ -48,6 +57,19 @@ class _TextState:
         return {k: float(v) for k, v in marks.items() if v is not None}
 
 
+@dataclass
+class _AwaitingGrammar:
+    """A constrained request whose grammar is compiling: it joins the scheduler when it is done."""
+
+    seq: Sequence
+    spec: GrammarSpec
+    future: concurrent.futures.Future
+    deadline: float  # time.monotonic() after which the compile counts as failed
+
+
+GRAMMAR_POLL_S = 0.02  # with nothing else to run, how long a step waits for a grammar to finish
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor, kv_events: Callable[[list[KVEvent]], None] | None = None):
         """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor).
@@ -71,6 +93,8 @@ class LLMEngine:
             record_kv_events=kv_events is not None,
         ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
         self._texts: dict[str, _TextState] = {}
+        self._grammars: GrammarService | None = None  # made on the first constrained request
+        self._awaiting: dict[str, _AwaitingGrammar] = {}
         self.num_steps = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0
@@ -91,10 +115,13 @@ class LLMEngine:
             sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
         seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority)
         try:
-            self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
+            if request.grammar is None:
+                self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
+            else:
+                self._await_grammar(seq, request.grammar)
         except ContextLengthError as exc:
             raise EngineError("context_length", str(exc)) from None
-        except ValueError as exc:
+        except ValueError as exc:  # GrammarError included: a malformed or oversized constraint
             raise EngineError("invalid", str(exc)) from None
         self._texts[request.request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
@@ -103,24 +130,45 @@ class LLMEngine:
             arrived=request.arrival_time,
         )
 
+    def _await_grammar(self, seq: Sequence, spec: GrammarSpec) -> None:
+        """Refuse now what is wrong without compiling (lengths, size), then queue the compile."""
+        if seq.request_id in self._awaiting:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self.scheduler.check(seq)
+        grammars = self._grammar_service()
+        self._awaiting[seq.request_id] = _AwaitingGrammar(
+            seq, spec, grammars.submit(spec), time.monotonic() + grammars.compile_timeout_s)
+
+    def _grammar_service(self) -> GrammarService:
+        if self._grammars is None:
+            tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
+            eos = self.eos_token_ids[0] if self.eos_token_ids else None
+            self._grammars = GrammarService(lambda: GrammarCompiler(tokenizer, vocab_size, eos))
+        return self._grammars
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self._awaiting.pop(request_id, None)
         self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._awaiting)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update; then turn token ids into text deltas."""
         started = time.monotonic()
+        refused = self._admit_compiled() if self._awaiting else []
+        if not self.scheduler.has_unfinished():  # only grammars compiling: wait for one, do not spin
+            self._wait_for_grammars()
+            return refused
         scheduled = self.scheduler.schedule()
         self._note_prefill(scheduled)
         runner_output = self.executor.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
         self._publish_kv_events()
-        outputs = [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
+        outputs = refused + [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
@@ -131,6 +179,42 @@ class LLMEngine:
             events = self.scheduler.block_manager.take_kv_events()
             if events:
                 self._kv_events(events)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready join the scheduler; those whose constraint failed to
+        compile (or ran past the deadline) end here, before any token: their outputs."""
+        refused, now = [], time.monotonic()
+        for request_id, waiting in list(self._awaiting.items()):
+            if waiting.future.done():
+                del self._awaiting[request_id]
+                error = self._join_scheduler(waiting)
+            elif now > waiting.deadline:
+                del self._awaiting[request_id]
+                self._grammars.note_timeout()
+                error = EngineError("invalid", f"{waiting.spec.param}: compiling the constraint took longer than "
+                                    f"{self._grammars.compile_timeout_s:g} s")
+            else:
+                continue
+            if error is not None:
+                self._texts.pop(request_id, None)
+                refused.append(RequestOutput(request_id, [], "", finish_reason="abort", error=error,
+                                             num_prompt_tokens=waiting.seq.num_prompt_tokens))
+        return refused
+
+    def _join_scheduler(self, waiting: _AwaitingGrammar) -> EngineError | None:
+        try:
+            waiting.seq.grammar = waiting.future.result().matcher()
+            self.scheduler.add(waiting.seq)
+        except (GrammarError, ValueError) as exc:
+            return EngineError("invalid", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the compiler broke on this constraint: it fails alone
+            log.warning("compiling %s for request %s failed: %s", waiting.spec.param, waiting.seq.request_id, exc)
+            return EngineError("internal", f"compiling the constraint failed: {type(exc).__name__}: {exc}")
+        return None
+
+    def _wait_for_grammars(self) -> None:
+        futures = [w.future for w in self._awaiting.values()]
+        concurrent.futures.wait(futures, timeout=GRAMMAR_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _note_prefill(self, scheduled) -> None:
         now = time.time()
@@ -200,7 +284,7 @@ class LLMEngine:
         self.executor.check_health()
         s = self.scheduler.stats()
         return EngineStats(
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(self._awaiting),
             num_running=s.num_running,
             kv_cache_usage=s.kv_cache_usage,
             kv_blocks_total=self.plan.num_blocks,
@@ -217,7 +301,15 @@ class LLMEngine:
             weights=self.executor.weights,
             max_model_len=self.max_model_len,
             **_spec_decode_stats(s.spec_decode),
+            **self._grammar_stats(),
         )
+
+    def _grammar_stats(self) -> dict:
+        if self._grammars is None:
+            return {}
+        g = self._grammars.stats
+        return dict(grammar_compiles=g.compiles, grammar_cache_hits=g.cache_hits, grammar_failures=g.failures,
+                    grammar_compile_seconds=g.compile_seconds, num_waiting_for_grammar=len(self._awaiting))
 
 
 def _spec_decode_stats(stats) -> dict:

@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 from native_backend.core.batch import SampledLogprobs
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.core.sequence import FinishReason
+from native_backend.text.grammar_spec import GrammarSpec
 
 EngineErrorKind = Literal["invalid", "context_length", "overloaded", "internal"]
 
@@ -52,6 +53,14 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Constrained decoding, since start: grammars compiled, requests served a grammar compiled
+    # before (the cache), constraints refused or past the compile deadline, seconds compiling;
+    # and requests waiting for their grammar now.
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_failures: int = 0
+    grammar_compile_seconds: float = 0.0
+    num_waiting_for_grammar: int = 0
 
 
 @dataclass
@@ -63,6 +72,8 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # wall clock (s), set where it arrived
     # W3C trace context (traceparent/tracestate) so the engine's spans join the request's trace.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Constrained decoding: the output must match this (a JSON schema, regex, choice, grammar).
+    grammar: GrammarSpec | None = None
 
     def check(self, vocab_size: int) -> None:
         """Refuse (EngineError "invalid") what would fail later inside a batched step, where it

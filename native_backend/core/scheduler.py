@@ -16,7 +16,12 @@ A preempted request keeps its output tokens; when readmitted it re-prefills prom
 
 With speculative decoding (a `SpeculationPolicy`), a decoding request may carry k drafts: it
 takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
-drafts (without free blocks it decodes plainly).
+drafts (without free blocks it decodes plainly). A constrained request (one with a grammar) never
+speculates: its drafts would need the grammar's mask at every draft position.
+
+Constrained decoding: once the batch is formed, each sampling chunk of a constrained request gets
+its grammar's bitmask of allowed next tokens (`token_bitmask`; the sampler masks that row's
+logits with it); `update()` advances the grammar past every appended token.
 
 `update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
 rejected drafts), registers newly full blocks in the prefix cache, and detects the end of a request.
@@ -28,6 +33,8 @@ import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from native_backend.core.batch import RunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
 from native_backend.core.block_manager import BlockManager
@@ -52,6 +59,11 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the request's grammar refuses (the mask should have made it impossible):
+    that request fails alone."""
 
 
 class ContextLengthError(ValueError):
@@ -181,14 +193,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request. Raises ValueError for one that could never run to completion."""
-        self._validate(seq)
+        self.check(seq)
         seq.resolve_limits(self.config.max_model_len, self.config.eos_token_id)
         seq.arrival_index = next(self._arrival_counter)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.push(seq)
 
-    def _validate(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError (ContextLengthError for lengths) for a request that could never run;
+        fits a default max_tokens to the context. add() calls it; a request that waits before
+        joining (for its grammar) is checked on arrival too."""
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         c = self.config
@@ -257,6 +272,7 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._admit_waiting(plan)
+        self._fill_token_bitmasks(plan)
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         return SchedulerOutput(
             chunks=list(plan.chunks.values()),
@@ -274,7 +290,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
-            proposal = self._proposal(seq, plan) if speculate and seq.num_uncomputed_tokens == 1 else NO_PROPOSAL
+            drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None
+            proposal = self._proposal(seq, plan) if drafts else NO_PROPOSAL
             if self._reserve_blocks(seq, num_new, plan):
                 plan.add(self._make_chunk(seq, num_new, proposal))
 
@@ -322,6 +339,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)
+
+    def _fill_token_bitmasks(self, plan: _StepPlan) -> None:
+        """The grammar's allowed next tokens for each constrained sampling chunk, filled once the
+        batch is final (a chunk dropped by a later preemption would waste its fill)."""
+        for chunk in plan.chunks.values():
+            grammar = self.requests[chunk.request_id].grammar
+            if chunk.sample and grammar is not None:
+                chunk.token_bitmask = np.empty(grammar.num_words, dtype=np.int32)
+                grammar.fill_bitmask(chunk.token_bitmask)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -378,10 +404,7 @@ class Scheduler:
     def _apply_chunk(self, seq: Sequence, chunk: ScheduledChunk, runner: RunnerOutput) -> StepResult | None:
         error = runner.errors.get(seq.request_id)
         if error is not None:  # this request's sampling failed: it ends alone
-            self.running.remove(seq)
-            self._end(seq, "abort")
-            return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
-                              num_output_tokens=seq.num_output_tokens, error=error)
+            return self._fail(seq, error)
         seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
         sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
         if chunk.sample and not 1 <= len(sampled) <= 1 + chunk.num_spec_tokens:
@@ -389,7 +412,10 @@ class Scheduler:
             raise RuntimeError(f"runner sampled {len(sampled)} tokens for {seq.request_id}")
         if chunk.num_spec_tokens:
             self._keep_accepted(seq, chunk.num_spec_tokens, num_accepted=len(sampled) - 1)
-        new_tokens, reason = self._append_until_stop(seq, sampled)
+        try:
+            new_tokens, reason = self._append_until_stop(seq, sampled)
+        except GrammarViolation as exc:
+            return self._fail(seq, str(exc))
         self.block_manager.cache_full_blocks(seq)
         if reason is not None:
             self.running.remove(seq)
@@ -409,6 +435,12 @@ class Scheduler:
             spec_decode=seq.spec.counts if seq.spec is not None else None,
         )
 
+    def _fail(self, seq: Sequence, error: str) -> StepResult:
+        self.running.remove(seq)
+        self._end(seq, "abort")
+        return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
+                          num_output_tokens=seq.num_output_tokens, error=error)
+
     def _keep_accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """The rejected drafts' slots are rolled back (blocks still needed stay); the accepted
         ones are the sequence's tokens from now on (their KV is already computed)."""
@@ -417,9 +449,12 @@ class Scheduler:
 
     @staticmethod
     def _append_until_stop(seq: Sequence, sampled: list[int]) -> tuple[list[int], FinishReason | None]:
-        """Append sampled tokens one by one; tokens after a stop (speculation) are dropped."""
+        """Append sampled tokens one by one; tokens after a stop (speculation) are dropped. A
+        constrained request's grammar advances past each (the mask made it allowed)."""
         appended = []
         for token_id in sampled:
+            if seq.grammar is not None and not seq.grammar.accept(token_id):
+                raise GrammarViolation(f"token {token_id} is outside the grammar: {seq.grammar.error}")
             seq.output_token_ids.append(token_id)
             appended.append(token_id)
             reason = seq.stop_reason_after(token_id)

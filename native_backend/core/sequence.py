@@ -19,6 +19,7 @@ from typing import Literal
 
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.core.spec_stats import SpecState
+from native_backend.text.grammar import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -58,6 +59,9 @@ class Sequence:
     num_preemptions: int = 0
     arrival_index: int = 0  # set by the scheduler: breaks arrival_time ties in FIFO order
     spec: SpecState | None = None  # speculative decoding's history of this request (its policy's)
+    # Constrained decoding: where the request stands in its grammar. It has seen every output
+    # token (preemption keeps them, so it stays valid through recompute); None: unconstrained.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -114,7 +118,10 @@ class Sequence:
             self.eos_token_id = default_eos_token_id
 
     def stop_reason_after(self, token_id: int) -> FinishReason | None:
-        """Why the sequence ends after `token_id` was appended, or None if it goes on."""
+        """Why the sequence ends after `token_id` was appended, or None if it goes on. A
+        grammar that is complete ends it ("stop"), even at max_tokens or with ignore_eos."""
+        if self.grammar is not None and self.grammar.is_terminated:
+            return "stop"
         if token_id in self.sampling.stop_token_ids:
             return "stop"
         if token_id == self.eos_token_id and not self.sampling.ignore_eos:

@@ -154,4 +154,5 @@ def _logits_indices(chunks: list[ScheduledChunk], query_lens: list[int]) -> torc
 
 
 def _sampling_row(chunk: ScheduledChunk) -> SamplingRow:
-    return SamplingRow(chunk.request_id, chunk.sampling, chunk.prompt_token_ids, chunk.output_token_ids)
+    return SamplingRow(chunk.request_id, chunk.sampling, chunk.prompt_token_ids, chunk.output_token_ids,
+                       chunk.token_bitmask)

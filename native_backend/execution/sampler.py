@@ -2,7 +2,9 @@
 
 One row of logits per sampled position. The order of operations, per row:
 
-    raw logits ──> logprobs (log_softmax of the raw logits: what the API reports)
+    raw logits ──> grammar mask (constrained rows only: tokens the grammar forbids -> -inf)
+        │
+        ├─ logprobs (log_softmax after the mask, before penalties: what the API reports)
         │
         ├─ repetition penalty (HF: over prompt + output; divide positive logits, multiply negative)
         ├─ presence / frequency penalties (OpenAI: over output only; subtract)
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from native_backend.core.batch import SampledLogprobs
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.spec_decode.rejection import accepted_prefix, rejection_sample
+from native_backend.execution.token_mask import apply_token_bitmasks
 
 
 @dataclass
@@ -44,7 +48,11 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    token_bitmask: np.ndarray | None = None  # constrained decoding: the tokens allowed next
 
+
+# A token the grammar forbids has logprob -inf; the API reports OpenAI's floor instead (JSON has no -inf).
+MIN_LOGPROB = -9999.0
 
 FAILED = -1  # the token of a row whose sampling raised (its request fails alone)
 
@@ -90,7 +98,7 @@ class Sampler:
         return tokens, logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
-        logits = logits.float()
+        logits = apply_token_bitmasks(logits.float(), [r.token_bitmask for r in rows])
         logprobs = self._logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
         tokens = logits.argmax(dim=-1)  # (num_rows,): right for greedy rows, replaced for others
@@ -268,5 +276,5 @@ def _pick_logprobs(row_logprobs: torch.Tensor, token: int, row: SamplingRow) -> 
     top = ()
     if k > 0:
         values, ids = row_logprobs.topk(k)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return SampledLogprobs(token_id=token, logprob=float(row_logprobs[token]), top=top)
+        top = tuple(zip(ids.tolist(), values.clamp(min=MIN_LOGPROB).tolist()))
+    return SampledLogprobs(token_id=token, logprob=max(float(row_logprobs[token]), MIN_LOGPROB), top=top)

@@ -30,6 +30,7 @@ from gateway.backend import (
 from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
+from kvgate_native.constraints import grammar_spec
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
 from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, KVEventsOptions, SpeculativeOptions
@@ -48,7 +49,8 @@ TOKENIZE_THREADS = 2
 
 ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
-                                   features=frozenset({"logprobs", "n"}))
+                                   features=frozenset({"logprobs", "n", "json_object", "json_schema"}),
+                                   extras=frozenset({"structured_outputs"}))
 
 
 class SpeculativeSettings(BaseModel):
@@ -207,10 +209,10 @@ class NativeBackend:
             max_workers=TOKENIZE_THREADS, thread_name_prefix=f"kvgate-tokenize-{name}")
 
     def capabilities(self) -> Capabilities:
-        """Chat and completions with logprobs and n, and /tokenize with the engine's tokenizer and
-        chat template. No tools or structured outputs yet: the engine has no constrained
-        sampling, so such requests go to other deployments (or get the gateway's 400 naming the
-        parameter)."""
+        """Chat and completions with logprobs and n, structured outputs (response_format
+        json_object / json_schema, vLLM's structured_outputs: grammar-constrained sampling in the
+        engine), and /tokenize with the engine's tokenizer and chat template. No tools yet: such
+        requests go to other deployments (or get the gateway's 400 naming the parameter)."""
         return NATIVE_CAPABILITIES
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
@@ -275,6 +277,7 @@ class NativeBackend:
             sampling=_engine_sampling(request),
             priority=request.priority,
             trace_context=dict(request.trace_context),
+            grammar=grammar_spec(request),
         )
         want_logprobs = request.sampling.logprobs is not None
         try:
@@ -439,9 +442,10 @@ def _api_error(exc: EngineError) -> APIError:
 
 
 def _named_field(message: str) -> str | None:
-    """The engine's checks say 'field: problem'."""
+    """The engine's checks say 'field: problem' (a dotted path for a constraint's parameter,
+    e.g. 'response_format.json_schema.schema')."""
     head, sep, _ = message.partition(":")
-    return head if sep and head.isidentifier() else None
+    return head if sep and head and all(part.isidentifier() for part in head.split(".")) else None
 
 
 def _engine_info(stats: dict) -> dict[str, str]:

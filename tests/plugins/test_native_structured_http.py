@@ -1,0 +1,191 @@
+"""Structured outputs on the native engine behind a live gateway, through the real openai client.
+
+SmolLM2 answers under every kind of constraint a client can send: OpenAI's response_format (a
+pydantic model through `chat.completions.parse`, a raw json_schema, json_object) and vLLM's
+structured_outputs (regex, choice, a GBNF grammar). Every output is checked against its
+constraint by an independent judge (`jsonschema`, Python's `re`), sampled at temperature 1 with
+seeds, so the mask, not the model's good manners, makes it valid. A constraint the grammar library
+refuses is a 400 naming the parameter, sent while a batch runs, and the batch completes.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from servers import GatewayServer
+
+pytestmark = pytest.mark.timeout(900)
+
+CONFIG = """
+models:
+  - name: smollm2
+    deployments:
+      - name: native-0
+        backend: native
+        settings: {max_num_seqs: 8, max_num_batched_tokens: 128, kv_cache_bytes: 134217728, num_threads: 2}
+"""
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+SAMPLED = dict(temperature=1.0, max_tokens=80)
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
+    with GatewayServer(CONFIG, ready_timeout=600) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return gw.openai(timeout=300)
+
+
+def chat(client, content, **kw):
+    """One user turn to SmolLM2; the constraint and sampling come in `kw`."""
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_parse_with_a_pydantic_model(client):
+    out = client.chat.completions.parse(
+        model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, seed=1, **SAMPLED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)  # the SDK parsed and validated it
+    jsonschema.validate(json.loads(choice.message.content), City.model_json_schema())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_outputs_validate(client, seed):
+    out = chat(client, "Give me a person as JSON.", seed=seed, n=2, **SAMPLED,
+               response_format={"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_streamed_json_schema_output_validates(client):
+    stream = chat(client, "Give me a person as JSON.", seed=7, stream=True, **SAMPLED,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_is_an_object(client):
+    out = chat(client, "List two fruits with their colours, as JSON.", seed=4,
+               response_format={"type": "json_object"}, **SAMPLED)
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(client):
+    out = chat(client, "Give me a person as JSON.", seed=5, temperature=1.0, max_tokens=4,
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 4
+    assert out.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_regex(client, seed):
+    pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}(\.[0-9])?"
+    out = chat(client, "Name a city and a temperature.", seed=seed, **SAMPLED,
+               extra_body={"structured_outputs": {"regex": pattern}})
+    assert out.choices[0].finish_reason == "stop"
+    assert re.fullmatch(pattern, out.choices[0].message.content)
+
+
+def test_choice_and_its_logprobs_come_after_the_mask(client):
+    choices = ["yes", "no", "maybe"]
+    out = chat(client, "Is the sky green?", seed=3, logprobs=True, top_logprobs=10, **SAMPLED,
+               extra_body={"structured_outputs": {"choice": choices}})
+    choice = out.choices[0]
+    assert choice.message.content in choices
+    first = choice.logprobs.content[0]
+    allowed = [t for t in first.top_logprobs if t.logprob > -9999.0]
+    assert allowed and all(any(c.startswith(t.token) for c in choices) for t in allowed)
+    # After the mask the allowed tokens hold all the probability (before it, they held far less).
+    assert sum(2.718281828459045 ** t.logprob for t in allowed) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_gbnf_grammar(client):
+    grammar = 'root ::= "The answer is " [0-9]+ "."'
+    out = chat(client, "What is six times seven?", seed=2, **SAMPLED,
+               extra_body={"structured_outputs": {"grammar": grammar}})
+    assert re.fullmatch(r"The answer is [0-9]+\.", out.choices[0].message.content)
+
+
+def test_completions_endpoint_is_constrained_too(client):
+    out = client.completions.create(model="smollm2", prompt="A random number:", seed=1, **SAMPLED,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", out.choices[0].text)
+
+
+BAD = [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "(unclosed"}}}}, "response_format.json_schema.schema"),
+]
+
+
+def test_refused_constraints_are_400s_while_a_batch_runs(client):
+    """Each refusal names the parameter; the requests already running finish untouched."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        batch = [pool.submit(chat, client, "Give me a person as JSON.", seed=s, temperature=1.0, max_tokens=60,
+                             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+                 for s in range(3)]
+        for body, param in BAD:
+            with pytest.raises(openai.BadRequestError) as caught:
+                chat(client, "Hi", max_tokens=5, extra_body=body)
+            assert caught.value.body["param"] == param, caught.value.body
+        for future in batch:
+            out = future.result()
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+
+
+def test_the_compile_cache_is_counted(gw, client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    before = _metric(gw, "kvgate_engine_grammar_cache_hits_total")
+    for seed in (1, 2):
+        chat(client, "A number as JSON.", seed=seed, response_format=fmt, **SAMPLED)
+    assert _metric(gw, "kvgate_engine_grammar_cache_hits_total") >= before + 1
+    assert _metric(gw, "kvgate_engine_grammar_compiles_total") >= 1
+
+
+def _metric(gw, name: str) -> float:
+    time.sleep(0.5)  # the engine's stats reach the gateway every stats interval
+    families = text_string_to_metric_families(httpx.get(gw.base_url + "/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
