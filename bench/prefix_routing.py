@@ -9,7 +9,7 @@ reload leaves one engine alone, whose hit rate is the "one engine serving everyt
 
 Workload (fixed seed): `--systems` system prompts (pydoc text, ~`--system-tokens` tokens each),
 `--users` conversations spread over them, `--turns` turns each: a user message (pydoc text), the
-model's reply (`--max-tokens`, greedy) appended, the next turn sent with the whole history.
+model's reply (`--max-tokens`, greedy) appended (a question is `--question-words` words of pydoc text), the next turn sent with the whole history.
 Requests go turn by turn, users interleaved, `--concurrency` in flight. Every phase (policy) gets
 conversations of its own (other pydoc passages), so no phase reuses another's cache; a warm-up
 phase fills the caches first, so every measured phase starts with full LRUs.
@@ -48,8 +48,8 @@ from upstream_overhead import spawn  # noqa: E402
 CONFIG = ROOT / "configs" / "prefix_routing.yaml"
 MODEL = "smollm2-135m-instruct"
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "precise_prefix")
-WORKLOAD_DEFAULTS = {"--systems": 3, "--system-tokens": 300, "--users": 12, "--turns": 4, "--max-tokens": 16,
-                     "--concurrency": 4}
+WORKLOAD_DEFAULTS = {"--systems": 3, "--system-tokens": 300, "--question-words": 90, "--users": 12, "--turns": 4,
+                     "--max-tokens": 16, "--concurrency": 4}
 
 
 def passages(seed: int, count: int, words: int) -> list[str]:
@@ -89,7 +89,7 @@ async def one_turn(client: httpx.AsyncClient, base: str, history: list[dict], qu
 
 async def run_phase(base: str, phase: int, args) -> list[float]:
     histories = conversations(phase, args)
-    questions = passages(2000 + phase, args.users * args.turns, 30)
+    questions = passages(2000 + phase, args.users * args.turns, args.question_words)
     ttfts: list[float] = []
     limit = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=600) as client:

@@ -14,7 +14,8 @@ holding the whole prompt wins until it is a full load unit busier than an empty 
 with the prefix does not get everything. Ties go in turn.
 
 When no candidate's events are live (no publisher declared, nothing heard yet) or the prompt cannot
-be tokenized here, `prefix_affinity` decides instead. Routing stays advisory: a wrong guess costs
+be tokenized here, `prefix_affinity` decides instead; it also places a prompt no deployment holds
+any block of, so that requests sharing a new prefix meet on one engine before any has cached it. Routing stays advisory: a wrong guess costs
 a recompute on the chosen engine, never a failed request.
 """
 
@@ -45,6 +46,7 @@ class KVFeed:
         self.streams: dict[str, EventStream] = {}
         self._incarnations: dict[str, int] = {}
         self._silent: set[str] = set()  # deployments that declare no events source
+        self._retiring: set[asyncio.Task] = set()  # streams of deployments that left, closing
         self._context: zmq.asyncio.Context | None = None
 
     def track(self, deployments) -> None:
@@ -76,8 +78,9 @@ class KVFeed:
         streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             await stream.close()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._context is not None:
-            self._context.term()
+            self._context.destroy(linger=0)
             self._context = None
 
     def _follow(self, d) -> None:
@@ -103,9 +106,10 @@ class KVFeed:
             stream.forget("its engine restarted")
         self._incarnations[d.name] = incarnation
 
-    @staticmethod
-    def _close_later(stream: EventStream) -> None:
-        asyncio.get_running_loop().create_task(stream.close())
+    def _close_later(self, stream: EventStream) -> None:
+        task = asyncio.get_running_loop().create_task(stream.close())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
 
 class PrecisePrefix:
@@ -136,6 +140,9 @@ class PrecisePrefix:
         if not tokens:
             return self._fallback.choose(request, candidates)
         cached = self._cached_tokens(tokens, live)
+        if not any(cached.values()):  # a new prefix: its home by affinity, so its next turns meet there
+            self._remember(request, 0)
+            return self._fallback.choose(request, candidates)
         scores = [self.prefix_weight * cached.get(d.name, 0) / len(tokens) - self.load_weight * load_score(d) / d.weight
                   for d in candidates]
         best = max(scores)

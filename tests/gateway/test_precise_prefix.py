@@ -118,6 +118,18 @@ def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix():
     with_engines(scenario)
 
 
+def test_a_prompt_nobody_holds_goes_home_by_affinity():
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A)
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d0") == 8)
+        affinity = PrefixAffinity({})
+        for i in range(10):
+            r = request(SYSTEM_B[:-1] + [i] * 9, f"cold{i}")
+            assert policy.choose(r, ds) is affinity.choose(r, ds)
+            assert policy.matched_tokens(f"cold{i}") == 0
+    with_engines(scenario)
+
+
 def test_load_tempers_the_prefix_so_a_hot_engine_does_not_take_everything():
     async def scenario(policy, ds, engines):
         engines[0].serve(SYSTEM_A)
