@@ -10,7 +10,8 @@ reload leaves one engine alone, whose hit rate is the "one engine serving everyt
 Workload (fixed seed): `--systems` system prompts (pydoc text, ~`--system-tokens` tokens each),
 `--users` conversations spread over them, `--turns` turns each: a user message (pydoc text), the
 model's reply (`--max-tokens`, greedy) appended (a question is `--question-words` words of pydoc text), the next turn sent with the whole history.
-Requests go turn by turn, users interleaved, `--concurrency` in flight. Every phase (policy) gets
+Requests go turn by turn, users interleaved in a new random order each turn, `--concurrency` in
+flight. Every phase (policy) gets
 conversations of its own (other pydoc passages), so no phase reuses another's cache; a warm-up
 phase fills the caches first, so every measured phase starts with full LRUs.
 
@@ -92,13 +93,17 @@ async def run_phase(base: str, phase: int, args) -> list[float]:
     questions = passages(2000 + phase, args.users * args.turns, args.question_words)
     ttfts: list[float] = []
     limit = asyncio.Semaphore(args.concurrency)
+    order = random.Random(phase)
     async with httpx.AsyncClient(timeout=600) as client:
         for turn in range(args.turns):  # users interleaved within a turn; turn t+1 after turn t
             async def go(u: int) -> None:
                 async with limit:
                     ttfts.append(await one_turn(client, base, histories[u], "Question: " +
                                                 questions[turn * args.users + u], args))
-            await asyncio.gather(*(go(u) for u in range(args.users)))
+            # A new order each turn: in a fixed one, round robin over a multiple of the engine
+            # count would send each user to the same engine every turn (affinity by accident).
+            users = order.sample(range(args.users), args.users)
+            await asyncio.gather(*(go(u) for u in users))
     return ttfts
 
 

@@ -94,8 +94,9 @@ class KVFeed:
         stream = EventStream(d.name, source, self.index, self._context)
         try:
             stream.start()
-        except zmq.ZMQError as exc:
+        except zmq.ZMQError as exc:  # a bad or taken address: routed without its events until it rejoins
             log.warning("KV events of deployment %s: cannot subscribe to %s: %s", d.name, source.endpoint, exc)
+            self._silent.add(d.name)
             return
         self.streams[d.name] = stream
         self._incarnations[d.name] = d.backend.load().incarnation

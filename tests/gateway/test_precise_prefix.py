@@ -154,6 +154,19 @@ def test_a_restarted_or_departed_engine_is_forgotten():
     with_engines(scenario)
 
 
+def test_routing_goes_on_when_a_publisher_disappears():
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A)
+        engines[1].serve(SYSTEM_B)
+        await settle(policy, ds, lambda: policy.kv_feed.live("d0") and policy.kv_feed.live("d1"))
+        engines[0].publisher.close()  # its engine is gone (or unreachable): what it held is unknown now
+        await settle(policy, ds, lambda: not policy.kv_feed.live("d0"))
+        r = request(SYSTEM_A + [5] * 8, "after")
+        assert policy.choose(r, ds) is PrefixAffinity({}).choose(r, ds)  # no live one holds it: affinity
+        assert policy.matched_tokens("after") == 0
+    with_engines(scenario)
+
+
 def test_without_live_events_it_routes_as_prefix_affinity():
     async def scenario():
         ds = [deployment(f"d{i}", None) for i in range(4)]  # no events declared
