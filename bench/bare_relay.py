@@ -7,6 +7,8 @@ tracing. What it adds over `direct` is what the extra hop itself costs here (two
 between processes per request, on shared cores); what kvgate adds beyond it is its own work.
 
     python bench/bare_relay.py PORT UPSTREAM_BASE_URL      (e.g. http://127.0.0.1:8001)
+
+PORT 0 binds a free port; uvicorn's "Uvicorn running on" line says which (no access log).
 """
 
 from __future__ import annotations
@@ -58,4 +60,5 @@ def relay(upstream: str):
 
 
 if __name__ == "__main__":
-    uvicorn.run(relay(sys.argv[2].rstrip("/")), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    uvicorn.run(relay(sys.argv[2].rstrip("/")), host="127.0.0.1", port=int(sys.argv[1]), log_level="info",
+                access_log=False)

@@ -5,6 +5,8 @@ tools case) one tool call whose arguments come in NUM_CHUNKS fragments (the firs
 and name), as a server with a tool parser streams them.
 
     python bench/bare_server.py PORT NUM_CHUNKS
+
+PORT 0 binds a free port; uvicorn's "Uvicorn running on" line says which (no access log).
 """
 
 import json
@@ -76,4 +78,5 @@ app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                         Route("/v1/chat/completions", chat, methods=["POST"]), Route("/health/ready", ready)])
 
 if __name__ == "__main__":
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info",
+                access_log=False)

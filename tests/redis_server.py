@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 
-from servers import free_port
+from servers import start_on_a_free_port, wait_listening
 from skips import required
 
 BINARY = shutil.which("redis-server")
@@ -22,26 +20,22 @@ def redis_or_skip() -> "RedisServer":
 class RedisServer:
     """An empty, persistence-free Redis; `kill()` and `start()` again on the same port."""
 
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
+    def __init__(self):
+        # redis-server cannot bind port 0 and report it (--port 0 turns TCP off): a free port,
+        # tried again on another if the server exits at start because someone took it first.
+        self.proc, self.port = start_on_a_free_port(self.command, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-        self.start()
+
+    @staticmethod
+    def command(port: int) -> list[str]:
+        return [BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("redis-server exited at start")
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not listen")
+        """Again, on the port it had (what a restarted Redis pod does)."""
+        self.proc = subprocess.Popen(self.command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not wait_listening(self.proc, self.port):
+            raise RuntimeError(f"redis-server exited at its restart on port {self.port} (taken meanwhile?)")
 
     def kill(self) -> None:
         """SIGKILL: Redis vanishes the way a crashed pod does, with every count it held."""

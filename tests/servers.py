@@ -142,6 +142,42 @@ def free_port_on(hosts: list[str]) -> int:
     raise RuntimeError(f"no port free on all of {hosts}")
 
 
+def start_on_a_free_port(command, attempts: int = 5, timeout: float = 10, **popen) -> tuple[subprocess.Popen, int]:
+    """For a third-party server that cannot bind port 0 and say which port it got (redis-server:
+    `--port 0` turns its TCP listener off): `command(port)` started on a port free a moment ago,
+    returned once the child itself listens there; a child that exits first (another process took
+    the port in between) is started again on another port."""
+    for _ in range(attempts):
+        port = free_port()
+        proc = subprocess.Popen(command(port), **popen)
+        if wait_listening(proc, port, timeout):
+            return proc, port
+    raise AssertionError(f"{command(0)[0]} exited at start {attempts} times (ports taken?)")
+
+
+def wait_listening(proc: subprocess.Popen, port: int, timeout: float = 10) -> bool:
+    """True once `proc` (or a process it started) listens on `port`, False if it exits first. A
+    connection to the port would not do: it succeeds when someone else holds the port."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            parent = psutil.Process(proc.pid)
+            family = [parent, *parent.children(recursive=True)]
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for p in family for c in p.net_connections(kind="tcp")):
+                return True
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"{proc.args[0]} did not listen on port {port} within {timeout} s")
+
+
 UVICORN_LISTENING = re.compile(r"Uvicorn running on (http://[^ ]+:\d+)")
 
 

@@ -10,25 +10,30 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers import free_port, wait_ready
+from servers import listening_url, wait_ready
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _serve(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _serve(log_path: Path, *args) -> tuple[subprocess.Popen, str]:
+    """A bench server on a port it binds itself (port 0), and its base URL from its log."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], stdout=log, stderr=subprocess.STDOUT)
+    return proc, listening_url(proc, log_path)
 
 
 @pytest.fixture(scope="module")
-def upstream_and_relay():
-    up_port, relay_port = free_port(), free_port()
-    upstream = f"http://127.0.0.1:{up_port}"
-    procs = [_serve(BENCH / "bare_server.py", up_port, 5)]
+def upstream_and_relay(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    procs = []
     try:
-        wait_ready(upstream, procs[0])
-        procs.append(_serve(BENCH / "bare_relay.py", relay_port, upstream))
-        wait_ready(f"http://127.0.0.1:{relay_port}", procs[1])
-        yield upstream, f"http://127.0.0.1:{relay_port}"
+        upstream_proc, upstream = _serve(logs / "upstream.log", BENCH / "bare_server.py", 0, 5)
+        procs.append(upstream_proc)
+        wait_ready(upstream, upstream_proc)
+        relay_proc, relay = _serve(logs / "relay.log", BENCH / "bare_relay.py", 0, upstream)
+        procs.append(relay_proc)
+        wait_ready(relay, relay_proc)
+        yield upstream, relay
     finally:
         for proc in procs:
             proc.terminate()

@@ -503,7 +503,7 @@ def test_the_chart_redis_demands_a_password_the_gateways_read_from_a_secret(helm
     from redis.asyncio import Redis
     from redis.exceptions import AuthenticationError, ConnectionError as NotListening
     from redis_server import redis_or_skip
-    from servers import free_port
+    from servers import start_on_a_free_port
 
     redis_or_skip().kill()  # only to skip without redis-server
     docs = render(helm, [], ["auth.limitsStore.kind=redis"])
@@ -514,12 +514,12 @@ def test_the_chart_redis_demands_a_password_the_gateways_read_from_a_secret(helm
     gateway_env = secret_env(docs, "Deployment", f"{RELEASE}-kvgate")
     assert len(redis_env["REDIS_PASSWORD"]) >= 32 and gateway_env["KVGATE_REDIS_PASSWORD"] == redis_env["REDIS_PASSWORD"]
 
-    port = free_port()
     [shell_script] = container["args"]
     assert "--port 6379" in shell_script
-    shell_script = shell_script.replace("--port 6379", f"--port {port} --bind 127.0.0.1")
-    proc = subprocess.Popen(container["command"] + [shell_script], env={"PATH": os.environ["PATH"], **redis_env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # redis-server cannot bind port 0 and say which it got: a free port, another if it was taken
+    proc, port = start_on_a_free_port(
+        lambda port: container["command"] + [shell_script.replace("--port 6379", f"--port {port} --bind 127.0.0.1")],
+        env={"PATH": os.environ["PATH"], **redis_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     limits_cfg = parse_config(config_maps(docs)[f"{RELEASE}-kvgate-config"]).auth.limits_store
 
@@ -686,12 +686,23 @@ def test_engine_config_with_tensor_parallelism_passes_the_config_check(helm, tmp
 
 # ------------------------------------------------------------------------------ served for real
 
-def start_gateway(config_path: Path, port: int, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+def start_gateway(config_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """`kvgate serve` of the config on a port it binds itself (port 0), and its base URL from the
+    line it logs (to config_path's .log) once it listens."""
+    from servers import listening_url
+
+    log_path = config_path.with_suffix(".log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+             "--host", "127.0.0.1", "--port", "0"],
+            cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        return proc, listening_url(proc, log_path)
+    except BaseException:
+        stop(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -714,7 +725,7 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
     says, and the second pod takes traffic with no change to the gateway's config."""
     import openai
     from dns_server import DnsServer
-    from servers import GatewayServer, free_port, free_port_on, wait_ready
+    from servers import GatewayServer, free_port_on, wait_ready
 
     docs = rendered("created-secrets")
     engine_env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
@@ -746,10 +757,8 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
         dns.set(engines_dns, pod_addresses[:1])  # one engine pod ready so far
         path = tmp_path / "gateway.yaml"
         path.write_text(yaml.safe_dump(gateway_cfg))
-        port = free_port()
-        proc = start_gateway(path, port, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
+        proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
         stack.callback(stop, proc)
-        base = f"http://127.0.0.1:{port}"
         wait_ready(base, proc)
 
         anonymous = openai.OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
@@ -809,13 +818,11 @@ models:
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
     """What a pod does after its preStop sleep: SIGTERM to `kvgate serve`."""
-    from servers import free_port, wait_ready
+    from servers import wait_ready
 
     path = tmp_path / "slow.yaml"
     path.write_text(SLOW_ECHO)
-    port = free_port()
-    proc = start_gateway(path, port, {})
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_gateway(path, {})
     try:
         wait_ready(base, proc)
         words = 20  # 2 s per stream at 10 tokens/s
@@ -865,7 +872,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
         assert r.get("status") == 200 and "error" not in r, results
         assert r["done"] and r["chunks"] >= words, f"a stream was cut short: {results}"
     # uvicorn re-raises the signal once drained: status -15 here, 143 in a container, as Kubernetes expects.
-    assert proc.returncode in (0, -signal.SIGTERM), proc.stderr.read().decode()[-2000:]
+    assert proc.returncode in (0, -signal.SIGTERM), path.with_suffix(".log").read_text(errors="replace")[-2000:]
     assert exited_after < 30, f"exited {exited_after:.1f}s after SIGTERM"
 
 

@@ -79,6 +79,25 @@ def _requests(client):
                     assert list(answer)
 
 
+def test_a_generator_left_open_in_a_gateway_loop_is_seen(pair, dropped):
+    """The positive control: in the gateway's own loop, a generator dropped after its first item
+    is reported, one closed by its code is not (so an empty report below means none was left)."""
+    _, front = pair
+
+    async def numbers():
+        yield 1
+        yield 2
+
+    async def open_two():
+        left, closed = numbers(), numbers()
+        await left.__anext__()
+        await closed.__anext__()
+        await closed.aclose()
+    asyncio.run_coroutine_threadsafe(open_two(), front.loop).result(5)
+    assert [name.rsplit(".", 1)[-1] for name in dropped["front"].after_collection()] == ["numbers"]
+    assert dropped["echo"].after_collection() == []
+
+
 def test_finished_streams_leave_no_generator_to_the_loop(pair, dropped):
     _, front = pair
     _requests(front.openai())  # through front (openai backend) to echo (echo backend)

@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from redis_server import redis_or_skip
-from servers import free_port, wait_ready
+from servers import listening_url, wait_ready
 
 SECRET = "sk-shared-budget-0123"
 STREAMER = "sk-streamer-key-4567"
 CONFIG = """
-server: {log_level: warning}
+server: {log_level: info}  # uvicorn logs the port it bound (port 0) at info
 auth:
   limits_store: {kind: redis, url_env: KVGATE_TEST_REDIS_URL, timeout_s: 0.3}
   keys:
@@ -43,12 +43,12 @@ def gateways(tmp_path, redis):
     env = {**os.environ, "KVGATE_TEST_REDIS_URL": redis.url, "KVGATE_TEST_KEY": SECRET, "KVGATE_TEST_KEY2": STREAMER}
     procs, bases = [], []
     try:
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-            bases.append(f"http://127.0.0.1:{port}")
+        for i in range(2):  # each binds port 0 and logs the port it got
+            with open(tmp_path / f"gateway-{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
+            bases.append(listening_url(procs[-1], tmp_path / f"gateway-{i}.log"))
         for base, proc in zip(bases, procs):
             wait_ready(base, proc)
         yield bases
