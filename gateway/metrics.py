@@ -208,6 +208,8 @@ ENGINE_SERIES = (
      "deadline.", "counter", "grammar_failures"),
     ("kvgate_engine_grammar_compile_seconds", None, "Time spent compiling constraints.", "counter",
      "grammar_compile_seconds"),
+    ("kvgate_engine_kv_clamped_keys", None, "fp8 KV: key values clamped at the format's range when written.", "counter", "kv_clamped_keys"),
+    ("kvgate_engine_kv_clamped_values", None, "fp8 KV: value values clamped at the format's range when written.", "counter", "kv_clamped_values"),
 )
 
 

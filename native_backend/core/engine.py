@@ -283,6 +283,7 @@ class LLMEngine:
         # and the engine process reports it as fatal and exits (its supervisor restarts it).
         self.executor.check_health()
         s = self.scheduler.stats()
+        clamped_keys, clamped_values = self.executor.kv_clamped()
         return EngineStats(
             num_waiting=s.num_waiting + len(self._awaiting),
             num_running=s.num_running,
@@ -300,6 +301,8 @@ class LLMEngine:
             kv_cache_dtype=self.config.kv_cache_dtype,
             weights=self.executor.weights,
             max_model_len=self.max_model_len,
+            kv_clamped_keys=clamped_keys,
+            kv_clamped_values=clamped_values,
             **_spec_decode_stats(s.spec_decode),
             **self._grammar_stats(),
         )

@@ -46,6 +46,10 @@ class EngineStats:
     kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
     weights: str = ""  # the decoder linears' format: float32, bfloat16, int4 AWQ g64, int4 GGUF Q4_1 g32, ...
     max_model_len: int = 0  # the context length a request may use, prompt + output tokens
+    # fp8 KV: K and V values beyond the format's range after scaling, clamped when written, since
+    # start (a scale too small for the traffic; 0 for other formats)
+    kv_clamped_keys: int = 0
+    kv_clamped_values: int = 0
     # Speculative decoding, since start (vLLM's vllm:spec_decode_*): verifications, drafted tokens,
     # accepted drafts, and accepted drafts by position (a tuple: not a float in LoadSnapshot.extra).
     spec_decode_num_speculative_tokens: int = 0  # k of the deployment; 0: speculation is off

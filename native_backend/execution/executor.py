@@ -46,6 +46,8 @@ class Executor(Protocol):
 
     def describe(self) -> str: ...
 
+    def kv_clamped(self) -> tuple[int, int]: ...
+
     def check_health(self) -> None: ...
 
     def close(self) -> None: ...
@@ -110,6 +112,10 @@ class InProcessExecutor:
         mc = self.config.model
         tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
         return tokenizer.encode(kv_scales.calibration_text())[: min(kv_scales.CALIBRATION_TOKENS, self.max_model_len)]
+
+    def kv_clamped(self) -> tuple[int, int]:
+        """(K, V) values an fp8 cache clamped at its range since start (kv_scales.clamped_totals)."""
+        return kv_scales.clamped_totals(self.kv_cache) if self.kv_cache is not None else (0, 0)
 
     def check_health(self) -> None:
         """Raises when the executor can no longer run a step (tensor-parallel workers); here never."""

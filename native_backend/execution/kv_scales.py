@@ -62,6 +62,22 @@ def apply(cache: KVCache, scales: list[tuple[float, float]]) -> None:
         layer.k_scale, layer.v_scale = k_scale, v_scale
 
 
+def clamp_report(cache: KVCache) -> list[tuple[list[int], list[int]]]:
+    """Per layer, (K, V) counts per KV head of values clamped at the format's range since the cache
+    was made (fp8); empty for formats that do not clamp."""
+    return [(layer.clamped[0].tolist(), layer.clamped[1].tolist()) for layer in cache.layers
+            if layer.clamped is not None]
+
+
+def clamped_totals(cache: KVCache) -> tuple[int, int]:
+    """(K, V) values clamped at the format's range since the cache was made, every layer and head."""
+    counts = [layer.clamped for layer in cache.layers if layer.clamped is not None]
+    if not counts:
+        return 0, 0
+    total = torch.stack(counts).sum(dim=(0, 2)).tolist()
+    return int(total[0]), int(total[1])
+
+
 def describe(scales: list[tuple[float, float]]) -> str:
     ks, vs = [k for k, _ in scales], [v for _, v in scales]
     return f"K scales {min(ks):.3g}..{max(ks):.3g}, V scales {min(vs):.3g}..{max(vs):.3g}"

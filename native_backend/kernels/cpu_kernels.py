@@ -67,8 +67,8 @@ _SIGNATURES = {
     # out, q, kv (kvg_kv), block_tables, table_stride, row_seq, row_keys,
     # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
     "kvgate_paged_decode_q": ([_ptr] * 4 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
-    # cache_k, cache_v, k_scales, v_scales, k, v, slots, n, kv_heads, D, fmt, k_scale, v_scale
-    "kvgate_write_kv_q": ([_ptr] * 7 + [_i64] * 3 + [ctypes.c_int, _f32, _f32], ctypes.c_int),
+    # cache_k, cache_v, k_scales, v_scales, k, v, slots, n, kv_heads, D, fmt, k_scale, v_scale, clamped
+    "kvgate_write_kv_q": ([_ptr] * 7 + [_i64] * 3 + [ctypes.c_int, _f32, _f32, _ptr], ctypes.c_int),
     # layers, num_layers, dims, step, final_norm, h, out, M (structs: models/fused_decode.py)
     "kvgate_decode_layers_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], ctypes.c_int),
     # y, x, qweight, qzeros, scales, bias, M, K, N, group (int4_linear.c)
@@ -330,7 +330,7 @@ class _KV(ctypes.Structure):
     """kernels.h's kvg_kv: a quantized layer's K/V and what decodes it."""
 
     _fields_ = [("cache_k", _ptr), ("cache_v", _ptr), ("k_scales", _ptr), ("v_scales", _ptr), ("lut", _ptr),
-                ("k_scale", _f32), ("v_scale", _f32), ("fmt", _i64)]
+                ("k_scale", _f32), ("v_scale", _f32), ("fmt", _i64), ("clamped", _ptr)]
 
 
 @dataclasses.dataclass
@@ -345,6 +345,7 @@ class QuantizedKV:
     key_scales: torch.Tensor | None = None  # int8: (num_blocks, block_size, kv_heads) float32
     value_scales: torch.Tensor | None = None
     lut: torch.Tensor | None = None  # fp8: (256,) float32
+    clamped: torch.Tensor | None = None  # fp8: (2, kv_heads) int64 clamp counters (K, V), added to; None: not counted
 
     def check(self) -> None:
         if self.fmt not in (1, 2, 3) or self.key.element_size() != 1 or self.value.shape != self.key.shape:
@@ -359,11 +360,15 @@ class QuantizedKV:
             raise ValueError("quantized KV: int8 scales must be (num_blocks, block_size, kv_heads)")
         if self.fmt != 3 and self.lut.numel() != 256:
             raise ValueError("quantized KV: the fp8 table has 256 entries")
+        if self.clamped is not None and (self.clamped.dtype != torch.int64 or self.clamped.device.type != "cpu"
+                                         or self.clamped.shape != (2, self.key.shape[2])
+                                         or not self.clamped.is_contiguous()):
+            raise ValueError("quantized KV: clamp counters are a contiguous (2, kv_heads) int64 tensor")
 
     def struct(self) -> _KV:
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         return _KV(ptr(self.key), ptr(self.value), ptr(self.key_scales), ptr(self.value_scales), ptr(self.lut),
-                   self.k_scale, self.v_scale, self.fmt)
+                   self.k_scale, self.v_scale, self.fmt, ptr(self.clamped))
 
 
 def paged_decode_q(q: torch.Tensor, kv: QuantizedKV, block_tables: torch.Tensor, row_seq: torch.Tensor,
@@ -398,7 +403,7 @@ def write_kv_q(k: torch.Tensor, v: torch.Tensor, kv: QuantizedKV, slot_mapping: 
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = load().kvgate_write_kv_q(kv.key.data_ptr(), kv.value.data_ptr(), ptr(kv.key_scales), ptr(kv.value_scales),
                                   k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
-                                  k.shape[2], kv.fmt, kv.k_scale, kv.v_scale)
+                                  k.shape[2], kv.fmt, kv.k_scale, kv.v_scale, ptr(kv.clamped))
     if rc != 0:
         raise RuntimeError(f"kvgate_write_kv_q failed ({rc})")
 

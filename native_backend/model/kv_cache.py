@@ -151,6 +151,10 @@ class KVLayer:
     # per-token formats (int8): (num_blocks, block_size, kv_heads) float32, one scale per row
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
+    # per-layer formats (fp8): (2, kv_heads) int64, how many K (row 0) and V (row 1) values of each
+    # KV head were beyond the format's range after scaling and clamped when written (a scale too
+    # small for the traffic: kv_scales.clamp_report, the engine's kv_clamped_* counters).
+    clamped: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -169,10 +173,13 @@ class KVLayer:
         return cls(key, value, resolve_kv_dtype(key.dtype))._with_row_scales()
 
     def _with_row_scales(self) -> KVLayer:
-        """int8: zeroed row scales (num_blocks, block_size, kv_heads) beside the blocks; others: as is."""
+        """int8: zeroed row scales (num_blocks, block_size, kv_heads) beside the blocks; fp8: zeroed
+        clamp counters; others: as is."""
         if self.dtype.scaling == "per_token_head":
             self.key_scales = torch.zeros(self.key.shape[:3], dtype=torch.float32, device=self.key.device)
             self.value_scales = torch.zeros_like(self.key_scales)
+        elif self.dtype.scaling == "per_layer":
+            self.clamped = torch.zeros((2, self.key.shape[2]), dtype=torch.int64, device=self.key.device)
         return self
 
     @property

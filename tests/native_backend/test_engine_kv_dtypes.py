@@ -76,3 +76,25 @@ def test_preemption_prefix_cache_and_abort_with_a_quantized_cache(make_engine, p
     agree = sum(q[:6] == f[:6] for q, f in zip(first, float32_tokens))
     assert agree >= MIN_AGREEMENT[kv_cache_dtype], (kv_cache_dtype, agree)
     assert_abort_frees_every_block(engine, prompts[3], GREEDY)
+
+
+CHAT_QUESTIONS = ("What is the capital of France?", "Translate 'good morning' into Spanish",
+                  "Name three primary colors.", "Write a haiku about the sea.")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_clamps_are_counted_and_calibrated_scales_clamp_no_chat_prompt(make_engine, kv_cache_dtype):
+    engine = make_engine(kv_cache_dtype)
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
+    run(engine, chats, "chat")
+    stats = engine.stats()
+    # The calibrated scales (stdlib docstrings and chat turns, 2x headroom) cover every K and V the
+    # template's prompts and their answers produce, prefill and decode alike.
+    assert (stats.kv_clamped_keys, stats.kv_clamped_values) == (0, 0)
+    layer = engine.executor.kv_cache.layer(3)
+    layer.k_scale /= 1000  # now a layer's largest keys are far beyond the format's range
+    # a new question: its prompt's new tokens are written through the (shrunk) scale at prefill
+    run(engine, [engine.tokenizer.apply_chat_template([{"role": "user", "content": "Who wrote Hamlet?"}])], "small")
+    stats = engine.stats()
+    assert stats.kv_clamped_keys > 0 and stats.kv_clamped_values == 0
+    assert stats.kv_clamped_keys == int(layer.clamped[0].sum())

@@ -102,6 +102,28 @@ def test_c_write_is_bit_identical_to_the_reference(dtype):
         assert torch.equal(kv_quant.as_bytes(a), kv_quant.as_bytes(b))
     if dtype == "int8":
         assert torch.equal(ref.key_scales, ours.key_scales) and torch.equal(ref.value_scales, ours.value_scales)
+    else:  # both count, per side and KV head, the values beyond the range that they clamp
+        fmt = resolve_kv_dtype(dtype)
+        expected = [((x / s).abs() > fmt.max_value).sum(dim=(0, 2)).tolist() for x, s in ((k, ref.k_scale), (v, ref.v_scale))]
+        assert ref.clamped.tolist() == ours.clamped.tolist() == expected
+        assert sum(expected[0]) > 0  # tricky_values holds values beyond the range
+
+
+def test_fp8_clamp_counts_add_up_across_writes_and_reach_the_totals():
+    from native_backend.execution.kv_scales import clamp_report, clamped_totals
+
+    cache = KVCache(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype="fp8_e4m3")
+    layer = cache.layer(1)
+    layer.k_scale = layer.v_scale = 1.0
+    k, v = torch.zeros(3, 2, 8), torch.zeros(3, 2, 8)
+    k[0, 1, :3], v[2, 0, 0] = 500.0, -449.0  # beyond e4m3's 448; 448 itself is in range
+    k[1, 0, 0] = 448.0
+    for _ in range(2):
+        reference.write_kv(k, v, layer, torch.tensor([0, 1, 2]))
+    assert clamp_report(cache) == [([0, 0], [0, 0]), ([0, 6], [2, 0])]
+    assert clamped_totals(cache) == (6, 2)
+    assert clamped_totals(KVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=2, head_dim=8,
+                                  dtype="int8")) == (0, 0)
 
 
 def quantized_case(dtype, seqs, *, kv_heads=3, group=3, head_dim=64, block_size=16, seed=6):
@@ -201,11 +223,13 @@ def triton_checks() -> list[str]:
         for name, seqs in TRITON_CASES.items():
             q, _, _, layer, md = quantized_case(dtype, seqs, kv_heads=2, group=2, head_dim=16, block_size=4)
             k_new, v_new = randn(md.slot_mapping.numel(), 2, 16, seed=7), randn(md.slot_mapping.numel(), 2, 16, seed=8)
+            k_new[0, 1, 3] = 1e4  # beyond either fp8 format's range at k_scale 0.05: one clamp, K row, head 1
             copies = {}
             for impl in ("reference", "triton"):
                 copy = KVLayer(layer.key.clone(), layer.value.clone(), layer.dtype, layer.k_scale, layer.v_scale,
                                None if layer.key_scales is None else layer.key_scales.clone(),
-                               None if layer.value_scales is None else layer.value_scales.clone())
+                               None if layer.value_scales is None else layer.value_scales.clone(),
+                               None if layer.clamped is None else torch.zeros_like(layer.clamped))
                 (reference if impl == "reference" else triton_backend).write_kv(k_new, v_new, copy, md.slot_mapping)
                 copies[impl] = copy
             ref, tri = copies["reference"], copies["triton"]
@@ -213,6 +237,8 @@ def triton_checks() -> list[str]:
                        ((ref.key, tri.key), (ref.value, tri.value)))
             if dtype == "int8":
                 same = same and torch.equal(ref.key_scales, tri.key_scales) and torch.equal(ref.value_scales, tri.value_scales)
+            else:
+                same = same and ref.clamped.tolist() == tri.clamped.tolist() == [[0, 1], [0, 0]]
             assert same, f"{dtype} {name}: write_kv differs"
             err = (triton_backend.paged_attention(q, tri, md, 0.25) - reference.paged_attention(q, ref, md, 0.25)).abs().max()
             assert err < 1e-4, f"{dtype} {name}: max abs error {err}"

@@ -128,6 +128,11 @@ class TensorParallelExecutor:
         except OSError as exc:
             raise self._fault(exc) from None
 
+    def kv_clamped(self) -> tuple[int, int]:
+        """Rank 0's count over its share of the KV heads (the ranks' scales are alike: every rank
+        takes each layer's largest, so a clamp on one rank's heads is as likely as on another's)."""
+        return self.rank.kv_clamped()
+
     # ------------------------------------------------------------------ health
 
     def check_health(self) -> None:

@@ -72,7 +72,7 @@ static int layer_forward(const kvg_layer *L, const kvg_dims *d, const kvg_step *
     if (L->kv) { /* the same two kernels the "cpu" backend calls for a quantized cache */
         const kvg_kv *c = L->kv;
         rc |= kvgate_write_kv_q((void *)c->cache_k, (void *)c->cache_v, (float *)c->k_scales, (float *)c->v_scales, k, v,
-                                s->slots, M, KV, D, (int)c->fmt, c->k_scale, c->v_scale);
+                                s->slots, M, KV, D, (int)c->fmt, c->k_scale, c->v_scale, c->clamped);
         rc |= kvgate_paged_decode_q(attn, q, c, s->block_tables, s->table_stride, s->row_seq, s->row_keys, M, H, KV, D,
                                     d->block_size, d->scale, s->chunk_blocks);
     } else {

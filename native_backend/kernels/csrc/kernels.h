@@ -14,6 +14,8 @@ typedef struct {
     const float *lut;                  /* fp8: the float value of each of the 256 bytes; else NULL */
     float k_scale, v_scale;            /* fp8: the layer's scales; else 1 */
     int64_t fmt;                       /* KVG_KV_* */
+    int64_t *clamped;                  /* fp8: (2, kv_heads) values clamped at the format's max while
+                                          written (K row, then V), added to; NULL: not counted */
 } kvg_kv;
 
 int kvgate_paged_decode_f32(float *out, const float *q, const float *cache_k, const float *cache_v,
@@ -29,7 +31,7 @@ int kvgate_paged_decode_q(float *out, const float *q, const kvg_kv *kv, const in
                           int64_t chunk_blocks);
 int kvgate_write_kv_q(void *cache_k, void *cache_v, float *k_scales, float *v_scales, const float *k, const float *v,
                       const int64_t *slots, int64_t n, int64_t kv_heads, int64_t D, int fmt, float k_scale,
-                      float v_scale);
+                      float v_scale, int64_t *clamped);
 int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K, int64_t N);
 int kvgate_write_kv_f32(float *cache_k, float *cache_v, const float *k, const float *v, const int64_t *slots,
                         int64_t n, int64_t row);

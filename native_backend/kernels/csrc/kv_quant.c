@@ -37,15 +37,23 @@ static inline uint8_t encode_fp8(float f, int man, int bias) {
     return sign | (uint8_t)bits;
 }
 
-static void write_fp8_rows(uint8_t *cache, const float *x, const int64_t *slots, int64_t n, int64_t row, float scale,
-                           int man, int bias, float max) {
+/* `clamped` (kv_heads,), or NULL: each head's count of values beyond the format's range, added to
+ * (what tells a scale too small for the traffic from plain rounding error). */
+static void write_fp8_rows(uint8_t *cache, const float *x, const int64_t *slots, int64_t n, int64_t kv_heads,
+                           int64_t D, float scale, int man, int bias, float max, int64_t *clamped) {
+    const int64_t row = kv_heads * D;
     for (int64_t i = 0; i < n; i++) {
         uint8_t *dst = cache + slots[i] * row;
         const float *src = x + i * row;
-        for (int64_t j = 0; j < row; j++) {
-            float y = src[j] / scale;
-            y = y > max ? max : (y < -max ? -max : y);
-            dst[j] = encode_fp8(y, man, bias);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            int64_t over = 0;
+            for (int64_t d = g * D; d < (g + 1) * D; d++) {
+                float y = src[d] / scale;
+                over += y > max || y < -max;
+                y = y > max ? max : (y < -max ? -max : y);
+                dst[d] = encode_fp8(y, man, bias);
+            }
+            if (clamped) clamped[g] += over;
         }
     }
 }
@@ -70,19 +78,20 @@ static void write_int8_rows(int8_t *cache, float *scales, const float *x, const 
 
 /*   cache_k/v: (num_blocks, block_size, kv_heads, D) of 1-byte elements; k_scales/v_scales:
  *   (num_blocks * block_size, kv_heads) float32 for int8 (NULL otherwise); k, v: (n, kv_heads, D)
- *   float32; fmt: KVG_KV_FP8_E4M3 | KVG_KV_FP8_E5M2 | KVG_KV_INT8. Returns 0, or -1 on a bad format. */
+ *   float32; fmt: KVG_KV_FP8_E4M3 | KVG_KV_FP8_E5M2 | KVG_KV_INT8; clamped: fp8's (2, kv_heads)
+ *   clamp counters (K, then V), added to, or NULL. Returns 0, or -1 on a bad format. */
 KVG_API int kvgate_write_kv_q(void *cache_k, void *cache_v, float *k_scales, float *v_scales, const float *k,
                               const float *v, const int64_t *slots, int64_t n, int64_t kv_heads, int64_t D, int fmt,
-                              float k_scale, float v_scale) {
-    const int64_t row = kv_heads * D;
+                              float k_scale, float v_scale, int64_t *clamped) {
+    int64_t *clamped_v = clamped ? clamped + kv_heads : NULL;
     switch (fmt) {
     case KVG_KV_FP8_E4M3:
-        write_fp8_rows(cache_k, k, slots, n, row, k_scale, 3, 7, 448.0f);
-        write_fp8_rows(cache_v, v, slots, n, row, v_scale, 3, 7, 448.0f);
+        write_fp8_rows(cache_k, k, slots, n, kv_heads, D, k_scale, 3, 7, 448.0f, clamped);
+        write_fp8_rows(cache_v, v, slots, n, kv_heads, D, v_scale, 3, 7, 448.0f, clamped_v);
         return 0;
     case KVG_KV_FP8_E5M2:
-        write_fp8_rows(cache_k, k, slots, n, row, k_scale, 2, 15, 57344.0f);
-        write_fp8_rows(cache_v, v, slots, n, row, v_scale, 2, 15, 57344.0f);
+        write_fp8_rows(cache_k, k, slots, n, kv_heads, D, k_scale, 2, 15, 57344.0f, clamped);
+        write_fp8_rows(cache_v, v, slots, n, kv_heads, D, v_scale, 2, 15, 57344.0f, clamped_v);
         return 0;
     case KVG_KV_INT8:
         if (!k_scales || !v_scales) return -1;

@@ -52,7 +52,7 @@ def quantized_view(kv: KVLayer) -> cpu_kernels.QuantizedKV:
     """What the quantized C kernels read of a layer (models.fused_decode builds its table from it)."""
     lut = kv_quant.fp8_lut(kv.dtype.storage) if kv.dtype.scaling == "per_layer" else None
     return cpu_kernels.QuantizedKV(kv_quant.as_bytes(kv.key), kv_quant.as_bytes(kv.value), kv.dtype.code,
-                                   kv.k_scale, kv.v_scale, kv.key_scales, kv.value_scales, lut)
+                                   kv.k_scale, kv.v_scale, kv.key_scales, kv.value_scales, lut, kv.clamped)
 
 
 @dataclass

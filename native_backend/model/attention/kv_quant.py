@@ -33,6 +33,12 @@ def quantize(x: torch.Tensor, dtype: KVCacheDType, layer_scale: float) -> tuple[
     return x.to(dtype.storage), None
 
 
+def count_clamped(x: torch.Tensor, dtype: KVCacheDType, layer_scale: float) -> torch.Tensor:
+    """(kv_heads,) int64: the values of x (num_tokens, kv_heads, head_dim) that `quantize` clamps
+    (beyond the format's range after the per-layer scale), per KV head."""
+    return ((x.float() / layer_scale).abs() > dtype.max_value).sum(dim=(0, 2))
+
+
 def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, dtype: KVCacheDType, layer_scale: float,
                out_dtype: torch.dtype) -> torch.Tensor:
     """The inverse: stored (..., head_dim) [and int8 scales (...)] -> out_dtype."""

@@ -44,9 +44,12 @@ def write_kv(
     kv: KVLayer,  # blocks (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
 ) -> None:
-    """Each new token's K and V into its slot, quantized as the layer's dtype says."""
+    """Each new token's K and V into its slot, quantized as the layer's dtype says (fp8: values
+    beyond its range counted in `kv.clamped`)."""
     sides = ((k, kv.key, kv.k_scale, kv.key_scales), (v, kv.value, kv.v_scale, kv.value_scales))
-    for new, cache, layer_scale, row_scales in sides:
+    for side, (new, cache, layer_scale, row_scales) in enumerate(sides):
+        if kv.clamped is not None:
+            kv.clamped[side] += kv_quant.count_clamped(new, kv.dtype, layer_scale).to(kv.clamped.device)
         stored, scales = kv_quant.quantize(new, kv.dtype, layer_scale)
         flat = kv_quant.as_bytes(cache).view(-1, *cache.shape[2:])  # (num_slots, num_kv_heads, head_dim)
         flat.index_copy_(0, slot_mapping, kv_quant.as_bytes(stored))

@@ -70,12 +70,13 @@ def _encode_fp8(y, MAN: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _write_kv_quant_kernel(
-    k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, k_scales_ptr, v_scales_ptr, slot_ptr,
+    k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, k_scales_ptr, v_scales_ptr, slot_ptr, clamped_ptr,
     k_scale, v_scale, stride_k_tok, stride_v_tok,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     FMT: tl.constexpr,  # 1 fp8 e4m3, 2 fp8 e5m2, 3 int8 (KVCacheDType.code)
 ):
-    """One program per (token, KV head): its K and V rows of head_dim values."""
+    """One program per (token, KV head): its K and V rows of head_dim values. fp8 adds the
+    values it clamps to clamped_ptr's (2, KV_HEADS) counters (KVLayer.clamped)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -100,7 +101,10 @@ def _write_kv_quant_kernel(
         else:
             layer_scale = k_scale if side == 0 else v_scale
             MAX: tl.constexpr = 448.0 if FMT == 1 else 57344.0
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, layer_scale), -MAX), MAX)
+            y = tl.math.div_rn(x, layer_scale)
+            over = tl.sum((tl.abs(y) > MAX).to(tl.int64), axis=0)
+            tl.atomic_add(clamped_ptr + side * KV_HEADS + head, over)
+            y = tl.minimum(tl.maximum(y, -MAX), MAX)
             bits = _encode_fp8(y, 3 if FMT == 1 else 2, 7 if FMT == 1 else 15)
             tl.store(cache_ptr + dst, bits.to(tl.uint8), mask=mask)
 
@@ -260,6 +264,7 @@ def write_kv(
             k, v, kv_quant.as_bytes(cache_k), kv_quant.as_bytes(cache_v),
             kv.key_scales if kv.key_scales is not None else dummy,
             kv.value_scales if kv.value_scales is not None else dummy, slot_mapping,
+            kv.clamped if kv.clamped is not None else torch.zeros(2, kv.num_kv_heads, dtype=torch.int64, device=k.device),
             float(kv.k_scale), float(kv.v_scale), k.stride(0), v.stride(0),
             KV_HEADS=kv.num_kv_heads, HEAD_DIM=kv.head_dim, BLOCK_D=triton.next_power_of_2(kv.head_dim),
             FMT=kv.dtype.code,
