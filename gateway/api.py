@@ -12,7 +12,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway import fastjson
+from gateway import disagg, fastjson
 from gateway.admission import Ticket
 from gateway.asgi import EventStreamResponse, run_until_disconnect, watch_disconnect
 from gateway.auth import ApiKey
@@ -153,7 +153,7 @@ async def _serve(request: Request, parse, id_prefix: str):
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
     trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
     requests = choice_requests(parsed, request_id, sla.priority, trace)
-    opening = open_choices(registry, pool, requests, ticket, recorder)
+    opening = open_choices(registry, pool, requests, ticket, recorder, disagg.opener(pool))
     if not parsed.stream:
         return await _answer_whole(request, recorder, parsed, shape, opening)
     # Watch the client from the start: one that leaves while queued, or before the first token,

@@ -15,6 +15,11 @@ from typing import Any, AsyncIterator, Protocol, runtime_checkable
 from gateway.capabilities import PLAIN_CHAT, Capabilities, Needs  # noqa: F401
 
 
+# vLLM's prefill/decode field (in requests and in answers): where a decode engine loads a
+# prompt's KV from. Only the gateway sets it (gateway.disagg; clients' are dropped by the schemas).
+TRANSFER_PARAMS = "kv_transfer_params"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Defaults follow the OpenAI API."""
@@ -149,6 +154,10 @@ class TokenEvent:
     # "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate", ...). The gateway turns
     # them into spans.
     timings: dict[str, float] | None = None
+    # On the last event of a prefill hop (gateway.disagg: `extra` carried vLLM's
+    # kv_transfer_params with do_remote_decode): what the engine returned for the decode side to
+    # load the prompt's KV from it. The gateway hands it to the decode hop unread.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)

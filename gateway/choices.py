@@ -131,12 +131,14 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
 
 
 async def open_choices(registry: ModelRegistry, pool: ModelPool, requests: list[GenerationRequest],
-                       ticket: Ticket, recorder) -> list[OpenChoice]:
-    """Open every choice; if any is refused, close the ones already open and re-raise."""
+                       ticket: Ticket, recorder, opener=None) -> list[OpenChoice]:
+    """Open every choice (with `opener`, open_choice's signature; default open_choice); if any
+    is refused, close the ones already open and re-raise."""
+    opener = opener or open_choice
     opened: list[OpenChoice] = []
     try:
         for index, request in enumerate(requests):
-            opened.append(await open_choice(registry, pool, index, request, ticket, recorder))
+            opened.append(await opener(registry, pool, index, request, ticket, recorder))
     except BaseException:
         await asyncio.gather(*(c.close() for c in opened))
         raise
@@ -149,7 +151,7 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
     deployments of the pool, then the fallback models, each without queueing."""
 
     async def attempt(current: ModelPool, deployment: Deployment, sent: GenerationRequest, span, attempts: int):
-        choice = await _open_on(current, deployment, index, sent)
+        choice = await open_on(current, deployment, index, sent)
         choice.attempts, choice.span, choice.recorder = attempts, span, recorder
         return choice
 
@@ -178,8 +180,8 @@ async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticke
                 result = await attempt(current, deployment, traced(request, recorder, span), span, attempts)
             except APIError as exc:
                 current.release(deployment)
-                recorder.attempt_failed(span, deployment, exc, retried=not _request_fault(exc))
-                if _request_fault(exc):
+                recorder.attempt_failed(span, deployment, exc, retried=not request_fault(exc))
+                if request_fault(exc):
                     raise  # the request itself is bad: another backend will say the same
                 last_error = exc
                 log.warning("request %s failed on %s before its first token (%s); failing over",
@@ -196,7 +198,7 @@ async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticke
     raise last_error or Overloaded(f"No backend of model '{pool.name}' is available right now.", retry_after_s=5)
 
 
-def _request_fault(exc: APIError) -> bool:
+def request_fault(exc: APIError) -> bool:
     """Caused by the request (not a backend fault, not load): no failover, no breaker charge."""
     return not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)
 
@@ -237,7 +239,9 @@ def pools_to_try(registry: ModelRegistry, pool: ModelPool):
         yield current
 
 
-async def _open_on(pool: ModelPool, deployment: Deployment, index: int, request: GenerationRequest) -> OpenChoice:
+async def open_on(pool: ModelPool, deployment: Deployment, index: int, request: GenerationRequest) -> OpenChoice:
+    """`request` sent to `deployment`, open up to its first event; the slot (already claimed)
+    stays the caller's to release when this raises."""
     request = replace(request, model=deployment.upstream_model)
     events, batched = batched_events(deployment.backend, request)
     timeout = pool.config.timeouts.first_token_s

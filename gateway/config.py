@@ -177,6 +177,9 @@ class DeploymentConfig(StrictModel):
     )
     discovery: DiscoveryConfig | None = Field(
         None, description="Find this deployment's endpoints in DNS at run time instead of settings.base_url.")
+    role: Literal["colocated", "prefill", "decode"] = Field(
+        "colocated", description="Prefill/decode disaggregation: prefill deployments compute prompts' KV and hand "
+        "it to decode deployments, which generate (see disaggregation); colocated ones do both.")
 
     @field_validator("name")
     @classmethod
@@ -213,6 +216,14 @@ class TimeoutConfig(StrictModel):
     idle_s: float = Field(60.0, gt=0, description="Seconds allowed between two tokens of a stream.")
 
 
+class DisaggregationConfig(StrictModel):
+    """How a model with prefill and decode deployments (`role`) splits a request between them."""
+
+    min_prompt_chars: int = Field(
+        0, ge=0, description="Prompts shorter than this (characters of prompt text or message contents; token "
+        "ids count one each) skip the prefill hop: the decode pool serves them colocated.")
+
+
 class BreakerConfig(StrictModel):
     failures: int = Field(5, ge=1, description="Consecutive failures that take a deployment out.")
     cooldown_s: float = Field(10.0, gt=0, description="Seconds out before one probe request is let in.")
@@ -228,6 +239,7 @@ class ModelConfig(StrictModel):
     saturation: SaturationConfig = SaturationConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     breaker: BreakerConfig = BreakerConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     deployments: list[DeploymentConfig] = Field(min_length=1)
 
     @field_validator("deployments")
@@ -239,6 +251,27 @@ class ModelConfig(StrictModel):
                 raise ValueError(f"duplicate deployment name '{d.name}'")
             seen.add(d.name)
         return deployments
+
+    @field_validator("deployments")
+    @classmethod
+    def _roles_pair_up(cls, deployments: list[DeploymentConfig]):
+        """Prefill deployments need decode deployments to hand their KV to, and the reverse; a
+        colocated deployment beside them would be neither (one model, one way of serving)."""
+        roles = {d.role for d in deployments}
+        if roles == {"colocated"}:
+            return deployments
+        if "colocated" in roles:
+            raise ValueError("a model's deployments are either all colocated or each prefill or decode "
+                             "(set role on every deployment)")
+        missing = {"prefill", "decode"} - roles
+        if missing:
+            raise ValueError(f"a model with role {next(iter(roles - missing))} deployments needs a "
+                             f"{missing.pop()} deployment too")
+        return deployments
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(d.role != "colocated" for d in self.deployments)
 
 
 class SlaClass(StrictModel):

@@ -68,6 +68,16 @@ class GatewayMetrics:
                                ["model", "deployment"], registry=r)
         self.failovers = Counter("kvgate_fallback_model_used", "Requests served by a fallback model.",
                                  ["model", "fallback"], registry=r)
+        # Prefill/decode disaggregation (gateway.disagg).
+        self.pd_hops = Counter("kvgate_pd_hops", "Hops of disaggregated requests, by model, pool (prefill, decode) "
+                               "and outcome (ok, failed: moved to another deployment or served colocated).",
+                               ["model", "pool", "outcome"], registry=r)
+        self.pd_hop_seconds = Histogram("kvgate_pd_hop_seconds", "Prefill hop: from sending it to the prefill's "
+                                        "answer; decode hop: from sending it to its first token.",
+                                        ["model", "pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_colocated = Counter("kvgate_pd_colocated", "Requests of a disaggregated model the decode pool "
+                                    "served without KV from a prefill hop, by reason (short_prompt, passthrough, "
+                                    "no_prefill, no_params).", ["model", "reason"], registry=r)
         r.register(_LiveCollector(state_of))
         self.state_of = state_of
         self._series: dict = {}

@@ -35,6 +35,11 @@ class Deployment:
     capabilities: Capabilities = DEFAULT_CAPABILITIES  # what it declared when it was built
 
     @property
+    def role(self) -> str:
+        """colocated, prefill or decode (DeploymentConfig.role)."""
+        return self.config.role if self.config is not None else "colocated"
+
+    @property
     def available(self) -> bool:
         """Started, healthy and not taken out by its breaker (it may still be busy)."""
         return self.started and self.breaker.allows() and self.backend.load().healthy
@@ -64,6 +69,9 @@ class ModelPool:
     policy: object = field(repr=False)
     config: ModelConfig = field(repr=False)
     groups: list[DiscoveryGroup] = field(default_factory=list, repr=False)  # deployments found in DNS
+    # A disaggregated model's prefill hops are chosen by a policy instance of their own: one shared
+    # with the decode hops would hand its turns (and its memory of choices) alternately to each.
+    prefill_policy: object = field(default=None, repr=False)
     admission: PoolAdmission = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -81,29 +89,39 @@ class ModelPool:
     def follow_kv_events(self) -> None:
         """A policy that indexes KV events (precise_prefix) follows the deployments routed over
         now, and forgets those that left (discovery, drain, reload)."""
-        feed = getattr(self.policy, "kv_feed", None)
-        if feed is not None:
+        for feed in self.kv_feeds():
             feed.retain(self.deployments)
             feed.track([d for d in self.deployments if d.started])
 
-    def take(self, request, exclude: frozenset[str] = frozenset()) -> Deployment | None:
+    def kv_feeds(self) -> list:
+        """The KV-event feeds of its policies (precise_prefix has one; a disaggregated model's
+        prefill policy its own)."""
+        policies = (self.policy, self.prefill_policy)
+        return [p.kv_feed for p in policies if p is not None and hasattr(p, "kv_feed")]
+
+    def take(self, request, exclude: frozenset[str] = frozenset(), role: str = "decode") -> Deployment | None:
         """Choose a deployment that can take `request` now (and serves what it needs) and claim a
-        slot on it, or None."""
+        slot on it, or None. Requests go to colocated and decode deployments; prefill ones only
+        take the prefill hop of a disaggregated request (role "prefill", gateway.disagg)."""
         needs = request.needs
+        roles = ("prefill",) if role == "prefill" else ("colocated", "decode")
         candidates = [
             d for d in self.deployments
-            if d.name not in exclude and d.capabilities.serves(needs) and d.available
+            if d.name not in exclude and d.role in roles and d.capabilities.serves(needs) and d.available
             and not d.saturated(self.config.saturation, self.config.queue.max_in_flight_per_deployment)
         ]
         if not candidates:
             return None
-        chosen = self.policy.choose(request, candidates)
+        policy = self.prefill_policy if role == "prefill" and self.prefill_policy is not None else self.policy
+        chosen = policy.choose(request, candidates)
         chosen.in_flight += 1
         chosen.breaker.claim()
         return chosen
 
     def any_available(self, needs: Needs | None = None) -> bool:
-        return any(d.available for d in self.deployments if needs is None or d.capabilities.serves(needs))
+        """Whether a deployment that serves requests (not a prefill one) is up for `needs`."""
+        return any(d.available for d in self.deployments
+                   if d.role != "prefill" and (needs is None or d.capabilities.serves(needs)))
 
     def declared(self) -> list[tuple[str, Capabilities]]:
         """(name, capabilities) of every deployment as configured: a discovery group counts once,
@@ -190,7 +208,7 @@ class ModelRegistry:
 
     async def close_kv_feeds(self) -> None:
         """Stop following KV events (a reload's replaced registry, or shutdown)."""
-        await asyncio.gather(*(p.policy.kv_feed.close() for p in self.pools if hasattr(p.policy, "kv_feed")))
+        await asyncio.gather(*(feed.close() for p in self.pools for feed in p.kv_feeds()))
 
     async def stop(self) -> None:
         await self.close_kv_feeds()
@@ -217,10 +235,12 @@ def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Re
         else:
             groups.append(kept or _build_group(where, model, d, backends))
     try:
-        policy = policies.get(model.policy)(dict(model.policy_options))
+        make_policy = policies.get(model.policy)
     except KeyError as exc:
         raise ValueError(f"models[{index}].policy: {exc.args[0]}") from None
-    return ModelPool(model.name, list(model.aliases), deployments, policy, model, groups)
+    prefill_policy = make_policy(dict(model.policy_options)) if model.disaggregated else None
+    return ModelPool(model.name, list(model.aliases), deployments, make_policy(dict(model.policy_options)), model,
+                     groups, prefill_policy)
 
 
 def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> DiscoveryGroup:

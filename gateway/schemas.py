@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from gateway import fastjson
-from gateway.backend import SamplingParams
+from gateway.backend import TRANSFER_PARAMS, SamplingParams
 from gateway.capabilities import Needs
 from gateway.config import RequestLimits, format_path
 from gateway.errors import InvalidRequestError
@@ -40,6 +40,10 @@ from gateway.tool_schemas import (
 
 IGNORED = ("metadata", "store", "service_tier")
 EXTRA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+# Fields that tell an engine where to read or send a prompt's KV (vLLM's P/D params, SGLang's
+# bootstrap): only the gateway sets them (gateway.disagg). A client's are dropped, never
+# forwarded: forged ones would point an engine at another request's blocks or another host.
+ENGINE_ONLY_FIELDS = frozenset({TRANSFER_PARAMS, "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
@@ -311,8 +315,11 @@ def _needs(endpoint: str, req: _Common, logprobs: bool, extra: dict | None, feat
 
 
 def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
-    """The body's vendor fields (those no model field names), within the limits; None if none."""
+    """The body's vendor fields (those no model field names), within the limits, without the
+    engine-only ones; None if none."""
     extra = req.model_extra
+    if extra and not ENGINE_ONLY_FIELDS.isdisjoint(extra):
+        extra = {k: v for k, v in extra.items() if k not in ENGINE_ONLY_FIELDS}
     if not extra:
         return None
     if len(extra) > limits.max_extra_fields:

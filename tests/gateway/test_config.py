@@ -91,3 +91,31 @@ def test_check_config_cli_missing_file(tmp_path):
     result = run_cli("check-config", str(tmp_path / "nope.yaml"))
     assert result.returncode == 1
     assert "cannot read file" in result.stderr
+
+
+def _roles(*roles: str, extra: str = "") -> str:
+    deployments = "".join(f"      - {{name: d{i}, backend: echo, role: {r}}}\n" for i, r in enumerate(roles))
+    return f"models:\n  - name: m\n{extra}    deployments:\n{deployments}"
+
+
+def test_prefill_and_decode_roles_pair_up():
+    config = parse_config(_roles("prefill", "decode", "decode", extra="    disaggregation: {min_prompt_chars: 500}\n"))
+    assert config.models[0].disaggregated and config.models[0].disaggregation.min_prompt_chars == 500
+    assert not parse_config(_roles("colocated", "colocated")).models[0].disaggregated
+    assert problems(_roles("prefill")) == [
+        "models[0].deployments: a model with role prefill deployments needs a decode deployment too (t.yaml:4)"]
+    assert problems(_roles("decode", "decode"))[0].startswith(
+        "models[0].deployments: a model with role decode deployments needs a prefill deployment too")
+    assert problems(_roles("prefill", "decode", "colocated"))[0].startswith(
+        "models[0].deployments: a model's deployments are either all colocated or each prefill or decode")
+    assert problems(_roles("prefill", "decode", extra="    disaggregation: {min_prompt_chars: -1}\n"))[0].startswith(
+        "models[0].disaggregation.min_prompt_chars: Input should be greater than or equal to 0")
+    assert problems(_roles("mixer"))[0].startswith("models[0].deployments[0].role: Input should be 'colocated'")
+
+
+def test_check_config_cli_refuses_unpaired_roles(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_roles("prefill", "prefill"))
+    result = run_cli("check-config", str(bad))
+    assert result.returncode == 1
+    assert "a model with role prefill deployments needs a decode deployment too" in result.stderr

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import gateway
 from gateway import fastjson
-from gateway.backend import Capabilities, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, Usage
+from gateway.backend import (
+    TRANSFER_PARAMS, Capabilities, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, Usage)
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from kvgate_openai import relay, upstream_errors, wire
@@ -192,6 +193,10 @@ class OpenAIBackend(TokenCalls):
 
     async def _send(self, pool: ClientPool, url: str, body: dict, request, deadline: float) -> Response:
         headers = {k: v for k, v in request.trace_context.items() if k in TRACE_HEADERS}
+        if isinstance(body, dict) and TRANSFER_PARAMS in body:
+            # A disaggregated request's hops share one id, as vLLM's P/D proxy sends it: the
+            # engines' logs (and NIXL's remote_request_id) name the same request.
+            headers["x-request-id"] = request.request_id
         content = fastjson.dumps(body)
         try:
             async with asyncio.timeout_at(deadline):

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from gateway import fastjson
 from gateway.backend import (
-    GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
+    TRANSFER_PARAMS, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
 from kvgate_openai.counts import token_count
 from kvgate_openai.relay import PATHS
 
@@ -182,12 +182,20 @@ def whole_event(body: dict, chat: bool) -> TokenEvent:
     text, logprobs = _text_and_logprobs(c, chat, "message")
     token_ids = tuple(c.get("token_ids") or ())
     reason = finish_reason(c.get("finish_reason")) or "stop"
-    event = TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, usage=usage_of(body))
+    event = TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, usage=usage_of(body),
+                       kv_transfer_params=transfer_params(body))
     message = c.get("message") if chat else None
     if isinstance(message, dict) and len(message) > ("content" in message) + ("role" in message):
         more = _event_with_more(message, text, token_ids, logprobs, reason, streamed=False)
-        return replace(more, usage=event.usage)  # never None: it has a finish reason
+        return replace(more, usage=event.usage, kv_transfer_params=event.kv_transfer_params)  # never None
     return event
+
+
+def transfer_params(body: dict) -> dict | None:
+    """vLLM's top-level `kv_transfer_params` of an answer (a prefill engine's KV connector sets
+    it when the request asked for remote decode and stopped on length), when it is an object."""
+    params = body.get(TRANSFER_PARAMS)
+    return params if isinstance(params, dict) else None
 
 
 def _text_and_logprobs(choice: dict, chat: bool, chat_field: str) -> tuple[str, tuple[TokenLogprob, ...]]:

@@ -1,0 +1,166 @@
+"""Prefill/decode disaggregation, driven by the gateway (issue 30).
+
+A model whose deployments have roles (`role: prefill | decode`) serves each choice in two hops,
+as vLLM's P/D proxy does:
+
+1. prefill: the request with max_tokens 1, not streamed, carrying `kv_transfer_params:
+   {do_remote_decode: true, ...}`, on a prefill deployment chosen by the model's policy (load,
+   or prefix affinity); one that fails hands the hop to another prefill deployment;
+2. decode: the request as the client sent it, plus the `kv_transfer_params` the prefill
+   answered, on a decode deployment: admitted, chosen and failed over before its first token as
+   any request is (another decode engine reads the same blocks, or recomputes them).
+
+The client sees one response; both hops carry its request id and are spans of its trace. The
+decode pool serves the request colocated (the prompt computed there, counted by reason) when
+the prompt is short (`disaggregation.min_prompt_chars`), when the body is passed through in
+another API's shape (the gateway does not add fields to it), when no prefill deployment could
+take the hop, or when the prefill answered no params (it stopped before its token limit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from gateway.backend import TRANSFER_PARAMS, GenerationRequest, TokenEvent
+from gateway.choices import OpenChoice, open_choice, open_on, request_fault, traced, with_failover
+from gateway.errors import APIError
+from gateway.models import Deployment, ModelPool
+
+log = logging.getLogger("kvgate.disagg")
+
+# The prefill hop's params, as vLLM's proxy sends them: "compute the prompt, keep its blocks for a
+# remote decode". The engine answers with where the decode side reads them.
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NOT_ON_PREFILL = ("min_tokens", "min_completion_tokens")  # they would run it past its one token
+
+
+def opener(pool: ModelPool):
+    """How each choice of a request to `pool` is opened (choices.open_choices' `opener`)."""
+    return open_disaggregated if pool.config.disaggregated else open_choice
+
+
+async def open_disaggregated(registry, pool: ModelPool, index: int, request: GenerationRequest, ticket,
+                             recorder) -> OpenChoice:
+    """The choice's prefill hop, then its decode hop opened up to the first token."""
+    params = await prefill_hop(pool, index, request, recorder)
+    metrics, model = recorder.metrics, recorder.model
+
+    async def attempt(current: ModelPool, deployment: Deployment, sent: GenerationRequest, span, attempts: int):
+        if current is not pool:  # a fallback model: other engines, nothing of this prompt to load
+            sent = with_transfer(sent, None)
+        _mark_hop(span, "decode", params is not None)
+        started = time.monotonic()
+        try:
+            choice = await open_on(current, deployment, index, sent)
+        except APIError:
+            metrics.pd_hops.labels(model, "decode", "failed").inc()
+            raise
+        metrics.pd_hops.labels(model, "decode", "ok").inc()
+        metrics.pd_hop_seconds.labels(model, "decode").observe(time.monotonic() - started)
+        choice.attempts, choice.span, choice.recorder = attempts, span, recorder
+        return choice
+
+    return await with_failover(registry, pool, with_transfer(request, params), ticket, recorder, attempt)
+
+
+async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, recorder) -> dict | None:
+    """The params a prefill deployment answered for `request`, trying each prefill deployment
+    once; None (counted) when the decode pool is to compute the prompt itself. An error the
+    request caused (a 400) ends it: the decode hop would say the same."""
+    skip = colocated_reason(pool, request)
+    if skip is not None:
+        return _colocated(recorder, skip)
+    hop = prefill_request(request)
+    tried: set[str] = set()
+    while (deployment := pool.take(hop, exclude=frozenset(tried), role="prefill")) is not None:
+        tried.add(deployment.name)
+        try:
+            last = await _prefill_on(pool, deployment, index, hop, recorder, len(tried))
+        except APIError as exc:
+            recorder.metrics.pd_hops.labels(recorder.model, "prefill", "failed").inc()
+            if request_fault(exc):
+                raise
+            log.warning("request %s: prefill on %s failed (%s); trying another prefill deployment",
+                        request.request_id, deployment.name, exc.code)
+            continue
+        recorder.metrics.pd_hops.labels(recorder.model, "prefill", "ok").inc()
+        params = last.kv_transfer_params if last is not None else None
+        return params if params is not None else _colocated(recorder, "no_params")
+    return _colocated(recorder, "no_prefill")
+
+
+async def _prefill_on(pool: ModelPool, deployment: Deployment, index: int, hop: GenerationRequest, recorder,
+                      number: int) -> TokenEvent | None:
+    """The prefill hop on `deployment` (its slot already claimed), read to its last event."""
+    span = recorder.attempt(deployment, deployment.upstream_model, number)
+    _mark_hop(span, "prefill", True)
+    started = time.monotonic()
+    try:
+        choice = await open_on(pool, deployment, index, traced(hop, recorder, span))
+    except BaseException as exc:
+        pool.release(deployment)
+        error = exc if isinstance(exc, APIError) else None
+        recorder.attempt_failed(span, deployment, error, retried=error is not None and not request_fault(error))
+        raise
+    choice.span, choice.recorder = span, recorder
+    try:
+        async for _ in choice.stream():
+            pass
+    finally:
+        await choice.close()  # its slot, and its span
+    recorder.metrics.pd_hop_seconds.labels(recorder.model, "prefill").observe(time.monotonic() - started)
+    return choice.last_event
+
+
+def colocated_reason(pool: ModelPool, request: GenerationRequest) -> str | None:
+    """Why `request` skips the prefill hop, or None when it takes it."""
+    if request.passthrough is not None:
+        return "passthrough"
+    if prompt_chars(request) < pool.config.disaggregation.min_prompt_chars:
+        return "short_prompt"
+    return None
+
+
+def prompt_chars(request: GenerationRequest) -> int:
+    """The prompt's size in characters (token ids count one each): what the short-prompt
+    threshold compares, known without a tokenizer."""
+    if request.messages is not None:
+        return sum(_content_chars(m.get("content")) for m in request.messages)
+    return len(request.prompt or "")
+
+
+def _content_chars(content) -> int:
+    if isinstance(content, list):  # content parts
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return len(content or "")
+
+
+def prefill_request(request: GenerationRequest) -> GenerationRequest:
+    """The prefill hop: one token, in one piece, asking the engine to keep the prompt's KV."""
+    extra = {k: v for k, v in request.extra.items() if k not in NOT_ON_PREFILL}
+    extra[TRANSFER_PARAMS] = dict(PREFILL_PARAMS)
+    sampling = replace(request.sampling, max_tokens=1, max_tokens_default=False, logprobs=None)
+    return replace(request, sampling=sampling, stream=False, continuous_usage=False, extra=extra)
+
+
+def with_transfer(request: GenerationRequest, params: dict | None) -> GenerationRequest:
+    """`request` carrying the prefill's `params` (None: carrying none)."""
+    extra = {k: v for k, v in request.extra.items() if k != TRANSFER_PARAMS}
+    if params is not None:
+        extra[TRANSFER_PARAMS] = params
+    return replace(request, extra=extra)
+
+
+def _colocated(recorder, reason: str) -> None:
+    recorder.metrics.pd_colocated.labels(recorder.model, reason).inc()
+    return None
+
+
+def _mark_hop(span, hop: str, with_kv: bool) -> None:
+    if span is not None:
+        span.set_attribute("kvgate.pd.hop", hop)
+        if hop == "decode":
+            span.set_attribute("kvgate.pd.remote_kv", with_kv)

@@ -1,0 +1,263 @@
+"""Prefill/decode disaggregation through kvgate to vLLM engines (issue 30 items 3, 4, 8): the real
+`openai` client against kvgate, whose `openai` deployments are loopback engines that speak vLLM's
+P/D protocol as its NIXL connector does (`VllmPDEngine`). Each test checks what every engine
+received and what the client saw."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from starlette.responses import JSONResponse
+
+from gateway.disagg import PREFILL_PARAMS
+from scripted_upstream import ScriptedUpstream
+from servers import GatewayServer
+
+MIN_PROMPT_CHARS = 20
+LONG = "please repeat these words back to me exactly"
+ASK = [{"role": "user", "content": LONG}]
+
+
+class VllmPDEngine(ScriptedUpstream):
+    """One vLLM engine started with `--kv-transfer-config '{"kv_connector":"NixlConnector",
+    "kv_role":"kv_both"}'`, as its OpenAI server answers (tests/scripted_upstream.py's echo for
+    the text):
+
+    - a request whose `kv_transfer_params` has `do_remote_decode` is a prefill: it answers as
+      asked (one token, for the gateway's max_tokens 1) and returns `kv_transfer_params` (this
+      engine's id, the block ids, its host and port, the request id from `x-request-id`) only
+      when the answer stopped on length; it then holds the prompt's blocks for a remote decode;
+    - one whose params have `do_remote_prefill` loads the prompt's KV from the named engine when
+      that engine holds the named request's blocks for this very prompt (`loaded`); else (forged,
+      stale, another prompt's) it computes the prompt itself (`recomputed`), never another's KV;
+    - without params it computes the prompt (`computed`).
+    `fail` answers that many next requests with a 500 before any output."""
+
+    def __init__(self, engine_id: str, cluster: dict):
+        super().__init__()
+        self.engine_id, self.cluster = engine_id, cluster
+        cluster[engine_id] = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.held: dict[str, str] = {}  # remote_request_id -> the prompt whose blocks it keeps
+        self.loaded: list[tuple[str, str]] = []  # (engine id, request id) of KV read from elsewhere
+        self.recomputed = 0
+        self.computed = 0
+        self.fail = 0
+        self.request_ids: list[str | None] = []  # x-request-id of every request
+
+    async def chat(self, request):
+        body = await request.json()
+        self.request_ids.append(request.headers.get("x-request-id"))
+        if self.fail:
+            self.fail -= 1
+            self.seen.append((request.url.path, body))
+            return JSONResponse({"error": {"message": "engine fault", "type": "InternalServerError"}}, status_code=500)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            return await self._prefill(request, body)
+        if params.get("do_remote_prefill"):
+            self._load(params, body)
+        else:
+            self.computed += 1
+        return await super().chat(request)
+
+    async def _prefill(self, request, body: dict):
+        self.seen.append((request.url.path, body))
+        words = (self.answer(body).content or "").split()
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or len(words)
+        stopped_on_length = len(words) > limit
+        answer = {"id": "chatcmpl-p", "object": "chat.completion", "model": self.model,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(words[:limit])},
+                               "finish_reason": "length" if stopped_on_length else "stop"}],
+                  "usage": {"prompt_tokens": len(LONG.split()), "completion_tokens": min(limit, len(words))}}
+        if stopped_on_length:  # NixlConnector.request_finished: params only for FINISHED_LENGTH_CAPPED
+            request_id = request.headers.get("x-request-id")
+            self.held[request_id] = _prompt_of(body)
+            host, port = self.base_url.removeprefix("http://").split(":")
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+                "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": host,
+                "remote_port": int(port), "tp_size": 1}
+        return JSONResponse(answer)
+
+    def _load(self, params: dict, body: dict) -> None:
+        source = self.cluster.get(params.get("remote_engine_id"))
+        request_id = params.get("remote_request_id")
+        if source is not None and source.held.get(request_id) == _prompt_of(body):
+            del source.held[request_id]  # read once: the prefill frees its blocks
+            self.loaded.append((source.engine_id, request_id))
+        else:
+            self.recomputed += 1
+
+
+def _prompt_of(body: dict) -> str:
+    return "\n".join(str(m.get("content")) for m in body["messages"])
+
+
+ENGINE = "{{name: {name}, backend: openai, role: {role}, upstream_model: scripted, " \
+         "settings: {{base_url: '{base}/v1', server: vllm, metrics: none}}}}"
+CONFIG = """
+models:
+  - name: pd
+    disaggregation: {{min_prompt_chars: {min_chars}}}
+    breaker: {{failures: 100}}
+    deployments:
+{engines}
+  - name: plain
+    deployments:
+      - {{name: solo, backend: openai, upstream_model: scripted, settings: {{base_url: '{solo}/v1', server: vllm, metrics: none}}}}
+"""
+ROLES = {"P0": "prefill", "P1": "prefill", "D0": "decode", "D1": "decode"}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    cluster: dict = {}
+    started = {name: VllmPDEngine(name, cluster) for name in [*ROLES, "solo"]}
+    yield started
+    for engine in started.values():
+        engine.close()
+
+
+@pytest.fixture()
+def gw(engines):
+    for engine in engines.values():
+        engine.reset()
+    listed = "\n".join("      - " + ENGINE.format(name=n, role=r, base=engines[n].base_url) for n, r in ROLES.items())
+    exporter = InMemorySpanExporter()
+    config = CONFIG.format(min_chars=MIN_PROMPT_CHARS, engines=listed, solo=engines["solo"].base_url)
+    with GatewayServer(config, span_exporter=exporter) as server:
+        server.spans = exporter
+        yield server
+
+
+def prefills(engines) -> list[dict]:
+    return [b for n in ("P0", "P1") for b in engines[n].bodies("/v1/chat/completions")]
+
+
+def decodes(engines) -> list[dict]:
+    return [b for n in ("D0", "D1") for b in engines[n].bodies("/v1/chat/completions")]
+
+
+def loaded(engines) -> list[tuple[str, str]]:
+    return engines["D0"].loaded + engines["D1"].loaded
+
+
+def metric(gw, name: str, **labels) -> float:
+    """The value of the series of `name` with these labels (0 when it has not been counted)."""
+    text = httpx.get(gw.base_url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_stream_is_prefilled_on_one_engine_and_decoded_on_another(gw, engines):
+    stream = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == LONG
+    assert len({c.id for c in chunks}) == 1
+    request_id = chunks[0].id
+    [prefill], [decode] = prefills(engines), decodes(engines)
+    # The prefill hop, as vLLM's proxy sends it.
+    assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "stream_options" not in prefill
+    assert prefill["messages"] == ASK
+    # The decode hop: the client's request plus what the prefill engine returned; it read the KV.
+    params = decode["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == request_id
+    assert decode["stream"] is True and decode["max_tokens"] == 50
+    assert loaded(engines) == [(params["remote_engine_id"], request_id)]
+    # One id across both hops, as the engines saw it.
+    assert [i for n in ROLES for i in engines[n].request_ids] == [request_id, request_id]
+    assert metric(gw, "kvgate_pd_hops_total", model="pd", pool="prefill", outcome="ok") == 1
+    assert metric(gw, "kvgate_pd_hops_total", model="pd", pool="decode", outcome="ok") == 1
+    assert metric(gw, "kvgate_pd_hop_seconds_count", model="pd", pool="prefill") == 1
+
+
+def test_both_hops_are_spans_of_the_request_trace(gw, engines):
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
+    assert answer.choices[0].message.content == LONG and answer.choices[0].finish_reason == "stop"
+    spans = gw.spans.get_finished_spans()
+    [root] = [s for s in spans if s.kind == SpanKind.SERVER]
+    hops = {s.attributes["kvgate.pd.hop"]: s for s in spans if s.kind == SpanKind.CLIENT}
+    assert set(hops) == {"prefill", "decode"}
+    assert all(s.context.trace_id == root.context.trace_id and s.parent.span_id == root.context.span_id
+               for s in hops.values())
+    assert hops["prefill"].end_time <= hops["decode"].start_time
+    assert hops["decode"].attributes["kvgate.pd.remote_kv"] is True
+    assert hops["prefill"].attributes["kvgate.deployment"] in ("P0", "P1")
+    assert hops["decode"].attributes["kvgate.deployment"] in ("D0", "D1")
+
+
+def test_a_failed_prefill_moves_to_another_prefill_deployment(gw, engines):
+    engines["P0"].fail = 100
+    client = gw.openai(timeout=30)
+    for _ in range(4):  # the deployments take turns: P0 is tried, and fails, at least once
+        assert client.chat.completions.create(model="pd", messages=ASK, max_tokens=50).choices[0].message.content == LONG
+    assert engines["P0"].request_ids, "P0 was never tried"
+    assert [engine for engine, _ in loaded(engines)] == ["P1"] * 4
+    assert metric(gw, "kvgate_pd_hops_total", model="pd", pool="prefill", outcome="failed") == len(engines["P0"].request_ids)
+
+
+def test_no_healthy_prefill_means_the_decode_pool_serves_colocated(gw, engines):
+    engines["P0"].fail = engines["P1"].fail = 100
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
+    assert answer.choices[0].message.content == LONG
+    [decode] = decodes(engines)
+    assert "kv_transfer_params" not in decode
+    assert engines["D0"].computed + engines["D1"].computed == 1
+    assert metric(gw, "kvgate_pd_colocated_total", model="pd", reason="no_prefill") == 1
+
+
+def test_a_decode_that_fails_before_its_first_token_moves_to_another_decode(gw, engines):
+    engines["D0"].fail = 100
+    client = gw.openai(timeout=30)
+    for _ in range(3):
+        stream = client.chat.completions.create(model="pd", messages=ASK, max_tokens=50, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == LONG
+    assert engines["D0"].request_ids, "D0 was never tried"
+    # Each retried decode carried the prefill's params, and D1 read the KV every time.
+    assert len(engines["D1"].loaded) == 3 and engines["D1"].recomputed == 0
+    assert len(prefills(engines)) == 3  # the prefill is not repeated for a decode retry
+
+
+def test_short_prompts_skip_the_prefill_hop(gw, engines):
+    answer = gw.openai(timeout=30).chat.completions.create(
+        model="pd", messages=[{"role": "user", "content": "hi there"}], max_tokens=5)
+    assert answer.choices[0].message.content == "hi there"
+    assert prefills(engines) == [] and "kv_transfer_params" not in decodes(engines)[0]
+    assert metric(gw, "kvgate_pd_colocated_total", model="pd", reason="short_prompt") == 1
+
+
+def test_a_prefill_that_stops_before_its_limit_returns_no_params(gw, engines):
+    one_word = [{"role": "user", "content": "supercalifragilisticexpialidocious"}]
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=one_word, max_tokens=5)
+    assert answer.choices[0].message.content == one_word[0]["content"]
+    assert len(prefills(engines)) == 1 and "kv_transfer_params" not in decodes(engines)[0]
+    assert metric(gw, "kvgate_pd_colocated_total", model="pd", reason="no_params") == 1
+
+
+def test_transfer_params_from_clients_are_dropped(gw, engines):
+    forged = {"do_remote_prefill": True, "remote_engine_id": "P0", "remote_request_id": "someone-else",
+              "remote_block_ids": [7], "remote_host": "10.0.0.9", "remote_port": 5600}
+    engines["P0"].held["someone-else"] = _prompt_of({"messages": ASK})  # another request's blocks
+    client = gw.openai(timeout=30)
+    answer = client.chat.completions.create(model="pd", messages=ASK, max_tokens=50,
+                                            extra_body={"kv_transfer_params": forged, "bootstrap_room": 7})
+    assert answer.choices[0].message.content == LONG
+    [prefill], [decode] = prefills(engines), decodes(engines)
+    assert prefill["kv_transfer_params"] == PREFILL_PARAMS and "bootstrap_room" not in prefill
+    assert decode["kv_transfer_params"]["remote_request_id"] == answer.id != "someone-else"
+    assert "someone-else" in engines["P0"].held  # never read
+    # A colocated vLLM model neither forwards nor refuses them.
+    plain = client.chat.completions.create(model="plain", messages=ASK, max_tokens=50,
+                                           extra_body={"kv_transfer_params": forged})
+    assert plain.choices[0].message.content == LONG
+    [sent] = engines["solo"].bodies("/v1/chat/completions")
+    assert "kv_transfer_params" not in sent and engines["solo"].request_ids == [None]
