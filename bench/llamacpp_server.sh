@@ -3,7 +3,8 @@
 # in its own venv: a real third-party upstream for kvgate's openai backend and a CPU peer.
 #
 #   bash bench/llamacpp_server.sh install         # build llama-cpp-python (~6 min on 2 cores)
-#   bash bench/llamacpp_server.sh serve PORT      # serve the model on 127.0.0.1:PORT (alias smollm2)
+#   bash bench/llamacpp_server.sh serve PORT      # serve the model on 127.0.0.1:PORT (alias smollm2;
+#                                                 # PORT 0: a free one, in the "Uvicorn running on" line)
 #   bash bench/llamacpp_server.sh serve-features PORT  # the same file twice: smollm2-tools (chat format
 #                                                 # chatml-function-calling: tools) and smollm2-embed (embeddings)
 #   bash bench/llamacpp_server.sh python          # print the venv's python (empty if not built)

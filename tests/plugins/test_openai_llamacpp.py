@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from servers import GatewayServer, free_port
+from servers import GatewayServer, listening_url
 from skips import required
 
 pytestmark = pytest.mark.slow
@@ -49,31 +49,31 @@ def llamacpp():
 
 @contextlib.contextmanager
 def llamacpp_server(mode: str):
-    """The script's `mode` (serve, serve-features) on a free port: its base URL once it serves."""
+    """The script's `mode` (serve, serve-features) on a port it binds itself (port 0): its base
+    URL, read from the line its uvicorn logs once it listens, when it serves the models."""
     python = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True).stdout.strip()
     if not python:
         required("KVGATE_REQUIRE_LLAMACPP",
                  "llama-cpp-python is not built: run `bash bench/llamacpp_server.sh install` (~6 min)")
-    port = free_port()
     # Its log goes to a file: llama.cpp prints more than a pipe holds, and a full pipe stalls it.
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(["bash", str(SCRIPT), mode, str(port)], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_models(base, proc, log)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with tempfile.TemporaryDirectory() as folder:
+        log_path = Path(folder) / "llamacpp.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(["bash", str(SCRIPT), mode, "0"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = listening_url(proc, log_path, timeout=120)
+            _wait_for_models(base, proc, log_path)
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
-def _wait_for_models(base: str, proc: subprocess.Popen, log, timeout: float = 120) -> None:
+def _wait_for_models(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"llama.cpp server exited: {log.read().decode(errors='replace')[-2000:]}")
+            raise AssertionError(f"llama.cpp server exited: {log_path.read_text(errors='replace')[-2000:]}")
         try:
             if httpx.get(base + "/v1/models", timeout=1).status_code == 200:
                 return
