@@ -120,7 +120,7 @@ def _deployment(d) -> dict:
     if "engine_restarts" in load.extra:
         engine = {**(engine or {}), "restarts": load.extra["engine_restarts"]}
     return {
-        "name": d.name, "backend": d.config.backend if d.config else None,
+        "name": d.name, "backend": d.config.backend if d.config else None, "role": d.role,
         "up": bool(d.started and load.healthy), "start_error": d.start_error, "problem": load.problem,
         "breaker": d.breaker.state, "in_flight": d.in_flight,
         "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,

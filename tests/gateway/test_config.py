@@ -113,6 +113,13 @@ def test_prefill_and_decode_roles_pair_up():
     assert problems(_roles("mixer"))[0].startswith("models[0].deployments[0].role: Input should be 'colocated'")
 
 
+def test_check_config_cli_accepts_the_disaggregated_vllm_config():
+    result = run_cli("check-config", str(ROOT / "configs" / "disaggregated_vllm.yaml"))
+    assert result.returncode == 0, result.stderr
+    config = load_config(ROOT / "configs" / "disaggregated_vllm.yaml")
+    assert [d.role for d in config.models[0].deployments] == ["prefill", "prefill", "decode", "decode"]
+
+
 def test_check_config_cli_refuses_unpaired_roles(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(_roles("prefill", "prefill"))

@@ -5,6 +5,9 @@ received and what the client saw."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -48,15 +51,27 @@ class VllmPDEngine(ScriptedUpstream):
         self.recomputed = 0
         self.computed = 0
         self.fail = 0
+        self.refuse = False  # answer 400 (the prompt is over the context), as vLLM does
+        self.prefill_delay_s = 0.0
         self.request_ids: list[str | None] = []  # x-request-id of every request
 
     async def chat(self, request):
+        return await self._serve(request, super().chat)
+
+    async def completions(self, request):
+        return await self._serve(request, super().completions)
+
+    async def _serve(self, request, answer):
         body = await request.json()
         self.request_ids.append(request.headers.get("x-request-id"))
         if self.fail:
             self.fail -= 1
             self.seen.append((request.url.path, body))
             return JSONResponse({"error": {"message": "engine fault", "type": "InternalServerError"}}, status_code=500)
+        if self.refuse:
+            self.seen.append((request.url.path, body))
+            return JSONResponse({"object": "error", "message": "This model's maximum context length is 2048 tokens.",
+                                 "type": "BadRequestError", "param": None, "code": 400}, status_code=400)
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
             return await self._prefill(request, body)
@@ -64,17 +79,21 @@ class VllmPDEngine(ScriptedUpstream):
             self._load(params, body)
         else:
             self.computed += 1
-        return await super().chat(request)
+        return await answer(request)
 
     async def _prefill(self, request, body: dict):
         self.seen.append((request.url.path, body))
-        words = (self.answer(body).content or "").split()
+        await asyncio.sleep(self.prefill_delay_s)
+        chat = "messages" in body
+        words = ((self.answer(body).content or "") if chat else str(body["prompt"])).split()
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or len(words)
         stopped_on_length = len(words) > limit
-        answer = {"id": "chatcmpl-p", "object": "chat.completion", "model": self.model,
-                  "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(words[:limit])},
-                               "finish_reason": "length" if stopped_on_length else "stop"}],
-                  "usage": {"prompt_tokens": len(LONG.split()), "completion_tokens": min(limit, len(words))}}
+        text = " ".join(words[:limit])
+        choice = {"index": 0, "finish_reason": "length" if stopped_on_length else "stop",
+                  **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+        answer = {"id": "p", "object": "chat.completion" if chat else "text_completion", "model": self.model,
+                  "choices": [choice], "usage": {"prompt_tokens": len(_prompt_of(body).split()),
+                                                 "completion_tokens": min(limit, len(words))}}
         if stopped_on_length:  # NixlConnector.request_finished: params only for FINISHED_LENGTH_CAPPED
             request_id = request.headers.get("x-request-id")
             self.held[request_id] = _prompt_of(body)
@@ -96,6 +115,8 @@ class VllmPDEngine(ScriptedUpstream):
 
 
 def _prompt_of(body: dict) -> str:
+    if "messages" not in body:
+        return str(body["prompt"])
     return "\n".join(str(m.get("content")) for m in body["messages"])
 
 
@@ -261,3 +282,38 @@ def test_transfer_params_from_clients_are_dropped(gw, engines):
     assert plain.choices[0].message.content == LONG
     [sent] = engines["solo"].bodies("/v1/chat/completions")
     assert "kv_transfer_params" not in sent and engines["solo"].request_ids == [None]
+
+
+def test_a_request_the_prefill_refuses_is_refused_without_a_decode(gw, engines):
+    engines["P0"].refuse = engines["P1"].refuse = True
+    response = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,
+                          json={"model": "pd", "messages": ASK, "max_tokens": 50})
+    assert response.status_code == 400
+    assert "maximum context length" in response.json()["error"]["message"]
+    assert len(prefills(engines)) == 1 and decodes(engines) == []  # the request's fault: not retried
+
+
+def test_a_client_that_leaves_during_the_prefill_frees_every_slot(gw, engines):
+    engines["P0"].prefill_delay_s = engines["P1"].prefill_delay_s = 3.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.base_url + "/v1/chat/completions", timeout=0.5,
+                   json={"model": "pd", "messages": ASK, "max_tokens": 50})
+    pool = gw.state.registry.resolve("pd")
+    deadline = time.monotonic() + 1.5  # well before the prefill would have answered
+    while pool.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.in_flight == 0
+    time.sleep(1.5)  # past the prefill's own answer time: no decode hop follows it
+    assert len(prefills(engines)) == 1 and decodes(engines) == []
+
+
+def test_completions_and_the_status_page_of_a_disaggregated_model(gw, engines):
+    answer = gw.openai(timeout=30).completions.create(model="pd", prompt=LONG, max_tokens=50)
+    assert answer.choices[0].text == LONG
+    [prefill] = [b for n in ("P0", "P1") for b in engines[n].bodies("/v1/completions")]
+    [decode] = [b for n in ("D0", "D1") for b in engines[n].bodies("/v1/completions")]
+    assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+    assert decode["kv_transfer_params"]["remote_request_id"] == answer.id
+    status = httpx.get(gw.base_url + "/status.json", timeout=10).json()
+    [model] = [m for m in status["models"] if m["name"] == "pd"]
+    assert {d["name"]: d["role"] for d in model["deployments"]} == ROLES
