@@ -204,7 +204,6 @@ def child_main(name: str, spec_path: str, result_path: str) -> None:
 def _engine(spec):
     from native_backend.config.cache_dir import tokenizer_cache_dir
     from native_backend.config.engine import EngineConfig
-    from native_backend.core.engine import LLMEngine
     from native_backend.process.factory import make_engine_core
 
     started = time.perf_counter()

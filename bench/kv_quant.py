@@ -112,7 +112,7 @@ def capacity(kv_dtype: str, workload: dict, kv_bytes: int, threads: int) -> dict
     run = _kvgate_run(e, workload["prompts"], workload["output_lens"], "c")
     stats = e.stats()
     out_tokens = sum(len(t) for t in run["tokens"].values())
-    return {"kv_blocks": e.plan.num_blocks, "tokens_in_cache": e.plan.num_tokens, "wall_s": run["wall"],
+    return {"kv_blocks": e.core.plan.num_blocks, "tokens_in_cache": e.core.plan.num_tokens, "wall_s": run["wall"],
             "out_tokens": out_tokens, "out_tok_s": out_tokens / run["wall"],
             "preemptions": stats.num_preemptions - before.num_preemptions, "describe": e.describe()}
 

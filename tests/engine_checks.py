@@ -1,4 +1,4 @@
-"""Checks on a whole LLMEngine that several engine tests share."""
+"""Checks on a whole engine (make_engine_core: the core and its output processor) that several engine tests share."""
 
 from __future__ import annotations
 
@@ -13,4 +13,4 @@ def assert_abort_frees_every_block(engine, prompt: list[int], sampling) -> None:
     engine.abort("gone")
     engine.step()
     assert not engine.has_unfinished()
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks

@@ -67,12 +67,12 @@ def run_script(executor, prompts: list[list[int]], decode_steps: int, feed: list
 
 
 def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Every prompt's greedy tokens from an LLMEngine, the prompts batched as it schedules them."""
+    """Every prompt's greedy tokens from an engine (make_engine_core), the prompts batched as it schedules them."""
     return engine_tokens(engine, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
 
 
 def engine_tokens(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-    """Every prompt's tokens from an LLMEngine with these sampling settings, batched."""
+    """Every prompt's tokens from an engine (make_engine_core) with these sampling settings, batched."""
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", prompt, sampling))
     tokens = {f"r{i}": [] for i in range(len(prompts))}

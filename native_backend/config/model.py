@@ -33,6 +33,9 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v/o projections carry a bias (Qwen2-style: q/k/v only)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # some models end on any of several ids
+    # What the checkpoint says it is: HF config.json's `model_type`, a GGUF's `general.architecture`
+    # (the same names: "llama", "mistral", "qwen2", ...). The model registry builds the class for it.
+    architecture: str = "llama"
 
     @property
     def eos_token_id(self) -> int | None:
@@ -69,6 +72,7 @@ class ModelConfig:
             attention_bias=d.get("attention_bias", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
+            architecture=str(d.get("model_type") or ""),
         )
 
     # ---------------------------------------------------------------- GGUF metadata
@@ -99,6 +103,7 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple(_field(reader, "tokenizer.ggml.eos_token_id")),
+            architecture=str(arch),
         )
 
 

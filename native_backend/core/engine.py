@@ -1,7 +1,7 @@
 """The engine core: schedule, execute, update. It runs in the engine process, single-threaded.
 
     add_request ──> Scheduler (waiting) ──schedule()──> SchedulerOutput ──Executor.execute()──>
-    RunnerOutput ──Scheduler.update()──> StepResults ──detokenize, stop strings──> RequestOutputs
+    RunnerOutput ──Scheduler.update()──> StepResults ──> CoreOutputs (token ids, never text)
 
 A constrained request (EngineRequest.grammar) first waits outside the scheduler for its grammar,
 compiled on a worker thread (core.grammars), while the batch runs on; then it joins the scheduler
@@ -10,6 +10,10 @@ with its own matcher. A constraint the library refuses ends it before any token 
 
 The core never touches the model: the executor builds it, owns it and runs it. The engine is
 handed its executor (process.factory builds both), so the core imports nothing of execution.
+Nor does it hold text: the process's output processor (process/output_processor.py) turns each
+CoreOutput into text and ends a request whose text hits a stop string (`finish`). Grammars are
+token masks, not text: the core compiles them with the compiler that process.factory binds to the
+engine process's tokenizer.
 """
 
 from __future__ import annotations
@@ -17,35 +21,28 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from native_backend.config.engine import EngineConfig
 from native_backend.core.grammars import GrammarService
-from native_backend.core.interface import EngineError, EngineRequest, EngineStats, RequestOutput, TokenLogprobs
+from native_backend.core.interface import CoreOutput, EngineError, EngineRequest, EngineStats
 from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
-from native_backend.core.sequence import Sequence
+from native_backend.core.sequence import FinishReason, Sequence
 from native_backend.core.spec_policy import SpeculationPolicy
 from native_backend.core.spec_stats import SpecDecodeStats
-from native_backend.text.detokenizer import IncrementalDetokenizer
 from native_backend.text.grammar import GrammarCompiler
 from native_backend.text.grammar_spec import GrammarError, GrammarSpec
-from native_backend.text.stop import StopStringMatcher
-from native_backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
 
 
 @dataclass
-class _TextState:
-    """Per-request output text (incremental detokenization, then stop-string holdback) and the
-    request's milestones for its trace."""
+class _Milestones:
+    """A request's milestones for its trace (unix seconds, and counters)."""
 
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
-    want_logprobs: bool
-    arrived: float = 0.0  # unix seconds
+    arrived: float = 0.0
     scheduled: float | None = None
     first_token: float | None = None
     prefill_chunks: int = 0
@@ -71,16 +68,21 @@ GRAMMAR_POLL_S = 0.02  # with nothing else to run, how long a step waits for a g
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor, kv_events: Callable[[list[KVEvent]], None] | None = None):
+    def __init__(self, config: EngineConfig, executor, kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 *, extra_eos_token_ids: Iterable[int] = (),
+                 grammar_compiler: Callable[[int, int | None], GrammarCompiler] | None = None):
         """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor).
-        `kv_events`: where the prefix cache's changes go after each step (process.kv_publisher)."""
+        `kv_events`: where the prefix cache's changes go after each step (process.kv_publisher).
+        `extra_eos_token_ids`: ids that also end a request, beyond the model config's (the
+        tokenizer's generation_config.json; process.factory reads them). `grammar_compiler(vocab_size,
+        eos_token_id)`: builds the compiler of constrained requests' grammars over the engine
+        process's tokenizer (process.factory binds it); None: constrained requests are refused."""
         self.config = config
         self.executor = executor
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.plan = self.executor.plan
-        self.tokenizer = Tokenizer.from_pretrained(config.model.path, cache_dir=config.model.tokenizer_cache_dir)
-        self.eos_token_ids = tuple(dict.fromkeys([*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids]))
+        self.eos_token_ids = tuple(dict.fromkeys([*self.model_config.eos_token_ids, *extra_eos_token_ids]))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
@@ -92,7 +94,8 @@ class LLMEngine:
             prefix_hash_seed=config.cache.prefix_hash_seed,
             record_kv_events=kv_events is not None,
         ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
-        self._texts: dict[str, _TextState] = {}
+        self._milestones: dict[str, _Milestones] = {}
+        self._grammar_compiler = grammar_compiler
         self._grammars: GrammarService | None = None  # made on the first constrained request
         self._awaiting: dict[str, _AwaitingGrammar] = {}
         self.num_steps = 0
@@ -123,12 +126,7 @@ class LLMEngine:
             raise EngineError("context_length", str(exc)) from None
         except ValueError as exc:  # GrammarError included: a malformed or oversized constraint
             raise EngineError("invalid", str(exc)) from None
-        self._texts[request.request_id] = _TextState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            StopStringMatcher(sampling.stop),
-            sampling.logprobs is not None,
-            arrived=request.arrival_time,
-        )
+        self._milestones[request.request_id] = _Milestones(arrived=request.arrival_time)
 
     def _await_grammar(self, seq: Sequence, spec: GrammarSpec) -> None:
         """Refuse now what is wrong without compiling (lengths, size), then queue the compile."""
@@ -140,24 +138,37 @@ class LLMEngine:
             seq, spec, grammars.submit(spec), time.monotonic() + grammars.compile_timeout_s)
 
     def _grammar_service(self) -> GrammarService:
+        if self._grammar_compiler is None:
+            raise ValueError("this engine was built without a grammar compiler: constrained output is unavailable")
         if self._grammars is None:
-            tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
+            make, vocab_size = self._grammar_compiler, self.model_config.vocab_size
             eos = self.eos_token_ids[0] if self.eos_token_ids else None
-            self._grammars = GrammarService(lambda: GrammarCompiler(tokenizer, vocab_size, eos))
+            self._grammars = GrammarService(lambda: make(vocab_size, eos))
         return self._grammars
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._awaiting.pop(request_id, None)
-        self._texts.pop(request_id, None)
+        self._milestones.pop(request_id, None)
+
+    def finish(self, request_id: str, reason: FinishReason) -> dict[str, float] | None:
+        """End a request for a reason found outside the core (its text hit a stop string) before
+        it runs another step; return its trace timings (None: it had already ended)."""
+        seq = self.scheduler.get(request_id)
+        if seq is None or request_id not in self._milestones:
+            return None
+        timings = self._final_timings(request_id, seq.num_preemptions, seq.num_cached_tokens,
+                                      seq.spec.counts if seq.spec is not None else None)
+        self.scheduler.finish(request_id, reason)
+        return timings
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._awaiting)
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update; then turn token ids into text deltas."""
+    def step(self) -> list[CoreOutput]:
+        """Schedule, execute, update: what each request advanced by, in token ids."""
         started = time.monotonic()
         refused = self._admit_compiled() if self._awaiting else []
         if not self.scheduler.has_unfinished():  # only grammars compiling: wait for one, do not spin
@@ -168,7 +179,7 @@ class LLMEngine:
         runner_output = self.executor.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
         self._publish_kv_events()
-        outputs = refused + [self._to_output_or_error(r) for r in results if r.request_id in self._texts]
+        outputs = refused + [self._to_output(r) for r in results if r.request_id in self._milestones]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
@@ -180,7 +191,7 @@ class LLMEngine:
             if events:
                 self._kv_events(events)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar is ready join the scheduler; those whose constraint failed to
         compile (or ran past the deadline) end here, before any token: their outputs."""
         refused, now = [], time.monotonic()
@@ -196,9 +207,9 @@ class LLMEngine:
             else:
                 continue
             if error is not None:
-                self._texts.pop(request_id, None)
-                refused.append(RequestOutput(request_id, [], "", finish_reason="abort", error=error,
-                                             num_prompt_tokens=waiting.seq.num_prompt_tokens))
+                self._milestones.pop(request_id, None)
+                refused.append(CoreOutput(request_id, [], finish_reason="abort", error=error,
+                                          num_prompt_tokens=waiting.seq.num_prompt_tokens))
         return refused
 
     def _join_scheduler(self, waiting: _AwaitingGrammar) -> EngineError | None:
@@ -219,64 +230,48 @@ class LLMEngine:
     def _note_prefill(self, scheduled) -> None:
         now = time.time()
         for chunk in scheduled.chunks:
-            state = self._texts.get(chunk.request_id)
+            state = self._milestones.get(chunk.request_id)
             if state is not None and state.first_token is None:
                 state.scheduled = state.scheduled or now
                 state.prefill_chunks += 1
 
-    def _to_output_or_error(self, result: StepResult) -> RequestOutput:
-        """One request's output; a failure of its own (sampling, text) ends that request alone."""
-        try:
-            if result.error is None:
-                return self._to_output(result)
-            message = result.error
-        except Exception as exc:  # noqa: BLE001 - the request's tokens/stops are the cause
-            message = f"output processing failed: {type(exc).__name__}: {exc}"
-        log.warning("request %s failed alone: %s", result.request_id, message)
-        self.num_failed_requests += 1
-        self.scheduler.finish(result.request_id, "abort")  # no-op if it already ended
-        self._texts.pop(result.request_id, None)
-        return RequestOutput(result.request_id, [], "", finish_reason="abort",
-                             num_prompt_tokens=result.num_prompt_tokens,
-                             num_output_tokens=result.num_output_tokens,
-                             error=EngineError("internal", message))
-
-    def _to_output(self, result: StepResult) -> RequestOutput:
-        state = self._texts[result.request_id]
-        if state.first_token is None and result.new_token_ids:
-            state.first_token = time.time()
-        text, stopped = state.stops.push(state.detokenizer.push(result.new_token_ids))
-        finish_reason = result.finish_reason
-        if stopped:
-            if not result.finished:
-                self.scheduler.finish(result.request_id, "stop")
-            finish_reason = "stop"
-        elif result.finished:
-            tail, _ = state.stops.finish(state.detokenizer.flush())
-            text += tail
+    def _to_output(self, result: StepResult) -> CoreOutput:
+        if result.error is not None:
+            return self._failed_alone(result)
+        marks = self._milestones[result.request_id]
+        if marks.first_token is None and result.new_token_ids:
+            marks.first_token = time.time()
         timings = None
-        if finish_reason is not None:
-            del self._texts[result.request_id]
-            timings = state.timings(time.time(), result.num_preemptions, result.num_cached_tokens)
-            if self.scheduler.speculation is not None:
-                timings.update(_request_spec_counts(result.spec_decode or SpecDecodeStats()))
-        return RequestOutput(
+        if result.finished:
+            timings = self._final_timings(result.request_id, result.num_preemptions, result.num_cached_tokens,
+                                          result.spec_decode)
+        return CoreOutput(
             request_id=result.request_id,
             new_token_ids=list(result.new_token_ids),
-            new_text=text,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(result) if state.want_logprobs else None,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
             num_prompt_tokens=result.num_prompt_tokens,
             num_cached_tokens=result.num_cached_tokens,
             num_output_tokens=result.num_output_tokens,
             timings=timings,
         )
 
-    def _logprobs(self, result: StepResult) -> list[TokenLogprobs] | None:
-        if not result.logprobs:
-            return None
-        text = self.tokenizer.token_text
-        return [TokenLogprobs(lp, text(lp.token_id), tuple(text(t) for t, _ in lp.top)) for lp in result.logprobs]
+    def _failed_alone(self, result: StepResult) -> CoreOutput:
+        """A failure of the request's own (its sampling) ends that request alone."""
+        log.warning("request %s failed alone: %s", result.request_id, result.error)
+        self.num_failed_requests += 1
+        self.scheduler.finish(result.request_id, "abort")  # no-op if it already ended
+        self._milestones.pop(result.request_id, None)
+        return CoreOutput(result.request_id, [], finish_reason="abort", num_prompt_tokens=result.num_prompt_tokens,
+                          num_output_tokens=result.num_output_tokens, error=EngineError("internal", result.error))
+
+    def _final_timings(self, request_id: str, preemptions: int, cached_tokens: int,
+                       spec_counts: SpecDecodeStats | None) -> dict[str, float]:
+        """The ended request's trace timings; it leaves the core's bookkeeping."""
+        timings = self._milestones.pop(request_id).timings(time.time(), preemptions, cached_tokens)
+        if self.scheduler.speculation is not None:
+            timings.update(_request_spec_counts(spec_counts or SpecDecodeStats()))
+        return timings
 
     def stats(self) -> EngineStats:
         # Called every stats interval, idle or not: a tensor-parallel worker that died raises here,

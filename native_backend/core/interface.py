@@ -5,6 +5,9 @@
                       EngineError: a request refused, or failed alone mid-way
                       EngineCoreProtocol.stats() ──> EngineStats
 
+Inside the engine process the core (core/engine.py) steps in token ids, [CoreOutput, ...]; the
+process's output processor turns those into RequestOutputs with text (process/output_processor.py).
+
 Everything here pickles cheaply and imports nothing heavy (no torch), so the gateway side can
 use it without loading the engine (process.protocol wraps these in its messages).
 """
@@ -98,6 +101,25 @@ class TokenLogprobs:
     sampled: SampledLogprobs
     token: str  # decoded text of sampled.token_id
     top_tokens: tuple[str, ...] = ()  # decoded text of each entry of sampled.top, same order
+
+
+@dataclass
+class CoreOutput:
+    """What one core step produced for one request, in token ids (RequestOutput less its text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[SampledLogprobs] | None = None  # one per new token when requested
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: dict[str, float] | None = None  # as RequestOutput.timings
+    error: EngineError | None = None  # as RequestOutput.error
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -26,7 +26,7 @@ from native_backend.config.model import ModelConfig
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.rotary import unpermute_rotary_rows
 from native_backend.model.layers.sharding import LazyTensor
-from native_backend.model.models import MODEL_CLASSES
+from native_backend.model.models import model_class
 from native_backend.model.models.llama import LlamaForCausalLM
 from native_backend.model.quantization import gguf_int4
 from native_backend.model.quantization.format import read_quant_config_file
@@ -140,9 +140,7 @@ def load_gguf_model(
 
     reader = reader or gguf.GGUFReader(path)
     config = ModelConfig.from_gguf(reader)
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in MODEL_CLASSES:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
+    model_class(config.architecture)  # an architecture we cannot build fails before any tensor is read
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     ctx = ctx or LayerContext.for_device("cpu", torch.float32)
@@ -292,7 +290,7 @@ def build_model(config: ModelConfig, weights: NamedTensors, ctx: LayerContext | 
     """The model in its final form for `ctx`, its parameters filled from `weights` one tensor at a
     time; raises on a missing or unexpected tensor."""
     ctx = ctx or LayerContext.for_device("cpu", torch.float32)
-    model = LlamaForCausalLM(config, ctx)
+    model = model_class(config.architecture)(config, ctx)
     model.load_weights(weights)
     model.process_weights_after_loading()
     return model

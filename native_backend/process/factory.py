@@ -1,11 +1,16 @@
-"""The engine core the engine process runs: an executor for the config, and the loop around it.
+"""The engine core the engine process runs: an executor for the config, the core around it, and
+the output processor that gives it text.
 
 The engine process imports this module by name (`native_backend.process.factory:make_engine_core`),
-inside itself, so the gateway's side never imports torch.
+inside itself, so the gateway's side never imports torch. The tokenizer is loaded here, once per
+engine process (a GGUF's is unpacked into the tokenizer cache, where the native plugin reads it):
+the output processor detokenizes with it, and the core gets its end-of-sequence ids and a grammar
+compiler bound to it (structured outputs compile against its vocabulary).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -13,15 +18,22 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.engine import LLMEngine
 from native_backend.execution.factory import make_executor
 from native_backend.process.kv_publisher import KVEventPublisher
+from native_backend.process.output_processor import OutputProcessor
+from native_backend.text.grammar import GrammarCompiler
+from native_backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
 
 
-def make_engine_core(config: EngineConfig) -> LLMEngine:
+def make_engine_core(config: EngineConfig) -> OutputProcessor:
     started = time.monotonic()
     executor = make_executor(config)
+    tokenizer = Tokenizer.from_pretrained(config.model.path, cache_dir=config.model.tokenizer_cache_dir)
     # Bound before the engine starts, so a taken port fails start-up (and is reported) at once.
     publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
-    engine = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None)
+    core = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None,
+                     extra_eos_token_ids=tokenizer.eos_token_ids,
+                     grammar_compiler=functools.partial(GrammarCompiler, tokenizer))
+    engine = OutputProcessor(core, tokenizer)
     log.info("engine ready in %.1f s: %s", time.monotonic() - started, engine.describe())
     return engine

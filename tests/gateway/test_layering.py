@@ -37,6 +37,9 @@ ENGINE_LAYERS = {
     "tools": {"config", "kernels", "text", "core", "model", "execution"},
 }
 TORCH_FREE_LAYERS = ("config", "core", "text")  # the gateway's side and the planner read these
+# Text a client reads has one owner in the engine process, its output processor (and the factory
+# that loads the tokenizer for it): the core steps in token ids (it reads text/ for grammars only).
+CLIENT_TEXT_MODULES = {"native_backend.text.tokenizer", "native_backend.text.detokenizer", "native_backend.text.stop"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -183,6 +186,14 @@ def test_every_engine_module_stands_in_a_layer():
 def test_engine_layers_say_what_they_own():
     for layer in ENGINE_LAYERS:
         assert ast.get_docstring(ast.parse((ENGINE / layer / "__init__.py").read_text())), layer
+
+
+def test_the_core_steps_in_token_ids_and_never_makes_text():
+    graph = import_graph(ROOT)
+    offenders = sorted(f"{module} -> {target}" for module, targets in graph.items()
+                       if module.startswith("native_backend.core") for target in targets & CLIENT_TEXT_MODULES)
+    assert offenders == []
+    assert "native_backend.text.detokenizer" in graph["native_backend.process.output_processor"]  # the check sees
 
 
 def test_torch_free_layers_never_import_torch():

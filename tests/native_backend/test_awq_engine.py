@@ -9,12 +9,12 @@ import pydoc_data.topics
 import pytest
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.kernels import cpu_kernels
 from native_backend.model.loader import default_gguf_path, load_model
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from perplexity import held_out_windows, score
 
@@ -34,7 +34,7 @@ def int4_dir(tmp_path_factory):
 def make_engine(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tok"))
 
-    def make(path: str, cpu_kernels: bool = True) -> LLMEngine:
+    def make(path: str, cpu_kernels: bool = True) -> OutputProcessor:
         return make_engine_core(EngineConfig.build(path=path, tokenizer_cache_dir=cache, num_threads=2,
                                             cpu_kernels=cpu_kernels, kv_cache_bytes=64 << 20))
     return make
@@ -45,7 +45,7 @@ def int4_engine(int4_dir, make_engine):
     return make_engine(int4_dir)
 
 
-def run(engine: LLMEngine, prompts) -> list[list[int]]:
+def run(engine: OutputProcessor, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, GREEDY))
     out = {f"r{i}": [] for i in range(len(prompts))}
@@ -80,7 +80,7 @@ def test_int4_engine_predicts_held_out_text_nearly_as_well_as_fp32(int4_engine):
     weights were never rounded."""
     windows = held_out_windows(int4_engine.tokenizer, count=2, length=256)
     fp32 = score(load_model(default_gguf_path()), windows)
-    int4 = score(int4_engine.executor.model, windows)
+    int4 = score(int4_engine.core.executor.model, windows)
     agreement, ratio = int4.top1_agreement(fp32), int4.perplexity / fp32.perplexity
     print(f"int4 RTN g64 vs fp32: top-1 {agreement:.3f}, perplexity {int4.perplexity:.2f} / {fp32.perplexity:.2f}")
     assert 0.65 <= agreement < 0.95, agreement

@@ -89,7 +89,7 @@ def test_concurrent_greedy_output_is_identical_to_transformers(engine, prompts, 
     for i in range(NUM_PROMPTS):
         assert got[f"r{i}"] == reference[i], f"prompt {i} diverges"
     assert engine.stats().num_steps > NEW_TOKENS  # they really were batched over many steps
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks
 
 
 def test_preempted_requests_finish_with_the_same_greedy_output(engine_factory, prompts, reference):
@@ -127,20 +127,26 @@ def test_stop_string_is_cut_and_never_emitted(engine, prompts, reference):
     stop = text[10:16]
     engine.add_request(EngineRequest("stop", prompts[3], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                                       ignore_eos=True, stop=(stop,))))
-    pieces, reason = [], None
+    pieces, tokens, last = [], [], None
     while engine.has_unfinished():
         for out in engine.step():
             pieces.append(out.new_text)
-            reason = out.finish_reason or reason
-    assert reason == "stop"
+            tokens += out.new_token_ids
+            last = out
+    assert last.finish_reason == "stop"
     assert "".join(pieces) == text[: text.index(stop)]
+    # The output processor ended it in the core in the step whose token completed the stop string:
+    # no token was computed past it, and its blocks are back.
+    assert tokens == reference[3][: len(tokens)] and last.num_output_tokens == len(tokens) < NEW_TOKENS
+    assert stop in engine.tokenizer.decode(tokens) and stop not in engine.tokenizer.decode(tokens[:-1])
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks
 
 
 def test_requests_over_the_context_or_the_cache_are_refused(engine):
     with pytest.raises(EngineError) as info:
-        engine.add_request(EngineRequest("long", [1] * 100, SamplingParams(max_tokens=engine.max_model_len)))
+        engine.add_request(EngineRequest("long", [1] * 100, SamplingParams(max_tokens=engine.core.max_model_len)))
     assert info.value.kind == "context_length"
-    assert str(engine.max_model_len) in info.value.message
+    assert str(engine.core.max_model_len) in info.value.message
     with pytest.raises(EngineError) as info:
         engine.add_request(EngineRequest("empty", [], SamplingParams(max_tokens=4)))
     assert info.value.kind == "invalid"

@@ -8,11 +8,11 @@ import pydoc_data.topics
 import pytest
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 from engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(900)
@@ -29,7 +29,7 @@ SMALL_CACHE = {"float32": 24 << 20, "fp8_e4m3": 6 << 20, "fp8_e5m2": 6 << 20, "i
 def make_engine(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tok"))
 
-    def make(kv_cache_dtype: str) -> LLMEngine:
+    def make(kv_cache_dtype: str) -> OutputProcessor:
         return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache, num_threads=2,
                                             kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=SMALL_CACHE[kv_cache_dtype],
                                             max_num_seqs=8, max_num_batched_tokens=64))
@@ -43,7 +43,7 @@ def prompts(make_engine):
     return [ids[i * 90: i * 90 + 60 + 7 * i] for i in range(8)]
 
 
-def run(engine: LLMEngine, prompts, tag: str) -> list[list[int]]:
+def run(engine: OutputProcessor, prompts, tag: str) -> list[list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"{tag}{i}", p, GREEDY))
     out = {f"{tag}{i}": [] for i in range(len(prompts))}
@@ -51,7 +51,7 @@ def run(engine: LLMEngine, prompts, tag: str) -> list[list[int]]:
         for o in engine.step():
             assert o.error is None
             out[o.request_id].extend(o.new_token_ids)
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks  # nothing leaked
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks  # nothing leaked
     return [out[f"{tag}{i}"] for i in range(len(prompts))]
 
 

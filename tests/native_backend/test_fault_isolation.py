@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.sampler import FAILED, Sampler, SamplingRow
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +30,7 @@ def engine(tmp_path_factory):
     return make_engine_core(config)
 
 
-def run(engine: LLMEngine, requests: list[EngineRequest], sabotage=None) -> dict[str, tuple[list[int], object]]:
+def run(engine: OutputProcessor, requests: list[EngineRequest], sabotage=None) -> dict[str, tuple[list[int], object]]:
     """Add the requests, call sabotage(engine) once they are in, step until done:
     request id -> (tokens, error)."""
     for r in requests:
@@ -42,7 +42,7 @@ def run(engine: LLMEngine, requests: list[EngineRequest], sabotage=None) -> dict
         for out in engine.step():
             tokens, error = results[out.request_id]
             results[out.request_id] = (tokens + out.new_token_ids, out.error or error)
-    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.scheduler.block_manager.num_blocks
     return results
 
 
@@ -75,7 +75,7 @@ def test_a_request_whose_sampling_fails_mid_step_ends_alone(engine):
     alone = run(engine, [EngineRequest(f"a{i}", p, GREEDY) for i, p in enumerate(ids) if i != 1])
 
     def break_sampling(e):  # as if validation had missed a value: the sampler raises on this row
-        seq = e.scheduler.requests["b1"]
+        seq = e.core.scheduler.requests["b1"]
         seq.sampling = replace(seq.sampling, temperature=1.0, seed=2**70)
 
     batched = run(engine, [EngineRequest(f"b{i}", p, GREEDY) for i, p in enumerate(ids)], break_sampling)

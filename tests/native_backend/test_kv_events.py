@@ -223,4 +223,4 @@ def test_the_real_engine_publishes_its_prompt_blocks_with_recipe_hashes(tmp_path
         expected = recipe_hashes(prompt, 16, "42")
         assert expected and hashes[:len(expected)] == expected
     finally:
-        engine._kv_events.__self__.close()  # the factory's publisher: its port and thread
+        engine.core._kv_events.__self__.close()  # the factory's publisher: its port and thread

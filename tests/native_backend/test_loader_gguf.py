@@ -78,6 +78,7 @@ def test_config_from_gguf_metadata(reader):
     assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (576, 9, 3, 64, 49152)
     assert c.rope_theta == 100000.0 and c.rope_scaling is None and c.tie_word_embeddings
     assert (c.bos_token_id, c.eos_token_id, c.max_position_embeddings) == (1, 2, 8192)
+    assert c.architecture == "llama"  # general.architecture: the registry's key
 
 
 def test_logits_match_transformers_on_the_same_gguf(reader):

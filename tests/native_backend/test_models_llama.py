@@ -6,6 +6,8 @@ steps (prefill, chunks, decodes, shared prefix blocks) and compare every logits 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from native_backend.core.batch import ScheduledChunk, SchedulerOutput
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.model_runner import ModelRunner
 from native_backend.model.kv_cache import KVCache
+from native_backend.model.loader import load_hf_model
+from native_backend.model.models import LlamaForCausalLM
 from llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
@@ -132,3 +136,18 @@ def test_linear_rope_scaling_matches_hf(tmp_path):
     seq = rand_tokens(12, seed=10)
     logits = runner.compute_logits(SchedulerOutput([chunk("a", seq, 0, Blocks(64).table_for([], 12))]), all_tokens=True)
     torch.testing.assert_close(logits["a"], hf_logits(hf, seq), atol=ATOL, rtol=0)
+
+
+def test_the_class_comes_from_the_checkpoints_architecture(tmp_path):
+    """config.json's model_type picks the class from the registry; one it does not know is refused
+    by name, with the architectures it runs, before a weight is read."""
+    _, ours = make_checkpoint(tmp_path, tie=False, rope_scaling=None)
+    assert ours.config.architecture == "llama" and type(ours) is LlamaForCausalLM
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "model_type": "mistral"}))
+    mistral = load_hf_model(str(tmp_path))
+    assert mistral.config.architecture == "mistral" and type(mistral) is LlamaForCausalLM
+    config_file.write_text(json.dumps({**config, "model_type": "qwen2"}))
+    with pytest.raises(NotImplementedError, match=r"architecture 'qwen2' is not supported; this engine runs llama, mistral"):
+        load_hf_model(str(tmp_path))

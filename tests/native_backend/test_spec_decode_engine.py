@@ -59,7 +59,7 @@ def run_all(engine, prompts, sampling) -> list[list[int]]:
         for out in engine.step():
             assert out.error is None
             tokens[out.request_id] += out.new_token_ids
-    bm = engine.scheduler.block_manager
+    bm = engine.core.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked, rejected drafts included
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
@@ -118,7 +118,7 @@ def test_an_int4_copy_of_the_target_drafts_token_identically(make_engine, prompt
     quantize_model(default_gguf_path(), int4_dir, QuantizeOptions(method="rtn", group_size=64))
     engine = make_engine(dict(method="draft", draft_model=int4_dir, num_speculative_tokens=3, max_batch_size=None,
                               min_acceptance_rate=0.0))
-    assert "linears int4 AWQ g64" in describe_weights(engine.executor.draft_model)  # the draft is the int4 copy
+    assert "linears int4 AWQ g64" in describe_weights(engine.core.executor.draft_model)  # the draft is the int4 copy
     assert run_all(engine, prompts[:8], GREEDY) == plain_greedy[:8]
     stats = engine.stats()
     # int4 rounding flips some argmaxes: drafts are rejected as well as accepted, and exactness holds

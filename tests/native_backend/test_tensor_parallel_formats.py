@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.execution.factory import make_executor
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 from native_backend.text.tokenizer import Tokenizer
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tensor_parallel_checks import greedy_tokens, max_difference, run_script, smollm2_prompts
@@ -57,19 +57,19 @@ def test_awq_int4_checkpoint_on_three_ranks_gives_one_ranks_greedy_tokens(tmp_pa
     quantize_model(default_gguf_path(), awq, QuantizeOptions(method="rtn", group_size=64))  # the format, fast
     prompts = smollm2_prompts(Tokenizer.from_pretrained(awq, cache_dir=tmp_path))
 
-    def engine(tp: int) -> LLMEngine:
+    def engine(tp: int) -> OutputProcessor:
         return make_engine_core(EngineConfig.build(path=awq, tokenizer_cache_dir=str(tmp_path), num_threads=1,
                                             tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8))
 
     one = engine(1)
     expected = greedy_tokens(one, prompts, 32)
-    one.executor.close()
+    one.core.executor.close()
     three = engine(3)
     try:
         got = greedy_tokens(three, prompts, 32)
         line, weights = three.describe(), three.stats().weights
     finally:
-        three.executor.close()
+        three.core.executor.close()
     assert got == expected
     assert len({tuple(t) for t in got}) == len(prompts)  # four different continuations, not one stuck token
     assert weights == "int4 AWQ g64" and "linears int4 AWQ g64" in line

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.parallel import report
 from native_backend.execution.parallel.executor import check_supported
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 from tensor_parallel_checks import max_difference, run_script, smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
@@ -27,7 +27,7 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def engine(cache_dir: str, tp: int) -> LLMEngine:
+def engine(cache_dir: str, tp: int) -> OutputProcessor:
     # No prefix caching: the logits script writes KV blocks behind the scheduler's back while idle.
     return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
                                         tensor_parallel_size=tp, kv_cache_bytes=96 << 20,
@@ -41,7 +41,7 @@ def engines(tmp_path_factory):
     one = engine(cache, 1)
     three = engine(cache, 3)
     yield one, three
-    three.executor.close()
+    three.core.executor.close()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def reference(prompts):
 
 def test_tp3_logits_within_1e4_of_tp1_over_prefill_and_32_decode_steps(engines, prompts):
     one, three = engines
-    logits_1, fed = run_script(one.executor, prompts, NEW_TOKENS)
-    logits_3, _ = run_script(three.executor, prompts, NEW_TOKENS, feed=fed)
+    logits_1, fed = run_script(one.core.executor, prompts, NEW_TOKENS)
+    logits_3, _ = run_script(three.core.executor, prompts, NEW_TOKENS, feed=fed)
     assert len(logits_3) == 2 + NEW_TOKENS
     assert max_difference(logits_3, logits_1) < 1e-4
 
@@ -75,7 +75,7 @@ def test_tp3_greedy_output_is_token_identical_to_tp1_and_transformers(engines, p
 
 def test_each_rank_holds_a_third_of_the_weights_and_kv_bytes_per_token(engines):
     one, three = engines
-    single, ranks = one.executor.memory_report(), three.executor.reports
+    single, ranks = one.core.executor.memory_report(), three.core.executor.reports
     assert len(ranks) == 3
     for r in ranks:
         kinds = r["weights_by_kind"]
@@ -83,7 +83,7 @@ def test_each_rank_holds_a_third_of_the_weights_and_kv_bytes_per_token(engines):
         assert set(kinds) == {report.SPLIT, report.NORMS}  # no biases, KV heads split (3 of 3)
         assert r["weights_bytes"] < single["weights_bytes"] / 3 * 1.01
         assert r["kv_bytes_per_token"] * 3 == single["kv_bytes_per_token"] and r["num_kv_heads"] == 1
-        assert r["num_blocks"] // 3 == one.plan.num_blocks  # the same budget per rank: 3x the tokens (floored)
+        assert r["num_blocks"] // 3 == one.core.plan.num_blocks  # the same budget per rank: 3x the tokens (floored)
     line = three.describe()
     for r in ranks:
         assert f"rank {r['rank']}: weights {report.mib(r['weights_bytes'])}" in line

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from native_backend.config.engine import EngineConfig
-from native_backend.core.engine import LLMEngine
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
+from native_backend.process.output_processor import OutputProcessor
 from tensor_parallel_checks import engine_tokens, greedy_tokens, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -32,7 +32,7 @@ PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the s
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
 
-def engine(cache_dir: str, tp: int, speculative=None) -> LLMEngine:
+def engine(cache_dir: str, tp: int, speculative=None) -> OutputProcessor:
     # A budget of 64 tokens: the long prompt's prefill chunks share steps with the others' verifications.
     return make_engine_core(EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=cache_dir, num_threads=1,
                                         tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8,
@@ -53,10 +53,10 @@ def test_ngram_speculation_at_tp3_gives_tp1_plain_tokens_greedy_and_seeded(tmp_p
         stats, line = three.stats(), three.describe()
         got_seeded = engine_tokens(three, prompts, SEEDED)
         seeded_accepted = three.stats().spec_decode_num_accepted_tokens - stats.spec_decode_num_accepted_tokens
-        bm = three.scheduler.block_manager
+        bm = three.core.scheduler.block_manager
         free, total = bm.num_free_blocks, bm.num_blocks
     finally:
-        three.executor.close()
+        three.core.executor.close()
     assert "3 tensor-parallel ranks" in line
     assert got == expected
     print(f"TP 3 ngram: {stats.spec_decode_num_accepted_tokens} of {stats.spec_decode_num_draft_tokens} drafts "
