@@ -317,3 +317,11 @@ def test_completions_and_the_status_page_of_a_disaggregated_model(gw, engines):
     status = httpx.get(gw.base_url + "/status.json", timeout=10).json()
     [model] = [m for m in status["models"] if m["name"] == "pd"]
     assert {d["name"]: d["role"] for d in model["deployments"]} == ROLES
+
+
+def test_each_choice_of_n_takes_its_own_two_hops(gw, engines):
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50, n=2)
+    assert [c.message.content for c in answer.choices] == [LONG, LONG]
+    choice_ids = {f"{answer.id}-0", f"{answer.id}-1"}
+    assert {b["kv_transfer_params"]["remote_request_id"] for b in decodes(engines)} == choice_ids
+    assert {request_id for _, request_id in loaded(engines)} == choice_ids and len(prefills(engines)) == 2
