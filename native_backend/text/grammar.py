@@ -102,6 +102,8 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", spec.text)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.text)
     # vLLM's `grammar`: GBNF / EBNF (rules with ::=) or Lark.
     return llguidance.grammar_from("gbnf" if "::=" in spec.text else "lark", spec.text)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-# OpenAI's response_format (json_object, json_schema) and vLLM's structured_outputs (json, regex,
-# choice, grammar, json_object).
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs (json, regex,
+# choice, grammar: GBNF/EBNF or Lark, json_object), and Lark the plugin writes itself (tool calls).
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
 
 
 class GrammarError(ValueError):
@@ -20,7 +20,7 @@ class GrammarSpec:
     """One request's constraint as plain data (it crosses the engine process's pipe).
 
     kind: one of KINDS. text: the JSON schema (JSON text), the regex, the choices (a JSON list of
-    strings), or the grammar (Lark or GBNF/EBNF); empty for json_object. param: the request
+    strings), the grammar (Lark or GBNF/EBNF; lark: Lark only); empty for json_object. param: the request
     parameter it came from (`response_format`, `structured_outputs.regex`, ...), named by errors.
     JSON is written with Python's separators (", " and ": ") and no other whitespace: free
     whitespace lets a small model pad its output with newlines until max_tokens."""

@@ -189,3 +189,89 @@ def _metric(gw, name: str) -> float:
     time.sleep(0.5)  # the engine's stats reach the gateway every stats interval
     families = text_string_to_metric_families(httpx.get(gw.base_url + "/metrics").text)
     return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
+# ------------------------------------------------------------------------------ tool calling
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
+TOOLS = [WEATHER, CLOCK]
+
+
+def check_calls(tool_calls, allowed=("get_weather", "get_time")):
+    assert tool_calls
+    for call in tool_calls:
+        assert call.type == "function" and call.id and call.function.name in allowed
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+        else:
+            assert arguments == {}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_tool_choice_required_always_gives_a_valid_call(client, seed):
+    out = chat(client, "What is the weather in Oslo?", seed=seed, tools=TOOLS, tool_choice="required",
+               parallel_tool_calls=False, **SAMPLED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_calls(choice.message.tool_calls)
+
+
+def test_parallel_calls_are_each_valid(client):
+    """With parallel calls allowed the grammar lets the model go on calling (a small model often
+    does, until max_tokens); every call that came out whole is valid."""
+    out = chat(client, "Weather in Oslo and in Rome?", seed=6, tools=TOOLS, tool_choice="required", **SAMPLED)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    check_calls(choice.message.tool_calls)
+
+
+def test_a_named_tool_is_the_one_called_once(client):
+    out = chat(client, "Hello!", seed=3, tools=TOOLS, **SAMPLED,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = out.choices[0].message.tool_calls
+    check_calls([call], allowed=("get_weather",))
+
+
+def test_streamed_tool_calls_come_as_openai_fragments(client):
+    stream = chat(client, "Weather in Rome, please.", seed=4, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, stream=True, **SAMPLED)
+    fragments, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            fragments += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    first = fragments[0]
+    assert first.index == 0 and first.id and first.function.name in ("get_weather", "get_time")
+    assert all(f.index == 0 and f.id is None and not f.function.name for f in fragments[1:])
+    arguments = json.loads("".join(f.function.arguments or "" for f in fragments))
+    if first.function.name == "get_weather":
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+
+
+def test_a_tool_round_trip(client):
+    """The call, its result as a tool message, and the model's answer (tools still on offer)."""
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    call = chat(client, question[0]["content"], seed=5, tools=[WEATHER], tool_choice="required", **SAMPLED)
+    [tool_call] = call.choices[0].message.tool_calls[:1]
+    messages = question + [
+        {"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "12 degrees and sunny"},
+    ]
+    out = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], tool_choice="auto",
+                                         seed=5, **SAMPLED)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("stop", "tool_calls", "length")
+    if choice.message.tool_calls:
+        check_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content
+    out = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], tool_choice="none",
+                                         seed=5, **SAMPLED)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content

@@ -31,6 +31,7 @@ from gateway.config import format_path
 from gateway.errors import (
     APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
 from kvgate_native.constraints import grammar_spec
+from kvgate_native.tools import HermesParser, tool_grammar, uses_tools, with_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
 from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, KVEventsOptions, SpeculativeOptions
@@ -49,7 +50,7 @@ TOKENIZE_THREADS = 2
 
 ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
-                                   features=frozenset({"logprobs", "n", "json_object", "json_schema"}),
+                                   features=frozenset({"logprobs", "n", "json_object", "json_schema", "tools"}),
                                    extras=frozenset({"structured_outputs"}))
 
 
@@ -211,8 +212,9 @@ class NativeBackend:
     def capabilities(self) -> Capabilities:
         """Chat and completions with logprobs and n, structured outputs (response_format
         json_object / json_schema, vLLM's structured_outputs: grammar-constrained sampling in the
-        engine), and /tokenize with the engine's tokenizer and chat template. No tools yet: such
-        requests go to other deployments (or get the gateway's 400 naming the parameter)."""
+        engine), tools (Hermes-style prompt and parser; `required` and named functions enforced by
+        a grammar: kvgate_native/tools.py), and /tokenize with the engine's tokenizer and chat
+        template."""
         return NATIVE_CAPABILITIES
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
@@ -277,13 +279,17 @@ class NativeBackend:
             sampling=_engine_sampling(request),
             priority=request.priority,
             trace_context=dict(request.trace_context),
-            grammar=grammar_spec(request),
+            grammar=_constraint(request),
         )
         want_logprobs = request.sampling.logprobs is not None
+        parser = None
+        if uses_tools(request.tools, request.tool_choice):
+            parser = HermesParser(max_calls=1 if request.parallel_tool_calls is False else None)
         try:
             async with contextlib.aclosing(client.generate(engine_request)) as outputs:
                 async for out in outputs:
-                    yield _token_event(out, want_logprobs, request.continuous_usage)
+                    event = _token_event(out, want_logprobs, request.continuous_usage)
+                    yield event if parser is None else _with_tool_calls(event, parser)
         except EngineError as exc:
             raise _api_error(exc) from None
         except EngineDeadError as exc:
@@ -354,7 +360,7 @@ class NativeBackend:
         param = "messages" if request.messages is not None else "prompt"
         try:
             if request.messages is not None:
-                return tokenizer.apply_chat_template(request.messages)
+                return tokenizer.apply_chat_template(with_tools(request.messages, request.tools, request.tool_choice))
             if isinstance(request.prompt, list):
                 return _checked_token_ids(request.prompt, tokenizer.vocab_size)
             return tokenizer.encode(request.prompt or "")
@@ -401,6 +407,31 @@ def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
     return list(ids)
+
+
+def _constraint(request: GenerationRequest):
+    """The output's grammar: the tool calls' (tool_choice required or named) or the request's
+    response_format / structured_outputs; never both."""
+    tools = tool_grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+    constraint = grammar_spec(request)
+    if tools is not None and constraint is not None:
+        raise InvalidRequestError("tool_choice 'required' or a named function already constrains the output; "
+                                  "it cannot be combined with response_format or structured_outputs.",
+                                  param="tool_choice")
+    return tools or constraint
+
+
+def _with_tool_calls(event: TokenEvent, parser: HermesParser) -> TokenEvent:
+    """The event's text split into content and tool-call fragments; a request that called tools
+    and stopped ends with finish_reason tool_calls."""
+    text, deltas = parser.push(event.text)
+    finish_reason = event.finish_reason
+    if finish_reason is not None:
+        tail, more = parser.finish()
+        text, deltas = text + tail, deltas + more
+        if finish_reason == "stop" and parser.num_calls:
+            finish_reason = "tool_calls"
+    return dataclasses.replace(event, text=text, tool_calls=tuple(deltas), finish_reason=finish_reason)
 
 
 def _engine_sampling(request: GenerationRequest) -> EngineSampling:
