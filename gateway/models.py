@@ -191,8 +191,9 @@ class ModelRegistry:
             any(_up(d) for d in g.members()) for g in self.groups())
 
     def unservable(self) -> list[str]:
-        """The models none of whose deployments is up: no request for them can be served now."""
-        return [p.name for p in self.pools if not any(_up(d) for d in p.deployments)]
+        """The models none of whose deployments that take requests is up (a prefill deployment
+        alone serves nothing): no request for them can be served now."""
+        return [p.name for p in self.pools if not any(_up(d) for d in p.deployments if d.role != "prefill")]
 
     async def start(self) -> None:
         """Start every backend not yet started, and every discovery group, concurrently. A

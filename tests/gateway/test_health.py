@@ -31,3 +31,35 @@ def test_any_mode_is_not_ready_when_a_model_has_no_deployment_up():
                                                 "{name: up-1, backend: echo, settings: {refuse_at_start: true}}")
     with GatewayServer(config) as gw:
         assert httpx.get(gw.base_url + "/health/ready").status_code == 503
+
+
+def test_a_disaggregated_model_with_only_its_prefill_pool_up_cannot_serve():
+    config = """
+server: {readiness: any}
+models:
+  - name: pd
+    deployments:
+      - {name: p-0, backend: echo, role: prefill}
+      - {name: d-0, backend: echo, role: decode, settings: {refuse_at_start: true}}
+"""
+    with GatewayServer(config) as gw:
+        assert httpx.get(gw.base_url + "/health/ready").status_code == 503
+        assert httpx.get(gw.base_url + "/health").json() == {"status": "unavailable", "models_down": ["pd"]}
+        refused = httpx.post(gw.base_url + "/v1/completions", json={"model": "pd", "prompt": "a b", "max_tokens": 2})
+        assert refused.status_code == 503
+
+
+def test_a_disaggregated_echo_model_serves_through_both_pools():
+    config = """
+models:
+  - name: pd
+    deployments:
+      - {name: p-0, backend: echo, role: prefill}
+      - {name: d-0, backend: echo, role: decode}
+"""
+    with GatewayServer(config) as gw:
+        answer = httpx.post(gw.base_url + "/v1/completions", json={"model": "pd", "prompt": "a b c", "max_tokens": 3})
+        assert answer.status_code == 200
+        hops = httpx.get(gw.base_url + "/metrics").text
+        assert 'kvgate_pd_hops_total{model="pd",outcome="ok",pool="prefill"} 1.0' in hops
+        assert 'kvgate_pd_hops_total{model="pd",outcome="ok",pool="decode"} 1.0' in hops
