@@ -12,7 +12,7 @@ Bounded: at most `max_blocks` hashes; past that the least recently stored or loo
 from __future__ import annotations
 
 import hashlib
-from collections import Counter, OrderedDict
+from collections import OrderedDict, defaultdict
 from functools import lru_cache
 
 import cbor2
@@ -46,14 +46,16 @@ class KVIndex:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
         self._holders: OrderedDict[int, set[str]] = OrderedDict()
-        self._count: Counter[str] = Counter()  # blocks indexed per deployment
+        # deployment -> the hashes it holds: forgetting one deployment touches its own blocks only
+        self._held: defaultdict[str, set[int]] = defaultdict(set)
         self.evicted = 0  # hashes dropped to stay under max_blocks
 
     def __len__(self) -> int:
         return len(self._holders)
 
     def blocks_of(self, deployment: str) -> int:
-        return self._count[deployment]
+        held = self._held.get(deployment)
+        return len(held) if held else 0
 
     def stored(self, deployment: str, hashes) -> None:
         for h in hashes:
@@ -62,12 +64,12 @@ class KVIndex:
                 holders = self._holders[h] = set()
             else:
                 self._holders.move_to_end(h)
-            if deployment not in holders:
-                holders.add(deployment)
-                self._count[deployment] += 1
+            holders.add(deployment)
+            self._held[deployment].add(h)
         while len(self._holders) > self.max_blocks:
-            _, gone = self._holders.popitem(last=False)
-            self._count.subtract(gone)
+            h, gone = self._holders.popitem(last=False)
+            for d in gone:
+                self._held[d].discard(h)
             self.evicted += 1
 
     def removed(self, deployment: str, hashes) -> None:
@@ -75,17 +77,19 @@ class KVIndex:
             holders = self._holders.get(h)
             if holders is not None and deployment in holders:
                 holders.discard(deployment)
-                self._count[deployment] -= 1
+                self._held[deployment].discard(h)
                 if not holders:
                     del self._holders[h]
 
     def forget(self, deployment: str) -> None:
         """Drop everything `deployment` was said to hold (it restarted, left, or lost events)."""
-        if not self._count[deployment]:
-            return
-        for h in [h for h, holders in self._holders.items() if deployment in holders]:
-            self.removed(deployment, (h,))
-        del self._count[deployment]
+        held = self._held.pop(deployment, None)
+        for h in held or ():
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(deployment)
+                if not holders:
+                    del self._holders[h]
 
     def longest_prefix(self, hashes: list[int], deployments) -> dict[str, int]:
         """For each of `deployments`, how many of the leading `hashes` it holds without a break."""
