@@ -174,7 +174,7 @@ async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticke
         while deployment is not None:
             tried.add(deployment.name)
             attempts += 1
-            recorder.routed(current, deployment, _scores(current) if recorder.trace is not None else None)
+            recorder.routed(current, deployment, scores(current) if recorder.trace is not None else None)
             span = recorder.attempt(deployment, deployment.upstream_model, attempts)
             try:
                 result = await attempt(current, deployment, traced(request, recorder, span), span, attempts)
@@ -215,8 +215,10 @@ async def admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, rec
     return deployment
 
 
-def _scores(pool: ModelPool) -> dict[str, float]:
-    return {d.name: load_score(d) for d in pool.deployments if d.available}
+def scores(pool: ModelPool, role: str = "decode") -> dict[str, float]:
+    """The load scores of the pool's available deployments that take `role`'s hop (ModelPool.take)."""
+    prefill = role == "prefill"
+    return {d.name: load_score(d) for d in pool.deployments if d.available and (d.role == "prefill") == prefill}
 
 
 def traced(request: GenerationRequest, recorder, span) -> GenerationRequest:

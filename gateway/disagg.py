@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 
 from gateway.backend import TRANSFER_PARAMS, GenerationRequest, TokenEvent
-from gateway.choices import OpenChoice, open_choice, open_on, request_fault, traced, with_failover
+from gateway.choices import OpenChoice, open_choice, open_on, request_fault, scores, traced, with_failover
 from gateway.errors import APIError
 from gateway.models import Deployment, ModelPool
 
@@ -72,7 +72,8 @@ async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, r
     request caused (a 400) ends it: the decode hop would say the same."""
     skip = colocated_reason(pool, request)
     if skip is not None:
-        return _colocated(recorder, skip)
+        _count_colocated(recorder, skip)
+        return None
     hop = prefill_request(request)
     tried: set[str] = set()
     while (deployment := pool.take(hop, exclude=frozenset(tried), role="prefill")) is not None:
@@ -88,13 +89,17 @@ async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, r
             continue
         recorder.metrics.pd_hops.labels(recorder.model, "prefill", "ok").inc()
         params = last.kv_transfer_params if last is not None else None
-        return params if params is not None else _colocated(recorder, "no_params")
-    return _colocated(recorder, "no_prefill")
+        if params is None:
+            _count_colocated(recorder, "no_params")
+        return params
+    _count_colocated(recorder, "no_prefill")
+    return None
 
 
 async def _prefill_on(pool: ModelPool, deployment: Deployment, index: int, hop: GenerationRequest, recorder,
                       number: int) -> TokenEvent | None:
     """The prefill hop on `deployment` (its slot already claimed), read to its last event."""
+    recorder.routed(pool, deployment, scores(pool, "prefill") if recorder.trace is not None else None, hop="prefill")
     span = recorder.attempt(deployment, deployment.upstream_model, number)
     _mark_hop(span, "prefill", True)
     started = time.monotonic()
@@ -154,9 +159,8 @@ def with_transfer(request: GenerationRequest, params: dict | None) -> Generation
     return replace(request, extra=extra)
 
 
-def _colocated(recorder, reason: str) -> None:
+def _count_colocated(recorder, reason: str) -> None:
     recorder.metrics.pd_colocated.labels(recorder.model, reason).inc()
-    return None
 
 
 def _mark_hop(span, hop: str, with_kv: bool) -> None:

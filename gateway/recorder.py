@@ -46,12 +46,17 @@ class RequestRecorder:
     def shed(self, reason: str) -> None:
         self.metrics.shed.labels(self.model, self.sla_class, reason).inc()
 
-    def routed(self, pool, deployment, scores: dict[str, float] | None) -> None:
-        self.deployment = deployment.name
+    def routed(self, pool, deployment, scores: dict[str, float] | None, hop: str | None = None) -> None:
+        """A routing decision (`hop` "prefill": a disaggregated request's prefill hop, whose
+        deployment is not the one that answers the client)."""
+        if hop != "prefill":
+            self.deployment = deployment.name
         if self.trace is not None:
             attrs = {"kvgate.policy": pool.config.policy, "kvgate.deployment": deployment.name,
                      "kvgate.candidates": list(scores or {}),
                      "kvgate.candidate_scores": [round(s, 4) for s in (scores or {}).values()]}
+            if hop is not None:
+                attrs["kvgate.pd.hop"] = hop
             matched = getattr(pool.policy, "matched_tokens", None)
             tokens = matched(self.request_id) if matched is not None else None
             if tokens is not None:  # precise_prefix: the prompt tokens the index says it holds

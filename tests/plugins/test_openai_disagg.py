@@ -214,6 +214,10 @@ def test_both_hops_are_spans_of_the_request_trace(gw, engines):
     assert hops["decode"].attributes["kvgate.pd.remote_kv"] is True
     assert hops["prefill"].attributes["kvgate.deployment"] in ("P0", "P1")
     assert hops["decode"].attributes["kvgate.deployment"] in ("D0", "D1")
+    # Each hop's routing decision, among its own pool's deployments.
+    routes = [s.attributes for s in spans if s.name == "kvgate.route"]
+    assert [(r.get("kvgate.pd.hop"), tuple(r["kvgate.candidates"])) for r in routes] == [
+        ("prefill", ("P0", "P1")), (None, ("D0", "D1"))]
 
 
 def test_a_failed_prefill_moves_to_another_prefill_deployment(gw, engines):
