@@ -1,0 +1,79 @@
+"""precise_prefix over two real native engines publishing KV events: the gateway tokenizes the
+chat with the engines' own template, and a conversation's next turn goes to the engine that holds
+its history, which then serves it from its prefix cache."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydoc_data.topics import topics
+
+from kvgate_native.backend import _local_address
+from servers import GatewayServer
+
+pytestmark = pytest.mark.timeout(900)  # two engines load the real model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config() -> str:
+    engines = "".join(f"""
+      - name: native-{i}
+        backend: native
+        settings: {{max_num_seqs: 4, kv_cache_bytes: 67108864, num_threads: 1,
+                   kv_events: {{endpoint: "tcp://*:{free_port()}", replay_endpoint: "tcp://*:{free_port()}"}}}}"""
+                      for i in range(2))
+    return f"""
+models:
+  - name: smollm2
+    policy: precise_prefix
+    deployments:{engines}
+"""
+
+
+def test_wildcard_endpoints_become_loopback_addresses():
+    assert _local_address("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert _local_address("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"
+    assert _local_address("tcp://[::]:5557") == "tcp://[::1]:5557"
+    assert _local_address("tcp://10.0.0.7:5557") == "tcp://10.0.0.7:5557"
+
+
+def route_of(exporter) -> dict:
+    return dict(next(s for s in exporter.get_finished_spans() if s.name == "kvgate.route").attributes)
+
+
+def test_a_conversations_next_turn_goes_where_its_history_is_cached(tmp_path):
+    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path / "kvgate-cache"))
+    exporter = InMemorySpanExporter()
+    system = "Answer briefly. Reference: " + " ".join(topics["for"].split())[:1200]
+    with GatewayServer(config(), ready_timeout=600, span_exporter=exporter) as gw:
+        history = [{"role": "system", "content": system}, {"role": "user", "content": "What does a for loop do?"}]
+
+        def turn() -> tuple[dict, dict]:
+            exporter.clear()
+            r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=300, json={
+                "model": "smollm2", "messages": history, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json(), route_of(exporter)
+
+        first, first_route = turn()
+        history += [first["choices"][0]["message"], {"role": "user", "content": "And a while loop?"}]
+        feed = gw.state.registry.pools[0].policy.kv_feed
+        home = first_route["kvgate.deployment"]
+        deadline = time.monotonic() + 30
+        while not (feed.live(home) and feed.index.blocks_of(home) >= 16):  # the first turn's blocks arrived
+            assert time.monotonic() < deadline, "the engine's KV events did not reach the index"
+            time.sleep(0.1)
+        second, second_route = turn()
+        assert second_route["kvgate.deployment"] == home
+        assert second_route["kvgate.kv_prefix_matched_tokens"] >= 16 * 16
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 16
