@@ -7,6 +7,12 @@ seam as plain data lets the scheduler be tested with hand-made runner outputs.
     sequence positions:  0 .. start_pos-1        start_pos .. start_pos+len(token_ids)-1   then num_spec_tokens
                          [ already in KV cache ]  [ token_ids: computed (and cached) this step ] [ drafts ]
     block_table[i] holds positions [i*block_size, (i+1)*block_size).
+
+Speculative decoding crosses this seam as slots, not tokens: the scheduler reserves num_spec_tokens
+KV slots after a decode's token and names the proposer that fills them (`proposer`); the
+executor's proposer (execution.spec_decode) writes draft_token_ids (at most that many) before the
+step runs; the runner verifies exactly those and reports per request how many drafts it was
+given and how many it accepted (`RunnerOutput.drafts`), from which the scheduler rolls back.
 """
 
 from __future__ import annotations
@@ -31,17 +37,25 @@ class ScheduledChunk:
     # Token history for repetition/presence/frequency penalties (shared lists, not copies).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    # Speculative decoding: number of trailing positions that need logits (1 for plain decode;
-    # 1 + num_spec_tokens for a verification).
+    # Trailing positions of token_ids that need logits (1 for a decode or a prompt's last chunk;
+    # more to score a text). A chunk's drafts add one row each (`num_logit_rows`).
     num_logits: int = 1
-    # Speculative decoding: slots reserved after token_ids for drafts (block_table covers them).
-    # draft_token_ids are the drafts when the scheduler knew them (n-gram); empty with k slots,
-    # the executor's draft model proposes them. The runner returns the accepted drafts plus one.
+    # Speculative decoding: KV slots reserved after token_ids for drafts (block_table covers them).
     num_spec_tokens: int = 0
+    # Where the drafts come from: the name of the execution side's proposer that fills
+    # draft_token_ids (the speculative method, "ngram" or "draft"); None: the chunk carries its
+    # drafts itself (tests, tools), or has none.
+    proposer: str | None = None
+    # The drafts the runner verifies (at most num_spec_tokens); it returns the accepted ones plus one.
     draft_token_ids: list[int] = field(default_factory=list)
     # Constrained decoding: the tokens the request's grammar allows next (int32 words, bit t % 32
     # of word t // 32 for token t), for a sampling chunk of a constrained request; else None.
     token_bitmask: np.ndarray | None = None
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this chunk needs when it samples: its known tokens' and one per draft."""
+        return self.num_logits + len(self.draft_token_ids)
 
 
 def step_tokens(chunk: ScheduledChunk) -> list[int]:
@@ -75,6 +89,17 @@ class SampledLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
+@dataclass(frozen=True)
+class DraftCounts:
+    """One request's verification in one step: drafts it was given, and of those, accepted."""
+
+    num_proposed: int
+    num_accepted: int
+
+
+NO_DRAFTS = DraftCounts(0, 0)  # a request whose proposer found nothing, or that had no slots
+
+
 @dataclass
 class RunnerOutput:
     # request_id -> tokens sampled this step (one per sampled chunk; more under speculation).
@@ -83,3 +108,5 @@ class RunnerOutput:
     logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
     # request_id -> why its sampling failed: that request ends alone, the batch goes on.
     errors: dict[str, str] = field(default_factory=dict)
+    # request_id -> drafts verified and accepted, for every request that verified drafts.
+    drafts: dict[str, DraftCounts] = field(default_factory=dict)

@@ -30,8 +30,8 @@ from native_backend.core.interface import CoreOutput, EngineError, EngineRequest
 from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.core.sequence import FinishReason, Sequence
-from native_backend.core.spec_policy import SpeculationPolicy
-from native_backend.core.spec_stats import SpecDecodeStats
+from native_backend.core.spec_policy import speculation_policy
+from native_backend.core.spec_stats import SpecDecodeStats, engine_stats_fields, trace_marks
 from native_backend.text.grammar import GrammarCompiler
 from native_backend.text.grammar_spec import GrammarError, GrammarSpec
 
@@ -93,7 +93,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             prefix_hash_seed=config.cache.prefix_hash_seed,
             record_kv_events=kv_events is not None,
-        ), SpeculationPolicy(config.speculative) if config.speculative is not None else None)
+        ), speculation_policy(config.speculative))
         self._milestones: dict[str, _Milestones] = {}
         self._grammar_compiler = grammar_compiler
         self._grammars: GrammarService | None = None  # made on the first constrained request
@@ -269,8 +269,7 @@ class LLMEngine:
                        spec_counts: SpecDecodeStats | None) -> dict[str, float]:
         """The ended request's trace timings; it leaves the core's bookkeeping."""
         timings = self._milestones.pop(request_id).timings(time.time(), preemptions, cached_tokens)
-        if self.scheduler.speculation is not None:
-            timings.update(_request_spec_counts(spec_counts or SpecDecodeStats()))
+        timings.update(trace_marks(spec_counts))
         return timings
 
     def stats(self) -> EngineStats:
@@ -298,7 +297,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             kv_clamped_keys=clamped_keys,
             kv_clamped_values=clamped_values,
-            **_spec_decode_stats(s.spec_decode),
+            **engine_stats_fields(s.spec_decode),
             **self._grammar_stats(),
         )
 
@@ -308,24 +307,4 @@ class LLMEngine:
         g = self._grammars.stats
         return dict(grammar_compiles=g.compiles, grammar_cache_hits=g.cache_hits, grammar_failures=g.failures,
                     grammar_compile_seconds=g.compile_seconds, num_waiting_for_grammar=len(self._awaiting))
-
-
-def _spec_decode_stats(stats) -> dict:
-    if stats is None:
-        return {}
-    return dict(spec_decode_num_speculative_tokens=len(stats.accepted_per_pos),
-                spec_decode_num_drafts=stats.num_drafts, spec_decode_num_draft_tokens=stats.num_draft_tokens,
-                spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
-                spec_decode_num_accepted_tokens_per_pos=tuple(stats.accepted_per_pos))
-
-
-def _request_spec_counts(counts: SpecDecodeStats) -> dict[str, float]:
-    """One request's speculation for its trace (the gateway puts `spec_*` on its decode span);
-    zeros when it never speculated (the load policy kept it plain)."""
-    marks = {"spec_drafts": counts.num_drafts, "spec_draft_tokens": counts.num_draft_tokens,
-             "spec_accepted_tokens": counts.num_accepted_tokens}
-    if counts.num_draft_tokens:
-        marks["spec_acceptance_rate"] = counts.acceptance_rate
-        marks["spec_mean_accepted_length"] = counts.mean_accepted_length
-    return {k: float(v) for k, v in marks.items()}
 

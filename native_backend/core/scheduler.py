@@ -14,17 +14,19 @@ token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs)?
 A preempted request keeps its output tokens; when readmitted it re-prefills prompt + output
 (often partly from the prefix cache) and carries on where it stopped.
 
-With speculative decoding (a `SpeculationPolicy`), a decoding request may carry k drafts: it
+With speculative decoding (a `SpeculationPolicy`), a decoding request may get k draft slots: it
 takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
-drafts (without free blocks it decodes plainly). A constrained request (one with a grammar) never
-speculates: its drafts would need the grammar's mask at every draft position.
+drafts (without free blocks it decodes plainly). The scheduler never sees a draft before the
+runner's counts: the chunk names the proposer (execution side) that fills the slots. A
+constrained request (one with a grammar) never speculates: its drafts would need the grammar's
+mask at every draft position.
 
 Constrained decoding: once the batch is formed, each sampling chunk of a constrained request gets
 its grammar's bitmask of allowed next tokens (`token_bitmask`; the sampler masks that row's
 logits with it); `update()` advances the grammar past every appended token.
 
 `update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
-rejected drafts), registers newly full blocks in the prefix cache, and detects the end of a request.
+drafts not accepted), registers newly full blocks in the prefix cache, and detects the end of a request.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from native_backend.core.batch import RunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
+from native_backend.core.batch import (NO_DRAFTS, DraftCounts, RunnerOutput, SampledLogprobs, ScheduledChunk,
+                                       SchedulerOutput)
 from native_backend.core.block_manager import BlockManager
 from native_backend.core.sequence import FinishReason, Sequence, SequenceStatus
-from native_backend.core.spec_policy import NO_PROPOSAL, Proposal, SpeculationPolicy
+from native_backend.core.spec_policy import NoSpeculation, SpeculationPolicy
 from native_backend.core.spec_stats import SpecDecodeStats
 
 
@@ -114,7 +117,7 @@ class StepResult:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
     num_preemptions: int = 0  # times this request was preempted so far
     error: str | None = None  # set when the request failed alone (finish_reason "abort")
-    spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: it never proposed)
+    spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: speculation is off)
 
     @property
     def finished(self) -> bool:
@@ -177,9 +180,9 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | None = None):
+    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | NoSpeculation | None = None):
         self.config = config
-        self.speculation = speculation
+        self.speculation = speculation or NoSpeculation()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_hash_seed, config.record_kv_events)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
@@ -261,7 +264,7 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            spec_decode=self.speculation.stats if self.speculation is not None else None,
+            spec_decode=self.speculation.stats,
         )
 
     # --- batch formation -------------------------------------------------------------------
@@ -282,8 +285,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         order = self._running_in_step_order()
-        speculate = self.speculation is not None and self.speculation.speculating(
-            sum(1 for s in order if s.num_uncomputed_tokens == 1))
+        speculate = self.speculation.speculating(sum(1 for s in order if s.num_uncomputed_tokens == 1))
         for seq in order:
             if plan.token_budget == 0:
                 return
@@ -291,20 +293,20 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
             drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None
-            proposal = self._proposal(seq, plan) if drafts else NO_PROPOSAL
+            num_slots = self._draft_slots(seq, plan) if drafts else 0
             if self._reserve_blocks(seq, num_new, plan):
-                plan.add(self._make_chunk(seq, num_new, proposal))
+                plan.add(self._make_chunk(seq, num_new, num_slots))
 
-    def _proposal(self, seq: Sequence, plan: _StepPlan) -> Proposal:
-        """Drafts for a decoding request, within the budget and the request's remaining output
-        (a verification emits at most k + 1 tokens), holding blocks for them only if free ones
-        are there: drafts never preempt."""
+    def _draft_slots(self, seq: Sequence, plan: _StepPlan) -> int:
+        """Draft slots for a decoding request, within the budget and the request's remaining
+        output (a verification emits at most k + 1 tokens), holding blocks for them only if free
+        ones are there: drafts never preempt."""
         room = min(plan.token_budget, seq.max_tokens - seq.num_output_tokens) - 1
-        proposal = self.speculation.propose(seq, room)
-        if proposal.num_tokens and self.block_manager.can_allocate(seq, 1 + proposal.num_tokens):
-            self.block_manager.allocate_slots(seq, 1 + proposal.num_tokens)
-            return proposal
-        return NO_PROPOSAL
+        k = self.speculation.num_draft_slots(seq, room)
+        if k and self.block_manager.can_allocate(seq, 1 + k):
+            self.block_manager.allocate_slots(seq, 1 + k)
+            return k
+        return 0
 
     def _running_in_step_order(self) -> list[Sequence]:
         """Decodes first (cheap, latency-critical), then continuing prefills; each by importance."""
@@ -370,7 +372,7 @@ class Scheduler:
         self.running.append(seq)
         return self._make_chunk(seq, num_new)
 
-    def _make_chunk(self, seq: Sequence, num_new: int, proposal: Proposal = NO_PROPOSAL) -> ScheduledChunk:
+    def _make_chunk(self, seq: Sequence, num_new: int, num_slots: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_new
         return ScheduledChunk(
@@ -382,9 +384,8 @@ class Scheduler:
             sampling=seq.sampling,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
-            num_logits=1 + proposal.num_tokens,
-            num_spec_tokens=proposal.num_tokens,
-            draft_token_ids=list(proposal.draft_token_ids),
+            num_spec_tokens=num_slots,
+            proposer=self.speculation.proposer if num_slots else None,
         )
 
     # --- applying the runner's results -----------------------------------------------------
@@ -407,11 +408,12 @@ class Scheduler:
             return self._fail(seq, error)
         seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
         sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
-        if chunk.sample and not 1 <= len(sampled) <= 1 + chunk.num_spec_tokens:
+        drafts = runner.drafts.get(seq.request_id, NO_DRAFTS)
+        if chunk.sample and (len(sampled) != 1 + drafts.num_accepted or drafts.num_proposed > chunk.num_spec_tokens):
             # Without its token the request would wait forever for a logit nobody computes.
-            raise RuntimeError(f"runner sampled {len(sampled)} tokens for {seq.request_id}")
+            raise RuntimeError(f"runner sampled {len(sampled)} tokens for {seq.request_id} ({drafts})")
         if chunk.num_spec_tokens:
-            self._keep_accepted(seq, chunk.num_spec_tokens, num_accepted=len(sampled) - 1)
+            self._keep_accepted(seq, chunk.num_spec_tokens, drafts)
         try:
             new_tokens, reason = self._append_until_stop(seq, sampled)
         except GrammarViolation as exc:
@@ -432,7 +434,7 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
-            spec_decode=seq.spec.counts if seq.spec is not None else None,
+            spec_decode=self.speculation.request_counts(seq),
         )
 
     def _fail(self, seq: Sequence, error: str) -> StepResult:
@@ -441,11 +443,12 @@ class Scheduler:
         return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
                           num_output_tokens=seq.num_output_tokens, error=error)
 
-    def _keep_accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        """The rejected drafts' slots are rolled back (blocks still needed stay); the accepted
-        ones are the sequence's tokens from now on (their KV is already computed)."""
-        self.block_manager.rollback(seq, num_proposed - num_accepted)
-        self.speculation.record(seq, num_proposed, num_accepted)
+    def _keep_accepted(self, seq: Sequence, num_slots: int, drafts: DraftCounts) -> None:
+        """The slots of drafts not accepted (rejected, or never proposed) are rolled back (blocks
+        still needed stay); the accepted ones are the sequence's tokens from now on (their KV is
+        already computed)."""
+        self.block_manager.rollback(seq, num_slots - drafts.num_accepted)
+        self.speculation.record(seq, drafts)
 
     @staticmethod
     def _append_until_stop(seq: Sequence, sampled: list[int]) -> tuple[list[int], FinishReason | None]:

@@ -1,81 +1,93 @@
-"""Which decoding requests speculate this step, and with how many tokens (pure Python).
+"""Which decoding requests speculate this step, and with how many draft slots (pure Python).
 
     decoding requests > max_batch_size    nobody speculates: a full batch has no spare compute,
                                           and k extra rows per request would only slow it down
-    request paused                        no drafts (it counts down its pause)
-    ngram                                 the drafts found (0..k); no match: a plain decode
-    draft model                           k slots; the executor's drafter fills them
+    request paused                        no slots (it counts down its pause)
+    otherwise                             k slots (fewer near the end of its output); the
+                                          executor's proposer fills 0..k of them
 
-A request whose acceptance (moving average) falls below min_acceptance_rate pauses for
-PAUSE_STEPS steps and then tries again with a fresh average.
+The policy never sees a draft: the proposers live on the execution side (execution.spec_decode).
+It hears each verification's counts (`record`): a request whose acceptance (moving average) falls
+below min_acceptance_rate pauses for PAUSE_STEPS steps and then tries again with a fresh average.
+`NoSpeculation` is the policy of an engine without speculation: no slots, no stats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from native_backend.config.engine import SpeculativeOptions
-from native_backend.core.ngram import propose_ngram
+from native_backend.core.batch import DraftCounts
 from native_backend.core.sequence import Sequence
 from native_backend.core.spec_stats import SpecDecodeStats, SpecState
 
 EMA_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance average
 PAUSE_STEPS = 16  # steps a request with poor acceptance decodes plainly before trying again
-
-
-@dataclass(frozen=True)
-class Proposal:
-    num_tokens: int  # k for this request this step (0: a plain decode)
-    draft_token_ids: list[int]  # the drafts when known now (ngram); [] for a draft model
-
-
-NO_PROPOSAL = Proposal(0, [])
+NEVER_SPECULATED = SpecDecodeStats()  # a request's counts before its first slots (read only)
 
 
 class SpeculationPolicy:
-    def __init__(self, options: SpeculativeOptions,
-                 propose: Callable[[Sequence, int], list[int]] | None = None):
-        """`propose(seq, k)`: drafts known at schedule time; by default n-gram lookup for method
-        ngram, none (the executor's drafter) for method draft."""
+    def __init__(self, options: SpeculativeOptions):
         self.options = options
+        self.proposer = options.method  # the chunks' `proposer`: the execution side's proposer of this method
         self.k = options.num_speculative_tokens
-        if propose is None and options.method == "ngram":
-            propose = self._ngram
-        self._propose = propose
         # Every position from the start, so a dashboard sees k series (zeros included) at once.
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-
-    def _ngram(self, seq: Sequence, k: int) -> list[int]:
-        o = self.options
-        return propose_ngram(seq.all_token_ids, k, o.prompt_lookup_min, o.prompt_lookup_max)
+        self.stats: SpecDecodeStats | None = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
     def speculating(self, num_decodes: int) -> bool:
         """Whether anyone speculates in a step with this many decoding requests."""
         limit = self.options.max_batch_size
         return limit is None or num_decodes <= limit
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
-        """Drafts for seq, at most max_tokens (what the step's budget and the request's own
-        remaining output allow)."""
+    def num_draft_slots(self, seq: Sequence, max_tokens: int) -> int:
+        """Draft slots for seq this step, at most max_tokens (what the step's budget and the
+        request's own remaining output allow); 0 while the request is paused."""
         state = seq.spec if seq.spec is not None else SpecState()
         seq.spec = state
         if state.paused_steps:
             state.paused_steps -= 1
-            return NO_PROPOSAL
-        k = min(self.k, max_tokens)
-        if k <= 0:
-            return NO_PROPOSAL
-        if self._propose is None:
-            return Proposal(k, [])
-        drafts = self._propose(seq, k)[:k]
-        return Proposal(len(drafts), drafts) if drafts else NO_PROPOSAL
+            return 0
+        return max(0, min(self.k, max_tokens))
 
-    def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        """A verification's outcome: counters, and the request's acceptance average."""
-        self.stats.record(num_proposed, num_accepted)
+    def record(self, seq: Sequence, drafts: DraftCounts) -> None:
+        """A verification's outcome: counters, and the request's acceptance average. A request
+        whose proposer found no drafts this step verified nothing and counts nothing."""
+        if not drafts.num_proposed:
+            return
+        self.stats.record(drafts.num_proposed, drafts.num_accepted)
         state = seq.spec
-        state.counts.record(num_proposed, num_accepted)
-        state.acceptance += EMA_WEIGHT * (num_accepted / num_proposed - state.acceptance)
+        state.counts.record(drafts.num_proposed, drafts.num_accepted)
+        state.acceptance += EMA_WEIGHT * (drafts.num_accepted / drafts.num_proposed - state.acceptance)
         if state.acceptance < self.options.min_acceptance_rate:
             state.acceptance, state.paused_steps = 1.0, PAUSE_STEPS
+
+    @staticmethod
+    def request_counts(seq: Sequence) -> SpecDecodeStats:
+        """This request's speculation so far, for its trace (zeros when it never speculated)."""
+        return seq.spec.counts if seq.spec is not None else NEVER_SPECULATED
+
+
+class NoSpeculation:
+    """Speculation off: no request gets draft slots, nothing is counted."""
+
+    proposer = None
+    stats = None
+
+    @staticmethod
+    def speculating(num_decodes: int) -> bool:
+        return False
+
+    @staticmethod
+    def num_draft_slots(seq: Sequence, max_tokens: int) -> int:
+        return 0
+
+    @staticmethod
+    def record(seq: Sequence, drafts: DraftCounts) -> None:
+        """Never called with drafts: no chunk had slots."""
+
+    @staticmethod
+    def request_counts(seq: Sequence) -> None:
+        return None
+
+
+def speculation_policy(options: SpeculativeOptions | None) -> SpeculationPolicy | NoSpeculation:
+    """The scheduler's policy for the engine's `speculative` settings (None: off)."""
+    return NoSpeculation() if options is None else SpeculationPolicy(options)

@@ -3,6 +3,8 @@
     engine core ── SchedulerOutput ──> Executor.execute() ──> RunnerOutput
                                           │ builds the model in its final form (LayerContext),
                                           │ sizes and allocates the KV cache, runs the ModelRunner
+                                          │ speculative decoding: the proposer fills the step's
+                                          │ draft slots first (spec_decode.proposer)
                                           └─ tensor parallelism: rank 0 here, ranks 1..N-1 in worker
                                              processes that receive each step's SchedulerOutput
 
@@ -25,6 +27,8 @@ from native_backend.execution import kv_scales
 from native_backend.execution.model_runner import ModelRunner
 from native_backend.execution.parallel.report import weight_bytes_by_kind
 from native_backend.execution.spec_decode import draft_model
+from native_backend.execution.spec_decode.factory import make_proposer
+from native_backend.execution.spec_decode.proposer import Proposer, propose_drafts
 from native_backend.model.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
@@ -82,6 +86,7 @@ class InProcessExecutor:
             self.draft_model, TORCH_DTYPES[mc.dtype]))
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
+        self.proposer: Proposer | None = None  # speculative decoding's (None: off)
         if allocate:
             self.allocate_cache(self.plan.num_blocks)
 
@@ -95,9 +100,9 @@ class InProcessExecutor:
                                 head_dim=self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
         if scales is not None:
             kv_scales.apply(self.kv_cache, scales)
-        drafter = draft_model.make_drafter(self.config, self.model, self.kv_cache, self.draft_model, self.device,
-                                           self.config.model.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, drafter=drafter)
+        self.proposer = make_proposer(self.config, self.model, self.kv_cache, self.draft_model, self.device,
+                                      self.config.model.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
 
     @property
     def needs_calibration(self) -> bool:
@@ -136,7 +141,12 @@ class InProcessExecutor:
         return self.runner.compute_logits(scheduled, all_tokens)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(scheduled)
+        return self.runner.execute(*self.propose(scheduled))
+
+    def propose(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, torch.Tensor]]:
+        """The step with its draft slots filled (spec_decode.proposer.propose_drafts), and the
+        draft model's q per request for the runner's verification."""
+        return propose_drafts(self.proposer, scheduled)
 
     def describe(self) -> str:
         p, mc = self.plan, self.config.model

@@ -6,15 +6,16 @@
     slots:       block_table[pos // block_size] * block_size + pos % block_size
     logits rows: the last `num_logits` rows of each sampling chunk: [a4, b0]
 
-Speculative decoding: a chunk with num_spec_tokens k runs [last token, d_1 .. d_k] (drafts from
-the scheduler's n-gram lookup, or proposed here by the drafter's draft model) and its k + 1
-logits rows are verified by rejection sampling (`Sampler.verify`): it returns the accepted drafts
-plus one token.
+Speculative decoding: a chunk with drafts d_1 .. d_n (filled in by the executor's proposer,
+execution.spec_decode) runs [last token, d_1 .. d_n] and its n + 1 logits rows are verified by
+rejection sampling (`Sampler.verify`): it returns the accepted drafts plus one token, and
+`RunnerOutput.drafts` says how many were given and accepted. Who made the drafts does not matter
+here; a draft model's q (`draft_probs`) comes with them.
 
-    chunk D: verify k=2:  input_ids [.. | d0 d1 d2 | ..]   logits rows [d0 d1 d2] -> e.g. [d1, x]
+    chunk D: verify n=2:  input_ids [.. | d0 d1 d2 | ..]   logits rows [d0 d1 d2] -> e.g. [d1, x]
 
-The runner owns no request state beyond the sampler's per-request generators (and the drafter's
-draft-KV progress), dropped when the scheduler reports a request finished. It binds the KV cache to the model once (each attention
+The runner owns no request state beyond the sampler's per-request generators, dropped when the
+scheduler reports a request finished. It binds the KV cache to the model once (each attention
 layer takes its `KVLayer`); from then on a step passes only the step's tensors.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from native_backend.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput, step_tokens
+from native_backend.core.batch import DraftCounts, RunnerOutput, ScheduledChunk, SchedulerOutput, step_tokens
 from native_backend.execution.sampler import Sampler, SamplingRow
 from native_backend.model.attention.metadata import AttentionMetadata
 from native_backend.model.kv_cache import KVCache
@@ -40,9 +41,8 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str | None = None,
-                 sampler: Sampler | None = None, drafter=None):
+                 sampler: Sampler | None = None):
         self.model = model
-        self.drafter = drafter  # spec_decode.drafter.Drafter: proposes drafts with a draft model
         self.kv_cache = kv_cache
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
@@ -50,17 +50,14 @@ class ModelRunner:
         model.bind_kv_cache(kv_cache)
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        """Run one step; return the token(s) sampled for every chunk with `sample=True`."""
+    def execute(self, sched_out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """Run one step; return the token(s) sampled for every chunk with `sample=True`.
+        draft_probs: request_id -> q (n, vocab) of a draft model's drafts (absent: one-hot)."""
         self.sampler.forget(sched_out.finished_request_ids)
         output = RunnerOutput()
-        if self.drafter is not None:
-            self.drafter.forget(sched_out.finished_request_ids + sched_out.preempted_request_ids)
         if sched_out.is_empty:
             return output
-        chunks, draft_probs = sched_out.chunks, {}
-        if self.drafter is not None:
-            chunks, draft_probs = self.drafter.propose(chunks, self.sampler)
+        chunks, draft_probs = sched_out.chunks, draft_probs or {}
         inputs = self.prepare_inputs(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         sampling_chunks = [c for c in chunks if c.sample]
@@ -68,12 +65,12 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_logit_rows, vocab)
         plain, verify, row = [], [], 0
-        for chunk in sampling_chunks:  # logits rows: num_logits per chunk, in chunk order
-            (verify if chunk.num_spec_tokens else plain).append((chunk, row))
-            row += chunk.num_logits
+        for chunk in sampling_chunks:  # logits rows: num_logit_rows per chunk, in chunk order
+            (verify if chunk.draft_token_ids else plain).append((chunk, row))
+            row += chunk.num_logit_rows
         self._sample(logits, plain, output)
         for chunk, row in verify:
-            self._verify(chunk, logits[row : row + chunk.num_logits], draft_probs.get(chunk.request_id), output)
+            self._verify(chunk, logits[row : row + chunk.num_logit_rows], draft_probs.get(chunk.request_id), output)
         return output
 
     def _sample(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], output: RunnerOutput) -> None:
@@ -99,13 +96,14 @@ class ModelRunner:
             output.errors[chunk.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
             return
         output.sampled_token_ids[chunk.request_id] = tokens
+        output.drafts[chunk.request_id] = DraftCounts(len(chunk.draft_token_ids), len(tokens) - 1)
         if logprobs[0] is not None:
             output.logprobs[chunk.request_id] = logprobs
 
     @torch.inference_mode()
     def compute_logits(self, sched_out: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
         """Run one step (writing KV like `execute`) without sampling; request_id -> logits rows
-        (num_logits rows of each sampling chunk, or every token of every chunk with all_tokens).
+        (num_logit_rows rows of each sampling chunk, or every token of every chunk with all_tokens).
         For tests and for speculative verification that wants the distributions."""
         inputs = self.prepare_inputs(sched_out.chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
@@ -115,7 +113,7 @@ class ModelRunner:
             if all_tokens:
                 result[chunk.request_id] = self.model.compute_logits(hidden[start:end])
             elif chunk.sample:
-                result[chunk.request_id] = self.model.compute_logits(hidden[end - chunk.num_logits : end])
+                result[chunk.request_id] = self.model.compute_logits(hidden[end - chunk.num_logit_rows : end])
             start = end
         return result
 
@@ -144,12 +142,12 @@ class ModelRunner:
 
 
 def _logits_indices(chunks: list[ScheduledChunk], query_lens: list[int]) -> torch.Tensor:
-    """Flat row ids of the last num_logits tokens of each sampling chunk, in chunk order."""
+    """Flat row ids of the last num_logit_rows tokens of each sampling chunk, in chunk order."""
     indices, end = [], 0
     for chunk, n in zip(chunks, query_lens):
         end += n
         if chunk.sample:
-            indices.extend(range(end - chunk.num_logits, end))
+            indices.extend(range(end - chunk.num_logit_rows, end))
     return torch.tensor(indices, dtype=torch.long)
 
 

@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 
-from native_backend.core.batch import RunnerOutput, SchedulerOutput
+from native_backend.core.batch import DraftCounts, RunnerOutput, SchedulerOutput
 from native_backend.core.block_manager import cdiv
 from native_backend.core.scheduler import Scheduler, SchedulerConfig, StepResult
 from native_backend.core.sequence import SequenceStatus
+from native_backend.execution.spec_decode.proposer import Proposals, propose_drafts
 
 VOCAB = 32
 EOS = 0
@@ -41,12 +42,33 @@ def expected_output(prompt: list[int], max_tokens: int, eos_token_id: int | None
     return out
 
 
-class FakeKVRunner:
-    """Plays the model runner: writes each scheduled token into its KV slot, then samples from
-    the history it reads back from the slots."""
+class CallbackProposer:
+    """A proposer (execution.spec_decode.proposer.Proposer) whose drafts come from
+    `drafts(seq, k)`: tests choose right, wrong or no drafts."""
 
-    def __init__(self, scheduler: Scheduler):
+    method = "ngram"  # the name the scheduler's policy gives chunks for SpeculativeOptions("ngram")
+
+    def __init__(self, scheduler: Scheduler, drafts):
+        self.scheduler, self.drafts = scheduler, drafts
+
+    def propose(self, chunks) -> Proposals:
+        requests, found = self.scheduler.requests, {}
+        for c in chunks:
+            found[c.request_id] = self.drafts(requests[c.request_id], c.num_spec_tokens)[: c.num_spec_tokens]
+        return Proposals({rid: drafts for rid, drafts in found.items() if drafts})
+
+    def forget(self, request_ids) -> None:
+        pass
+
+
+class FakeKVRunner:
+    """Plays the executor and its model runner: fills draft slots through the real
+    `propose_drafts` with `drafts(seq, k)` (if given), writes each step token into its KV slot,
+    then samples from the history it reads back from the slots."""
+
+    def __init__(self, scheduler: Scheduler, drafts=None):
         self.scheduler = scheduler
+        self.proposer = CallbackProposer(scheduler, drafts) if drafts is not None else None
         self.block_size = scheduler.config.block_size
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.steps = 0
@@ -55,27 +77,31 @@ class FakeKVRunner:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        out, _ = propose_drafts(self.proposer, out)
         for chunk in out.chunks:
             tokens = chunk.token_ids + chunk.draft_token_ids  # drafts' KV is written too
-            assert len(chunk.draft_token_ids) == chunk.num_spec_tokens == chunk.num_logits - 1
+            assert len(chunk.draft_token_ids) <= chunk.num_spec_tokens and chunk.num_logits == 1
             assert len(chunk.block_table) * self.block_size >= chunk.start_pos + len(tokens)
             for i, token in enumerate(tokens):
                 self.kv[self.slot(chunk.block_table, chunk.start_pos + i)] = (chunk.start_pos + i, token)
-        sampled = {}
+        output = RunnerOutput()
         for chunk in out.chunks:
             if chunk.sample:
-                sampled[chunk.request_id] = self.verify(chunk)
-        return RunnerOutput(sampled_token_ids=sampled)
+                output.sampled_token_ids[chunk.request_id] = emitted = self.verify(chunk)
+                if chunk.draft_token_ids:
+                    output.drafts[chunk.request_id] = DraftCounts(len(chunk.draft_token_ids), len(emitted) - 1)
+        return output
 
     def verify(self, chunk) -> list[int]:
         """Greedy verification: the model's token after each accepted draft, up to the first
         token that differs from its draft (or the bonus token after all of them)."""
         end = chunk.start_pos + len(chunk.token_ids)
+        drafts = chunk.draft_token_ids
         emitted = []
-        for j in range(chunk.num_spec_tokens + 1):
+        for j in range(len(drafts) + 1):
             token = next_token(self.read_history(chunk.block_table, end + j))
             emitted.append(token)
-            if j == chunk.num_spec_tokens or token != chunk.draft_token_ids[j]:
+            if j == len(drafts) or token != drafts[j]:
                 return emitted
 
     def read_history(self, block_table: list[int], length: int) -> list[int]:
@@ -117,8 +143,10 @@ def assert_step_valid(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert chunk.sample == (chunk.start_pos + len(chunk.token_ids) == seq.num_tokens)
         reserved = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
         assert len(seq.block_table) == cdiv(reserved, config.block_size)
+        assert (chunk.proposer is not None) == bool(chunk.num_spec_tokens)  # slots always name who fills them
+        assert not chunk.draft_token_ids  # the scheduler never makes drafts
         if chunk.num_spec_tokens:
-            assert len(chunk.token_ids) == 1 and chunk.num_logits == 1 + chunk.num_spec_tokens
+            assert len(chunk.token_ids) == 1 and chunk.num_logits == 1
     assert not set(out.preempted_request_ids) & {c.request_id for c in out.chunks}
 
 

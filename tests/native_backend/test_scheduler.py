@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from native_backend.config.engine import SpeculativeOptions
-from native_backend.core.batch import RunnerOutput, SampledLogprobs
+from native_backend.core.batch import DraftCounts, RunnerOutput, SampledLogprobs
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.core.sequence import Sequence, SequenceStatus
 from native_backend.core.spec_policy import SpeculationPolicy
@@ -387,15 +387,16 @@ def test_max_model_len_ends_requests_without_max_tokens(make_scheduler):
 
 
 def test_speculative_tokens_after_a_stop_are_dropped(make_scheduler):
-    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2), propose=lambda seq, k: [2, 6])
+    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2))
     sched = make_scheduler(eos_token_id=2, speculation=policy)
     s = request("a", tokens(3), max_tokens=10)
     sched.add(s)
-    sched.update(sched.schedule(), RunnerOutput({"a": [5]}))  # the prompt: no drafts yet
+    sched.update(sched.schedule(), RunnerOutput({"a": [5]}))  # the prompt: no draft slots yet
     out = sched.schedule()
-    assert out.chunks[0].draft_token_ids == [2, 6]
+    assert out.chunks[0].num_spec_tokens == 2 and out.chunks[0].proposer == "ngram"
     logprobs = [SampledLogprobs(t, -0.5) for t in (2, 6, 7)]
-    runner = RunnerOutput({"a": [2, 6, 7]}, logprobs={"a": logprobs})  # both accepted, and a bonus
+    runner = RunnerOutput({"a": [2, 6, 7]}, logprobs={"a": logprobs},  # drafts [2, 6] accepted, and a bonus
+                          drafts={"a": DraftCounts(2, 2)})
     (result,) = sched.update(out, runner)
     assert result.new_token_ids == [2] and result.finish_reason == "stop"
     assert result.logprobs == logprobs[:1]

@@ -60,9 +60,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if num_speculative:
             options = SpeculativeOptions("ngram", num_speculative_tokens=num_speculative, max_batch_size=4,
                                          min_acceptance_rate=0.3)
-            speculation = SpeculationPolicy(options, propose=self.drafts)
+            speculation = SpeculationPolicy(options)
         self.scheduler = Scheduler(config, speculation)
-        self.runner = self.kit.FakeKVRunner(self.scheduler)
+        self.runner = self.kit.FakeKVRunner(self.scheduler, drafts=self.drafts if num_speculative else None)
         self.ids = (f"r{i}" for i in itertools.count())
         self.seqs: dict[str, Sequence] = {}  # every accepted request, ended or not
         self.reported_ended: list[str] = []

@@ -18,12 +18,14 @@ import time
 import pytest
 import torch
 
-from native_backend.config.engine import EngineConfig
-from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.config.engine import EngineConfig, SpeculativeOptions
+from native_backend.core.batch import DraftCounts, ScheduledChunk, SchedulerOutput
 from native_backend.execution.factory import make_executor
 from native_backend.execution.parallel import report
 from native_backend.execution.parallel.deltas import DeltaDecoder, DeltaEncoder
 from native_backend.execution.parallel.executor import TensorParallelError, check_supported
+from native_backend.execution.spec_decode.ngram import NgramProposer
+from native_backend.execution.spec_decode.proposer import propose_drafts
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
@@ -147,14 +149,14 @@ def test_a_draft_model_with_tp_is_refused_at_start_naming_ngram(checkpoint):
 
 
 def test_verification_steps_sample_and_roll_back_as_on_one_rank(checkpoint, single):
-    """n-gram drafts as the scheduler sends them: the last token and k drafts, one rejected; the
+    """Drafts as the proposer fills them: the last token and k drafts, one rejected; the
     rollback releases the block the drafts had spilled into, and the next step (a new block there,
     the rejected position rewritten) samples what one rank samples."""
     one, prompt = single[0], PROMPTS[0][:14]
     ahead = _greedy_continuation(one, prompt, 4, blocks=[100, 101])  # c0..c3, to draft from
     wrong = (ahead[2] + 1) % 96
     steps = [SchedulerOutput([ScheduledChunk("v", prompt, 0, [110], True, GREEDY)]),
-             SchedulerOutput([ScheduledChunk("v", [ahead[0]], 14, [110, 111], True, GREEDY, num_logits=4,
+             SchedulerOutput([ScheduledChunk("v", [ahead[0]], 14, [110, 111], True, GREEDY,
                                              num_spec_tokens=3, draft_token_ids=[ahead[1], wrong, ahead[3]])]),
              SchedulerOutput([ScheduledChunk("v", [ahead[2]], 16, [110, 112], True, GREEDY)])]
     executor = executor_for(checkpoint, 2)
@@ -162,8 +164,9 @@ def test_verification_steps_sample_and_roll_back_as_on_one_rank(checkpoint, sing
         got = [executor.execute(s).sampled_token_ids["v"] for s in steps]
     finally:
         executor.close()
-    want = [one.execute(s).sampled_token_ids["v"] for s in steps]
-    assert got == want == [[ahead[0]], [ahead[1], ahead[2]], [ahead[3]]]
+    want = [one.execute(s) for s in steps]
+    assert got == [w.sampled_token_ids["v"] for w in want] == [[ahead[0]], [ahead[1], ahead[2]], [ahead[3]]]
+    assert [w.drafts.get("v") for w in want] == [None, DraftCounts(3, 1), None]
 
 
 def _greedy_continuation(executor, prompt: list[int], n: int, blocks: list[int]) -> list[int]:
@@ -198,19 +201,19 @@ def test_deltas_rebuild_every_block_table_the_scheduler_sent():
         delta = encoder.encode(SchedulerOutput(chunks, finished_request_ids=ended))
         rebuilt = decoder.decode(delta)
         assert [(c.request_id, c.block_table) for c in rebuilt.chunks] == [(c.request_id, c.block_table) for c in chunks]
-        assert sum(len(c[4]) for c in delta.chunks) <= sum(len(c.block_table) for c in chunks)  # tails only
+        assert sum(len(c[5]) for c in delta.chunks) <= sum(len(c.block_table) for c in chunks)  # tails only
 
 
 def test_a_verifying_chunk_reaches_the_workers_as_its_tokens_and_drafts():
-    """The worker runs [last token, drafts] with k + 1 logits rows; slots a draft model would
-    fill on rank 0 (method draft) cannot be sent."""
+    """The worker runs [last token | drafts] with n + 1 logits rows, whoever proposed the drafts;
+    the executor's proposer fills a chunk's slots before its delta is encoded."""
     encoder, decoder = DeltaEncoder(), DeltaDecoder()
-    verify = ScheduledChunk("a", [5], 20, [3, 4], True, GREEDY, num_logits=3, num_spec_tokens=2, draft_token_ids=[6, 7])
-    (chunk,) = decoder.decode(encoder.encode(SchedulerOutput([verify]))).chunks
-    assert (chunk.token_ids, chunk.start_pos, chunk.block_table, chunk.num_logits) == ([5, 6, 7], 20, [3, 4], 3)
-    slots = ScheduledChunk("b", [5], 20, [3, 4], True, GREEDY, num_logits=3, num_spec_tokens=2)
-    with pytest.raises(ValueError, match="speculative method 'draft' does not run with tensor parallelism"):
-        encoder.encode(SchedulerOutput([slots]))
+    slots = ScheduledChunk("a", [5], 20, [3, 4], True, GREEDY, prompt_token_ids=[5, 6, 7, 1, 2],
+                           output_token_ids=[5], num_spec_tokens=3, proposer="ngram")
+    filled, _ = propose_drafts(NgramProposer(SpeculativeOptions("ngram", prompt_lookup_min=1)), SchedulerOutput([slots]))
+    (chunk,) = decoder.decode(encoder.encode(filled)).chunks
+    assert (chunk.token_ids, chunk.draft_token_ids, chunk.start_pos, chunk.block_table) == ([5], [6, 7, 1], 20, [3, 4])
+    assert chunk.num_logit_rows == 4 and chunk.proposer is None
 
 
 @pytest.mark.parametrize("sig, rank, message", [

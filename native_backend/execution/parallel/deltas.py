@@ -11,22 +11,23 @@ table the worker already has (`keep`) and the new tail:
 
 Requests that ended or were preempted are listed once, and the workers forget their tables.
 
-Speculative decoding (n-gram drafts): a verifying chunk's tokens are its last known token and its
-drafts, [t, d1..dk] with num_logits k + 1, which the worker runs like any short chunk. Nothing
-about the outcome is sent: rank 0's scheduler rolls the rejected drafts back, and the next step's
-start_pos and block table (a released block: a shortened table) are all the worker needs; the
-rejected positions' KV slots are overwritten by later steps on every rank alike.
+Speculative decoding: rank 0's proposer fills a chunk's draft slots before its delta is encoded,
+so a verifying chunk reaches the workers as its last known token and its drafts [t | d1..dn]
+(n + 1 logits rows), which the worker runs like any short chunk; who proposed the drafts does not
+matter here. Nothing about the outcome is sent: rank 0's scheduler rolls the rejected drafts
+back, and the next step's start_pos and block table (a released block: a shortened table) are all
+the worker needs; the rejected positions' KV slots are overwritten by later steps on every rank alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from native_backend.core.batch import ScheduledChunk, SchedulerOutput, step_tokens
+from native_backend.core.batch import ScheduledChunk, SchedulerOutput
 from native_backend.core.sampling_params import SamplingParams
 
-# (request_id, token_ids, start_pos, keep, tail, sample, num_logits)
-ChunkDelta = tuple[str, list[int], int, int, list[int], bool, int]
+# (request_id, token_ids, draft_token_ids, start_pos, keep, tail, sample, num_logits)
+ChunkDelta = tuple[str, list[int], list[int], int, int, list[int], bool, int]
 
 EXECUTE, LOGITS, ALL_LOGITS = "execute", "logits", "all_logits"  # what the step computes
 
@@ -50,11 +51,10 @@ class DeltaEncoder:
             self.tables.pop(request_id, None)
         chunks = []
         for c in scheduled.chunks:
-            if c.num_spec_tokens != len(c.draft_token_ids):  # slots a draft model would fill on rank 0 alone
-                raise ValueError("speculative method 'draft' does not run with tensor parallelism (ngram does)")
             old, table = self.tables.get(c.request_id, []), c.block_table
             keep = _common_prefix(old, table)
-            chunks.append((c.request_id, step_tokens(c), c.start_pos, keep, table[keep:], c.sample, c.num_logits))
+            chunks.append((c.request_id, c.token_ids, c.draft_token_ids, c.start_pos, keep, table[keep:], c.sample,
+                           c.num_logits))
             self.tables[c.request_id] = list(table)  # the scheduler's list keeps changing
         return StepDelta(mode, dropped, chunks)
 
@@ -71,11 +71,11 @@ class DeltaDecoder:
         for request_id in delta.dropped:
             self.tables.pop(request_id, None)
         chunks = []
-        for request_id, token_ids, start_pos, keep, tail, sample, num_logits in delta.chunks:
+        for request_id, token_ids, drafts, start_pos, keep, tail, sample, num_logits in delta.chunks:
             table = self.tables.get(request_id, [])[:keep] + tail
             self.tables[request_id] = table
             chunks.append(ScheduledChunk(request_id, token_ids, start_pos, table, sample, self._PARAMS,
-                                         num_logits=num_logits))
+                                         num_logits=num_logits, draft_token_ids=drafts))
         return SchedulerOutput(chunks, finished_request_ids=list(delta.dropped))
 
 

@@ -8,7 +8,8 @@
       load       rank 0's shard here while the workers load theirs
       agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
       join       the process group (gloo / NCCL, loopback port, collective timeout)
-      execute    send the step's delta to every worker, run rank 0's ModelRunner (it samples)
+      execute    rank 0's proposer fills the step's draft slots; then the step's delta (drafts
+                 included) goes to every worker, and rank 0's ModelRunner runs it (it samples)
       faults     a worker that died or stopped fails the step (TensorParallelError naming the
                  rank and why), so the engine process reports a fatal error and exits; its
                  supervisor restarts it. An idle engine notices through check_health().
@@ -105,9 +106,10 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------------ steps
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        scheduled, draft_probs = self.rank.propose(scheduled)  # before the deltas: workers run the drafts too
         self._step_workers(scheduled, EXECUTE)
         try:
-            return self.rank.execute(scheduled)
+            return self.rank.runner.execute(scheduled, draft_probs)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
             raise self._fault(exc) from None
 

@@ -1,15 +1,17 @@
 """Speculative decoding: a cheap proposer guesses k tokens, the target scores them in one step.
 
-    schedule()                       execute()                             update()
-    policy: k for each decoding  ──> drafter (draft model) proposes     ──> accepted + 1 tokens appended,
-    request (0: a plain decode);     the k tokens n-gram could not;         KV of the rejected rolled
-    n-gram drafts found here         the target runs [last, d1..dk];        back by the block manager;
-    (pure Python)                    rejection sampling keeps a prefix      acceptance counted
-                                     of the drafts plus one token
+    schedule() (core)                execute() (execution)                   update() (core)
+    policy: k draft slots for each ─> the chunk's proposer fills 0..k   ──> accepted + 1 tokens appended,
+    decoding request (0: a plain      drafts; the target runs [last,         the slots not accepted rolled
+    decode), named proposer           d1..dn]; rejection sampling keeps      back by the block manager;
+                                      a prefix of the drafts plus one        acceptance counted
+                                      token; DraftCounts per request
 
-- `core.ngram`: prompt lookup, the continuation of an earlier match of the sequence's suffix;
-- `core.spec_policy`: which requests speculate and with how many tokens (batch size, acceptance);
+- `proposer`: the `Proposer` protocol, `Proposals`, and `propose_drafts` (the executor's one call);
+- `ngram`: prompt lookup, the continuation of an earlier match of the sequence's suffix;
+- `drafter`: a draft model's k passes (the target's first layers, self-speculative, or another checkpoint);
+- `draft_model`: building and checking draft models, and their KV; `factory`: the proposer for a config;
 - `rejection`: Leviathan et al. / Chen et al. rejection sampling (the target's distribution, exactly);
-- `drafter`: a draft model (the target's first layers, or another checkpoint) run by the executor;
-- `core.spec_stats`: counters for the engine's stats (drafts, draft tokens, accepted tokens per position).
+- in the core: `core.spec_policy` (which requests get slots, acceptance pauses) and
+  `core.spec_stats` (counters for the engine's stats and each request's trace).
 """

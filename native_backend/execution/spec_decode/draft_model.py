@@ -108,19 +108,16 @@ def leave_room_for_draft(plan, draft_bytes_per_token: int):
                                full_context_sequences=num_blocks // plan.blocks_per_full_sequence)
 
 
-def make_drafter(config, target: nn.Module, target_cache: KVCache, draft: nn.Module | None, device, dtype):
-    """The Drafter for method 'draft' (None otherwise): the target's first layers over the target's
-    first KV layers, or the separate draft over a cache of its own with the same block count."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft":
-        return None
+def make_draft_proposer(spec, target: nn.Module, target_cache: KVCache, draft: nn.Module | None, device, dtype):
+    """The proposer for method 'draft': the target's first layers over the target's first KV
+    layers (self-speculative), or the separate draft over a cache of its own with the same block count."""
     from native_backend.execution.model_runner import ModelRunner
-    from native_backend.execution.spec_decode.drafter import Drafter
+    from native_backend.execution.spec_decode.drafter import DraftModelProposer
 
     if draft is None:
         n = spec.draft_num_layers
         runner = ModelRunner(early_exit_draft(target, n), shared_kv_cache(target_cache, n), device)
-        return Drafter(runner, shares_target_kv=True)
+        return DraftModelProposer(runner, shares_target_kv=True)
     cache = KVCache.for_model(draft.config, num_blocks=target_cache.num_blocks, block_size=target_cache.block_size,
                               dtype=dtype, device=device)
-    return Drafter(ModelRunner(draft, cache, device), shares_target_kv=False)
+    return DraftModelProposer(ModelRunner(draft, cache, device), shares_target_kv=False)

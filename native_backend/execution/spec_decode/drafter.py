@@ -1,7 +1,8 @@
-"""Draft-model proposals, run by the executor right before the target's verification step.
+"""The draft-model proposer (method draft), asked by the executor right before the target's
+verification step (`proposer.propose_drafts`).
 
-For each chunk the scheduler gave k draft slots (and no n-gram drafts), the draft model runs
-k passes, batched over those requests:
+For each chunk the scheduler gave k draft slots, the draft model runs k passes, batched over
+those requests:
 
     pass 1:  catch-up tokens (draft KV it lacks) + the last known token  -> d_1 (and q_1)
     pass j:  d_{j-1} at position start_pos + j - 1                        -> d_j (and q_j)
@@ -29,11 +30,14 @@ from native_backend.core.batch import ScheduledChunk
 from native_backend.core.sequence import token_slice
 from native_backend.execution.model_runner import ModelRunner
 from native_backend.execution.sampler import sampling_probs
+from native_backend.execution.spec_decode.proposer import Proposals
 
 _DRAFT_SEED_MIX = 0x9E3779B97F4A7C15  # seeds the draft's stream apart from the target's
 
 
-class Drafter:
+class DraftModelProposer:
+    method = "draft"
+
     def __init__(self, runner: ModelRunner, shares_target_kv: bool):
         self.runner = runner  # the draft model over its KV (the target's first layers', or its own)
         self.shares_target_kv = shares_target_kv
@@ -49,27 +53,22 @@ class Drafter:
             self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose(self, chunks: list[ScheduledChunk], sampler=None):
-        """Chunks with their drafts filled in, and request_id -> q (k, vocab) for sampled requests."""
-        todo = [c for c in chunks if c.num_spec_tokens and not c.draft_token_ids]
-        if not todo:
-            return chunks, {}
-        drafts: dict[str, list[int]] = {c.request_id: [] for c in todo}
-        probs: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in todo if not c.sampling.greedy}
-        step = [self._first_pass_chunk(c) for c in todo]
-        for j in range(max(c.num_spec_tokens for c in todo)):
-            active = [c for c in todo if c.num_spec_tokens > j]
+    def propose(self, chunks: list[ScheduledChunk]) -> Proposals:
+        """k drafts for each chunk (its slots), and q (k, vocab) for each sampled request."""
+        drafts: dict[str, list[int]] = {c.request_id: [] for c in chunks}
+        probs: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks if not c.sampling.greedy}
+        step = [self._first_pass_chunk(c) for c in chunks]
+        for j in range(max(c.num_spec_tokens for c in chunks)):
+            active = [c for c in chunks if c.num_spec_tokens > j]
             tokens = self._draw(self._logits(step, active), active, probs)
             for chunk, token in zip(active, tokens):
                 drafts[chunk.request_id].append(token)
             step = [_one_token(c, token, c.start_pos + j + 1) for c, token in zip(active, tokens)
                     if c.num_spec_tokens > j + 1]
-        for chunk in todo:
+        for chunk in chunks:
             if not self.shares_target_kv:
                 self._computed[chunk.request_id] = chunk.start_pos + 1
-        filled = [dataclasses.replace(c, draft_token_ids=drafts[c.request_id]) if c.request_id in drafts else c
-                  for c in chunks]
-        return filled, {rid: torch.stack(rows) for rid, rows in probs.items()}
+        return Proposals(drafts, {rid: torch.stack(rows) for rid, rows in probs.items()})
 
     def _first_pass_chunk(self, chunk: ScheduledChunk) -> ScheduledChunk:
         """The last known token, after whatever the draft's own KV still lacks."""
@@ -77,7 +76,7 @@ class Drafter:
         start = chunk.start_pos if self.shares_target_kv else min(self._computed.get(chunk.request_id, 0), chunk.start_pos)
         tokens = token_slice(chunk.prompt_token_ids, chunk.output_token_ids, start, end)  # of the request so far
         return dataclasses.replace(chunk, token_ids=tokens, start_pos=start, num_logits=1,
-                                   num_spec_tokens=0, draft_token_ids=[], sample=True)
+                                   num_spec_tokens=0, proposer=None, draft_token_ids=[], sample=True)
 
     def _logits(self, step: list[ScheduledChunk], active: list[ScheduledChunk]) -> torch.Tensor:
         runner = self.runner
@@ -109,4 +108,4 @@ class Drafter:
 
 def _one_token(chunk: ScheduledChunk, token: int, position: int) -> ScheduledChunk:
     return dataclasses.replace(chunk, token_ids=[token], start_pos=position, num_logits=1, num_spec_tokens=0,
-                               draft_token_ids=[], sample=True)
+                               proposer=None, draft_token_ids=[], sample=True)

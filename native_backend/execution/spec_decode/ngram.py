@@ -5,13 +5,38 @@
 
 The longest suffix of length prompt_lookup_max .. prompt_lookup_min that occurred before wins;
 among its occurrences, the latest one that still has k tokens after it (else the earliest, which
-has the most). Pure Python and numpy: the scheduler calls it for every decoding request.
+has the most). Pure Python and numpy, on the host: the executor asks it for every chunk with
+draft slots, before the step's tensors (and a tensor-parallel step's deltas) are built.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from native_backend.config.engine import SpeculativeOptions
+from native_backend.core.batch import ScheduledChunk
+from native_backend.execution.spec_decode.proposer import Proposals
+
+
+class NgramProposer:
+    """Proposer for method ngram: drafts from each request's own token history (no model)."""
+
+    method = "ngram"
+
+    def __init__(self, options: SpeculativeOptions):
+        self.min_n, self.max_n = options.prompt_lookup_min, options.prompt_lookup_max
+
+    def propose(self, chunks: list[ScheduledChunk]) -> Proposals:
+        drafts = {}
+        for c in chunks:
+            found = propose_ngram(c.prompt_token_ids + c.output_token_ids, c.num_spec_tokens, self.min_n, self.max_n)
+            if found:
+                drafts[c.request_id] = found
+        return Proposals(drafts)
+
+    def forget(self, request_ids) -> None:
+        """Nothing kept between steps."""
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
