@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
-from servers import free_port, wait_ready  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support
+from tests.support.servers.loopback import free_port, wait_ready  # noqa: E402
 
 MAX_TOKENS = 16
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4

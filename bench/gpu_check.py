@@ -46,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "bench", ROOT / "tests"):
+for path in (ROOT, ROOT / "bench"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -82,9 +82,9 @@ def attention_cases(shapes=SHAPES, heads=HEADS, block_sizes=BLOCK_SIZES):
 
 def check_attention_case(kernel, reference, seqs, shape: dict, kv_dtype, device) -> dict:
     """One ragged batch: the kernel's write_kv and paged_attention against the reference's, on
-    the same inputs (the case comes from tests/attention_cases.py, built on the CPU)."""
+    the same inputs (the case comes from tests/support/data/attention_cases.py, built on the CPU)."""
     import torch
-    from attention_cases import make_case
+    from tests.support.data.attention_cases import make_case
 
     from native_backend.model.attention.metadata import AttentionMetadata
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
-from servers import free_port  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from tests.support.servers.loopback import free_port  # noqa: E402
 from upstream_overhead import spawn  # noqa: E402  (a server up once a URL answers 200)
 
 GUIDELLM = ROOT / "bench" / "guidellm.sh"

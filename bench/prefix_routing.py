@@ -41,8 +41,8 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
-from servers import free_port  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from tests.support.servers.loopback import free_port  # noqa: E402
 from serve_metrics import percentile  # noqa: E402
 from upstream_overhead import spawn  # noqa: E402
 

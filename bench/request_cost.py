@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
+sys.path.insert(0, str(ROOT))  # tests.support
 sys.path.insert(0, str(ROOT / "bench"))
 from gateway_overhead import MAX_TOKENS, one_request  # noqa: E402
-from servers import free_port  # noqa: E402
+from tests.support.servers.loopback import free_port  # noqa: E402
 from upstream_overhead import KVGATE_CONFIG, checkout_env, spawn  # noqa: E402
 
 # Runs `kvgate serve` with a profiler that SIGUSR1 starts and SIGUSR2 stops and writes out.

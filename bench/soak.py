@@ -39,8 +39,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
-from servers import free_port  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support
+from tests.support.servers.loopback import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from upstream_overhead import spawn  # noqa: E402  (start a server, wait until it is ready)

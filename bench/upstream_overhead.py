@@ -43,8 +43,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the root too: else tests/gateway shadows the gateway package
-from servers import free_port  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support
+from tests.support.servers.loopback import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from gateway_overhead import MAX_TOKENS, PROMPT, one_request  # noqa: E402  (the same requests as that bench)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers import listening_url, wait_ready
+from tests.support.servers.loopback import listening_url, wait_ready
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

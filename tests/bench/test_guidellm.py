@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers import free_port
+from tests.support.servers.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -30,7 +30,7 @@ import yaml
 
 from gateway.errors import RateLimited
 from gateway.hookspecs import hookimpl
-from tools import REPO, ToolUnavailable, tool_path
+from tests.charts.tools import REPO, ToolUnavailable, tool_path
 
 CHART = REPO / "charts" / "kvgate"
 HERE = Path(__file__).parent
@@ -468,7 +468,7 @@ def test_a_default_engine_pod_refuses_calls_without_the_gateways_key(rendered, m
     """The rendered engine config served on loopback (echo in place of the native engine) with
     the env its pod gets: a caller without the key (another pod, had the policy let it through)
     gets a 401; the gateway's key is served."""
-    from servers import GatewayServer
+    from tests.support.servers.loopback import GatewayServer
 
     docs = rendered("default")
     env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
@@ -502,8 +502,8 @@ def test_the_chart_redis_demands_a_password_the_gateways_read_from_a_secret(helm
     from gateway.limits_store import make_limiter
     from redis.asyncio import Redis
     from redis.exceptions import AuthenticationError, ConnectionError as NotListening
-    from redis_server import redis_or_skip
-    from servers import start_on_a_free_port
+    from tests.support.servers.redis_server import redis_or_skip
+    from tests.support.servers.loopback import start_on_a_free_port
 
     redis_or_skip().kill()  # only to skip without redis-server
     docs = render(helm, [], ["auth.limitsStore.kind=redis"])
@@ -689,7 +689,7 @@ def test_engine_config_with_tensor_parallelism_passes_the_config_check(helm, tmp
 def start_gateway(config_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """`kvgate serve` of the config on a port it binds itself (port 0), and its base URL from the
     line it logs (to config_path's .log) once it listens."""
-    from servers import listening_url
+    from tests.support.servers.loopback import listening_url
 
     log_path = config_path.with_suffix(".log")
     with open(log_path, "wb") as log:
@@ -724,8 +724,8 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
     that DNS server. It starts with one ready pod; then `kubectl scale statefulset` is what DNS
     says, and the second pod takes traffic with no change to the gateway's config."""
     import openai
-    from dns_server import DnsServer
-    from servers import GatewayServer, free_port_on, wait_ready
+    from tests.support.servers.dns_server import DnsServer
+    from tests.support.servers.loopback import GatewayServer, free_port_on, wait_ready
 
     docs = rendered("created-secrets")
     engine_env = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")
@@ -818,7 +818,7 @@ models:
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
     """What a pod does after its preStop sleep: SIGTERM to `kvgate serve`."""
-    from servers import wait_ready
+    from tests.support.servers.loopback import wait_ready
 
     path = tmp_path / "slow.yaml"
     path.write_text(SLOW_ECHO)

@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 sla_classes:

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from kvgate_echo import reply_pieces
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 models:

@@ -11,7 +11,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_echo import reply_pieces
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 KEY, LIMITED, ADMIN = "sk-translate-0123456789", "sk-limited-0123456789", "sk-admin-translate-0123"
 METERED = "sk-metered-0123456789"

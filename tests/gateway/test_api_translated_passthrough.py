@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_echo import reply_pieces
-from servers import GatewayServer, free_port
+from tests.support.servers.loopback import GatewayServer, free_port
 
 BACK = """
 models:

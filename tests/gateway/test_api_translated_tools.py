@@ -1,6 +1,6 @@
 """Tools and JSON schemas through /v1/responses and /v1/messages, with the real `openai` and
 `anthropic` SDKs, through kvgate to a loopback OpenAI-compatible upstream that implements them
-(tests/scripted_upstream.py): tool calls come back as function_call items / tool_use blocks,
+(tests/support/fakes/scripted_upstream.py): tool calls come back as function_call items / tool_use blocks,
 streamed in fragments, and the results the client sends back reach the upstream as tool
 messages."""
 
@@ -12,7 +12,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 # The scripted upstream serves chat, not the Responses API a vLLM serves: it says so, and
 # /v1/responses is translated onto chat for it (test_api_translated_passthrough has the other case).

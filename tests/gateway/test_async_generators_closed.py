@@ -18,10 +18,10 @@ import threading
 import httpx
 import pytest
 
-import trtllm_standin as standin
+from tests.support.fakes import trtllm_standin as standin
 from gateway.backend import GenerationRequest, SamplingParams
 from kvgate_tensorrt_llm import make_tensorrt_llm_backend
-from servers import ECHO_GATEWAY, OPENAI_FRONT, GatewayServer
+from tests.support.servers.loopback import ECHO_GATEWAY, OPENAI_FRONT, GatewayServer
 
 PROMPT = "the quick brown fox jumps"
 

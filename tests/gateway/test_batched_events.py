@@ -20,7 +20,7 @@ from gateway.backend import GenerationRequest, LoadSnapshot, SamplingParams, Tok
 from gateway.hookspecs import hookimpl
 from gateway.metrics import observe_times
 from kvgate_openai import make_openai_backend
-from servers import GatewayServer, ScriptedServer, content_length
+from tests.support.servers.loopback import GatewayServer, ScriptedServer, content_length
 
 WORDS = [" alpha", " beta", " gamma", " delta", " epsilon"]
 

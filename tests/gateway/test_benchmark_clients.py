@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import gateway
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 models:

@@ -87,7 +87,7 @@ def test_a_half_open_probe_of_the_old_process_does_not_block_the_new_one():
 def test_readiness_names_an_open_breaker_without_leaving_the_service():
     import httpx
 
-    from servers import GatewayServer
+    from tests.support.servers.loopback import GatewayServer
 
     config = """
 models:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 models:

@@ -17,11 +17,11 @@ import time
 import httpx
 import pytest
 
-from dns_server import DnsServer
+from tests.support.servers.dns_server import DnsServer
 from gateway.cli import main as kvgate_main
 from gateway.discovery import DiscoveryFailed, DnsResolver
 from gateway.hookspecs import hookimpl
-from servers import GatewayServer, free_port_on
+from tests.support.servers.loopback import GatewayServer, free_port_on
 
 NAME = "engines.test"
 A, B, C = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -281,7 +281,7 @@ def test_dns_outage_keeps_the_last_members_and_says_so(dns, port, stack, caplog)
 
 
 def test_status_page_shows_the_outage(dns, port, stack, tmp_path):
-    from browser import chromium, headless
+    from tests.support.servers.browser import chromium, headless
 
     chromium()  # skips here when there is no browser (CI has one)
     dns.set(NAME, [A])

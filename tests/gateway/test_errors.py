@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 server:

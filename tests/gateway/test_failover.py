@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from kvgate_echo import reply_pieces
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 models:

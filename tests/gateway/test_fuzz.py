@@ -12,8 +12,8 @@ import os
 import httpx
 import pytest
 
-from fuzz_run import assert_each_pair_ran, examples_for_total, fuzz
-from servers import GatewayServer
+from tests.support.checks.fuzz_run import assert_each_pair_ran, examples_for_total, fuzz
+from tests.support.servers.loopback import GatewayServer
 
 FUZZ_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "60"))
 

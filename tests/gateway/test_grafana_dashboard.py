@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "kvgate-dashboard.json"
 METRIC = re.compile(r"\b(kvgate_[a-z0-9_]+)")

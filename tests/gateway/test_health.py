@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 server: {{readiness: {mode}}}

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 server:

@@ -20,7 +20,7 @@ from gateway.app import build_state, create_app
 from gateway.config import parse_config
 from gateway.errors import RateLimited
 from gateway.hot_routes import HotRoutes, skipped_layers
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 models:

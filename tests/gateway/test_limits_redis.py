@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from redis_server import redis_or_skip
-from servers import listening_url, wait_ready
+from tests.support.servers.redis_server import redis_or_skip
+from tests.support.servers.loopback import listening_url, wait_ready
 
 SECRET = "sk-shared-budget-0123"
 STREAMER = "sk-streamer-key-4567"

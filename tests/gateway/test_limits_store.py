@@ -9,8 +9,8 @@ from gateway.auth import ApiKey
 from gateway.config import ConfigError, LimitsStoreConfig, parse_config
 from gateway.errors import InvalidRequestError, RateLimited
 from gateway.limits_store import RedisLimiter, make_limiter
-from redis_server import redis_or_skip
-from servers import free_port
+from tests.support.servers.redis_server import redis_or_skip
+from tests.support.servers.loopback import free_port
 
 
 def key(name="k", rpm=None, tpm=None, conc=None) -> ApiKey:

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.hookspecs import hookimpl
 from gateway.plugins import collect_backends, make_plugin_manager
-from servers import listening_url, wait_ready
+from tests.support.servers.loopback import listening_url, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from native_backend.config.engine import KVEventsOptions
 from native_backend.core.block_manager import BlockManager
 from native_backend.core.sequence import Sequence
 from native_backend.process.kv_publisher import KVEventPublisher
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 BLOCK = 4
 

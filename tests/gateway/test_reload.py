@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import listening_url, wait_ready
+from tests.support.servers.loopback import listening_url, wait_ready
 
 ADMIN = "sk-admin-reload-0123"
 

@@ -4,7 +4,7 @@ import pytest
 
 from gateway.config import RequestLimits
 from gateway.schemas import parse_chat, parse_completion
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 LIMITS = RequestLimits(max_tokens=8)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from servers import listening_url, wait_ready
+from tests.support.servers.loopback import listening_url, wait_ready
 
 CONFIG = """
 server: {shutdown_timeout_s: 1}

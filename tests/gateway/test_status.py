@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from browser import chromium, headless
-from servers import GatewayServer
+from tests.support.servers.browser import chromium, headless
+from tests.support.servers.loopback import GatewayServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """

@@ -5,10 +5,10 @@ in with the admin key through a form that sets an HttpOnly, SameSite=Strict sess
 import httpx
 import pytest
 
-from browser import DevToolsPage, chromium
+from tests.support.servers.browser import DevToolsPage, chromium
 from gateway import sessions
 from gateway.config import ConfigError, parse_config
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 ALICE, BOB, MONITOR = "sk-alice-0123456789", "sk-bob-0123456789", "sk-monitor-0123456789"
 ADMIN = "sk-admin-0123456789"

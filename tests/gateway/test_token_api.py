@@ -1,5 +1,5 @@
 """/v1/embeddings, /tokenize and /detokenize: through the echo backend and, with the openai
-backend, an upstream that serves them (tests/scripted_upstream.py); routed, limited, traced
+backend, an upstream that serves them (tests/support/fakes/scripted_upstream.py); routed, limited, traced
 and metered like completions."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import openai
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from scripted_upstream import ScriptedUpstream, vector_of
-from servers import GatewayServer
+from tests.support.fakes.scripted_upstream import ScriptedUpstream, vector_of
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 server:
@@ -48,7 +48,7 @@ def exporter():
 
 @pytest.fixture(scope="module")
 def gw(scripted_upstream, exporter):
-    from servers import free_port
+    from tests.support.servers.loopback import free_port
 
     config = CONFIG.format(base=scripted_upstream.base_url, dead=free_port())
     with GatewayServer(config, span_exporter=exporter) as server:

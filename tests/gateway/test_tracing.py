@@ -9,7 +9,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 KEY = "sk-trace-0123456789"
 CONFIG = """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import dense, make_case
+from tests.support.data.attention_cases import dense, make_case
 from native_backend.model.attention import reference
 from native_backend.model.kv_cache import KVLayer
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import dense, make_case
+from tests.support.data.attention_cases import dense, make_case
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import cpu, get_attention_backend, reference
 from native_backend.model.kv_cache import KVLayer
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
 
 CASES = {
     "decode-ragged": [(1, 1), (15, 1), (16, 1), (17, 1), (31, 1), (32, 1), (33, 1), (100, 1)],

@@ -16,7 +16,7 @@ from native_backend.model.loader import default_gguf_path, load_model
 from native_backend.process.factory import make_engine_core
 from native_backend.process.output_processor import OutputProcessor
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
-from perplexity import held_out_windows, score
+from tests.support.checks.perplexity import held_out_windows, score
 
 pytestmark = pytest.mark.timeout(900)
 NEW_TOKENS = 16

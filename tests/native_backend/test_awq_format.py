@@ -9,7 +9,7 @@ import torch
 from native_backend.model.quantization import rtn
 from native_backend.model.quantization.format import QuantConfig, pack_int4, unpack_int4
 from native_backend.model.quantization.reference import dequantize
-from awq_rules import rules_unpack
+from tests.support.data.awq_rules import rules_unpack
 
 
 def test_a_known_word():

@@ -18,10 +18,10 @@ from native_backend.model.loader import default_gguf_path, load_hf_model
 from native_backend.model.quantization.method import AWQLinearMethod
 from native_backend.text.tokenizer import Tokenizer
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
-from llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
-pytestmark = [pytest.mark.usefixtures("int4_kernel"), pytest.mark.timeout(900)]  # tests/c_kernels.py
+pytestmark = [pytest.mark.usefixtures("int4_kernel"), pytest.mark.timeout(900)]  # tests/support/checks/c_kernels.py
 GROUP, BLOCK = 16, 4
 
 

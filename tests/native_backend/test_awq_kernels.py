@@ -14,10 +14,10 @@ from native_backend.model.quantization import rtn
 from native_backend.model.quantization.format import pack_int4
 from native_backend.model.quantization.method import AWQLinearMethod
 from native_backend.model.quantization.reference import dequantize, int4_linear
-from c_kernels import need_kernels
+from tests.support.checks.c_kernels import need_kernels
 
 torch.set_num_threads(2)
-needs_int4_kernel = pytest.mark.usefixtures("int4_kernel")  # skips only where the CPU cannot run it (tests/c_kernels.py)
+needs_int4_kernel = pytest.mark.usefixtures("int4_kernel")  # skips only where the CPU cannot run it (tests/support/checks/c_kernels.py)
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out): q/o, k/v, gate/up, down
 ROWS = [1, 2, 3, 4, 5, 7, 13, 64, 129, 300]
 # Every shape with every group that divides its inputs (SmolLM2's 576 takes 32 and 64, not 128).

@@ -23,8 +23,8 @@ from native_backend.model.layers.linear import LinearBase
 from native_backend.model.loader import load_hf_model
 from native_backend.model.quantization.method import AWQLinearMethod
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
-from llama_checkpoints import VOCAB, make_checkpoint
-from awq_rules import rules_dequantize
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.awq_rules import rules_dequantize
 
 torch.set_num_threads(2)
 GROUP = 16  # the tiny model's MLP is 112 wide: 16 divides it, 32 does not

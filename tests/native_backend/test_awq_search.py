@@ -15,7 +15,7 @@ from native_backend.model.quantization import awq, rtn
 from native_backend.model.quantization.calibration import calibration_text, calibration_tokens
 from native_backend.model.quantization.checkpoint import decoder_linears
 from native_backend.tools.quantize import load_float_model
-from llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
 GROUP = 16

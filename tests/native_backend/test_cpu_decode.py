@@ -12,10 +12,10 @@ from native_backend.execution.model_runner import ModelRunner
 from native_backend.model.kv_cache import KVCache
 from native_backend.model.layers.linear import KERNEL_MAX_ROWS
 from native_backend.model.models.fused_decode import FusedDecode
-from llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
 BLOCK_SIZE = 4
 
 

@@ -13,7 +13,7 @@ from native_backend.core.sampling_params import SamplingParams
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
 from native_backend.process.output_processor import OutputProcessor
-from engine_checks import assert_abort_frees_every_block
+from tests.support.checks.engine_checks import assert_abort_frees_every_block
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,4 +1,4 @@
-"""A kernel test skips only where the CPU cannot run the kernels (tests/c_kernels.py): a library
+"""A kernel test skips only where the CPU cannot run the kernels (tests/support/checks/c_kernels.py): a library
 that fails to build is a failure, and KVGATE_REQUIRE_KERNELS turns even a CPU-based skip into
 one. Each case runs a one-test pytest session in a child process with a fresh kernel folder."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from native_backend.kernels import cpu_kernels
 
-TESTS = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = '''
 import pytest
 
@@ -27,8 +27,8 @@ def outcome(tmp_path, **env) -> tuple[str, str]:
     (tmp_path / "test_probe.py").write_text(PROBE)
     kernels = tmp_path / "kernels"
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_REQUIRE_", "KVGATE_CPU_KERNELS"))}
-    environ.update(PYTHONPATH=str(TESTS), KVGATE_KERNELS_DIR=str(kernels), **env)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "skips", "-p", "c_kernels",
+    environ.update(PYTHONPATH=str(ROOT), KVGATE_KERNELS_DIR=str(kernels), **env)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "tests.support.checks.skips", "-p", "tests.support.checks.c_kernels",
                            "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=600)
     last = proc.stdout.strip().splitlines()[-1]

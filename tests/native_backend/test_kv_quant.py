@@ -10,11 +10,11 @@ from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import cpu, kv_quant, reference
 from native_backend.model.attention.metadata import AttentionMetadata
 from native_backend.model.kv_cache import KVCache, KVLayer, kv_bytes_per_token, plan_kv_cache, resolve_kv_dtype
-from attention_cases import dense
+from tests.support.data.attention_cases import dense
 
 torch.set_num_threads(2)
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
-needs_kernels = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
+needs_kernels = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
 # Relative RMS error of a write-then-read round trip on Gaussian K/V: what each format costs.
 ROUND_TRIP_RMS = {"fp8_e4m3": 0.04, "fp8_e5m2": 0.08, "int8": 0.01}
 

@@ -14,7 +14,7 @@ from native_backend.model.layers.ops import TORCH_OPS
 from native_backend.model.layers.rotary import RotaryEmbedding, apply_rope
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
+pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
 
 
 def randn(*shape, seed=0, scale=1.0):

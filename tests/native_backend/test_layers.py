@@ -14,10 +14,10 @@ from native_backend.model.layers.embedding import ParallelLMHead, VocabParallelE
 from native_backend.model.layers.linear import C_KERNEL, DENSE, ColumnParallelLinear, RowParallelLinear
 from native_backend.model.layers.sharding import ShardSpec
 from native_backend.model.loader import build_model, safetensors_tensors
-from llama_checkpoints import make_checkpoint
+from tests.support.data.llama_checkpoints import make_checkpoint
 
 torch.set_num_threads(2)
-needs_kernels = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/c_kernels.py)
+needs_kernels = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
 
 
 def randn(*shape, seed=0):

@@ -17,7 +17,7 @@ from native_backend.execution.model_runner import ModelRunner
 from native_backend.model.kv_cache import KVCache
 from native_backend.model.loader import load_hf_model
 from native_backend.model.models import LlamaForCausalLM
-from llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 torch.set_num_threads(2)
 ATOL = 1e-4

@@ -130,7 +130,7 @@ def test_an_int4_copy_of_the_target_drafts_token_identically(make_engine, prompt
     (dict(method="draft", draft_model="TINY"), "vocabulary has 96 tokens, the target's 49152"),
 ])
 def test_bad_drafts_are_refused_at_start(make_engine, tmp_path, speculative, message):
-    from llama_checkpoints import make_checkpoint
+    from tests.support.data.llama_checkpoints import make_checkpoint
 
     if speculative.get("draft_model") == "TINY":
         make_checkpoint(tmp_path, tie=True, rope_scaling=None)

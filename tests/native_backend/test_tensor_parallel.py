@@ -27,7 +27,7 @@ from native_backend.execution.parallel.executor import TensorParallelError, chec
 from native_backend.execution.spec_decode.ngram import NgramProposer
 from native_backend.execution.spec_decode.proposer import propose_drafts
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
-from tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
+from tests.support.checks.tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -26,7 +26,7 @@ from native_backend.process.factory import make_engine_core
 from native_backend.process.output_processor import OutputProcessor
 from native_backend.text.tokenizer import Tokenizer
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
-from tensor_parallel_checks import greedy_tokens, max_difference, run_script, smollm2_prompts
+from tests.support.checks.tensor_parallel_checks import greedy_tokens, max_difference, run_script, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(1200)
 

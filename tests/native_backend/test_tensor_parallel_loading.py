@@ -14,7 +14,7 @@ import torch
 from native_backend.config.model import ModelConfig
 from native_backend.model.layers.sharding import ShardSpec
 from native_backend.model.loader import SafetensorsSlice, default_gguf_path, gguf_tensors, safetensors_tensors
-from tensor_parallel_checks import tiny_gqa_llama
+from tests.support.checks.tensor_parallel_checks import tiny_gqa_llama
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
          "model.layers.0.self_attn.o_proj.weight", "model.layers.5.mlp.down_proj.weight",
@@ -75,7 +75,7 @@ def test_awq_ranks_hold_the_checkpoints_int4_weights_between_them(tmp_path):
     scales, side by side (column-parallel: outputs; row-parallel: inputs), are the checkpoint's."""
     from safetensors.torch import load_file
 
-    from awq_rules import rules_dequantize
+    from tests.support.data.awq_rules import rules_dequantize
     from native_backend.model.layers.context import LayerContext
     from native_backend.model.loader import load_hf_model
     from native_backend.tools.quantize import QuantizeOptions, quantize_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from native_backend.execution.parallel.group import open_rendezvous
-from tensor_parallel_checks import executor_for, tiny_gqa_llama
+from tests.support.checks.tensor_parallel_checks import executor_for, tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)
 

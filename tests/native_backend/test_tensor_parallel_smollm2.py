@@ -19,7 +19,7 @@ from native_backend.execution.parallel.executor import check_supported
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
 from native_backend.process.output_processor import OutputProcessor
-from tensor_parallel_checks import max_difference, run_script, smollm2_prompts, transformers_greedy
+from tests.support.checks.tensor_parallel_checks import max_difference, run_script, smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
 

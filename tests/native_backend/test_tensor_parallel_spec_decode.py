@@ -21,7 +21,7 @@ from native_backend.core.sampling_params import SamplingParams
 from native_backend.model.loader import default_gguf_path
 from native_backend.process.factory import make_engine_core
 from native_backend.process.output_processor import OutputProcessor
-from tensor_parallel_checks import engine_tokens, greedy_tokens, smollm2_prompts
+from tests.support.checks.tensor_parallel_checks import engine_tokens, greedy_tokens, smollm2_prompts
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -20,7 +20,7 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.process.factory import make_engine_core
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 pytestmark = pytest.mark.timeout(1800)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

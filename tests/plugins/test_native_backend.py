@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from servers import GatewayServer
-from stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
+from tests.support.servers.loopback import GatewayServer
+from tests.support.checks.stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

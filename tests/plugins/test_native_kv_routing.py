@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydoc_data.topics import topics
 
 from kvgate_native.backend import _local_address
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 pytestmark = pytest.mark.timeout(900)  # two engines load the real model
 

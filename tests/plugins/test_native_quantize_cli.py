@@ -15,7 +15,7 @@ from kvgate_native.backend import NativeBackend, NativeSettings
 from native_backend.model.loader import load_hf_model
 from native_backend.model.quantization import calibration
 from native_backend.model.quantization.method import AWQLinearMethod
-from llama_checkpoints import VOCAB, make_checkpoint
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def tiny_awq_g8(tmp_path_factory) -> str:
     """An int4 AWQ g8 checkpoint of the tiny GQA Llama (8 heads, 2 KV heads, MLP 112): its heads and
     MLP split at 2, 4 and 8, its packed linears at 2 only (28 gate/up columns a rank at 4: 3.5 int32s)."""
     from native_backend.tools.quantize import QuantizeOptions, quantize_model
-    from tensor_parallel_checks import tiny_gqa_llama
+    from tests.support.checks.tensor_parallel_checks import tiny_gqa_llama
 
     out = str(tmp_path_factory.mktemp("tiny-int4-g8"))
     quantize_model(tiny_gqa_llama(tmp_path_factory.mktemp("tiny-gqa")), out, QuantizeOptions(method="rtn", group_size=8))

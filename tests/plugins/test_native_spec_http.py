@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 pytestmark = pytest.mark.timeout(900)
 

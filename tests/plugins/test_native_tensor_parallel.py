@@ -22,9 +22,9 @@ import pytest
 
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.tokenizer import Tokenizer
-from servers import GatewayServer, free_port
-from stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
-from tensor_parallel_checks import smollm2_prompts, transformers_greedy
+from tests.support.servers.loopback import GatewayServer, free_port
+from tests.support.checks.stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
+from tests.support.checks.tensor_parallel_checks import smollm2_prompts, transformers_greedy
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -33,7 +33,7 @@ from gateway.errors import (
     RequestTooLarge,
 )
 from kvgate_openai import make_openai_backend, metrics
-from servers import ECHO_GATEWAY, OPENAI_FRONT, AppServer, GatewayServer
+from tests.support.servers.loopback import ECHO_GATEWAY, OPENAI_FRONT, AppServer, GatewayServer
 
 PROMPT = "the quick brown fox jumps"
 SECRET = "sk-test-5ecret-value-0042"

@@ -15,8 +15,8 @@ from opentelemetry.trace import SpanKind
 from starlette.responses import JSONResponse
 
 from gateway.disagg import PREFILL_PARAMS
-from scripted_upstream import ScriptedUpstream
-from servers import GatewayServer
+from tests.support.fakes.scripted_upstream import ScriptedUpstream
+from tests.support.servers.loopback import GatewayServer
 
 MIN_PROMPT_CHARS = 20
 LONG = "please repeat these words back to me exactly"
@@ -25,7 +25,7 @@ ASK = [{"role": "user", "content": LONG}]
 
 class VllmPDEngine(ScriptedUpstream):
     """One vLLM engine started with `--kv-transfer-config '{"kv_connector":"NixlConnector",
-    "kv_role":"kv_both"}'`, as its OpenAI server answers (tests/scripted_upstream.py's echo for
+    "kv_role":"kv_both"}'`, as its OpenAI server answers (tests/support/fakes/scripted_upstream.py's echo for
     the text):
 
     - a request whose `kv_transfer_params` has `do_remote_decode` is a prefill: it answers as

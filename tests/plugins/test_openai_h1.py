@@ -21,7 +21,7 @@ from kvgate_openai import h1
 from kvgate_openai.h1 import H1Client
 from kvgate_openai.pool import ClientPool
 from kvgate_openai.transport import StreamBroken, UpstreamUnreachable
-from servers import content_length
+from tests.support.servers.loopback import content_length
 
 
 class Connection:

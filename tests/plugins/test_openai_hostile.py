@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvgate_openai.sse import SSEDecoder
-from servers import GatewayServer, ScriptedServer, content_length
+from tests.support.servers.loopback import GatewayServer, ScriptedServer, content_length
 
 BOMB = gzip.compress(b"a" * (128 << 20), compresslevel=9)  # ~130 KB that inflate to 128 MiB
 USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}

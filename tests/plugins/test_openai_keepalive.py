@@ -20,7 +20,7 @@ import pytest
 from gateway.backend import GenerationRequest, SamplingParams
 from gateway.errors import BackendError
 from kvgate_openai import make_openai_backend
-from servers import GatewayServer, ScriptedServer, content_length
+from tests.support.servers.loopback import GatewayServer, ScriptedServer, content_length
 
 WORDS = ["one", " two", " three"]
 

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from servers import GatewayServer, listening_url
-from skips import required
+from tests.support.servers.loopback import GatewayServer, listening_url
+from tests.support.checks.skips import required
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Tools, structured outputs, reasoning and vendor fields through kvgate, with the real `openai`
-client, to an upstream that implements them (tests/scripted_upstream.py) — and routed only to
+client, to an upstream that implements them (tests/support/fakes/scripted_upstream.py) — and routed only to
 deployments that declare them: a model whose deployments lack a feature answers 400 naming it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from servers import GatewayServer
+from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """
 server:
@@ -64,7 +64,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 @pytest.fixture(scope="module")
 def gw(scripted_upstream):
-    from servers import free_port
+    from tests.support.servers.loopback import free_port
 
     with GatewayServer(CONFIG.format(base=scripted_upstream.base_url, dead=free_port())) as server:
         yield server

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter against the stand-in `tensorrt_llm` (tests/trtllm_standin.py).
+"""The TensorRT-LLM adapter against the stand-in `tensorrt_llm` (tests/support/fakes/trtllm_standin.py).
 
 tensorrt_llm needs NVIDIA GPUs and cannot be installed here. The stand-in behaves like release
 1.2.x's LLM API as its sources define it (each behaviour cites its file): strict config classes,
@@ -14,8 +14,8 @@ import sys
 import threading
 
 import pytest
-import trtllm_standin as standin
-from trtllm_standin import LLM
+from tests.support.fakes import trtllm_standin as standin
+from tests.support.fakes.trtllm_standin import LLM
 
 from gateway.backend import GenerationRequest, SamplingParams
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM stand-in (tests/trtllm_standin.py) against the real `tensorrt_llm`.
+"""The TensorRT-LLM stand-in (tests/support/fakes/trtllm_standin.py) against the real `tensorrt_llm`.
 
 The adapter's tests run against the stand-in, so they are only as true as it is. Where the real
 package imports (a GPU machine with TensorRT-LLM: the GPU tier, bench/gpu_check.py runs this file
@@ -17,8 +17,8 @@ import types
 
 import pytest
 
-import trtllm_standin as standin
-from skips import required
+from tests.support.fakes import trtllm_standin as standin
+from tests.support.checks.skips import required
 
 CONFIGS = ("KvCacheConfig", "NGramDecodingConfig", "DraftTargetDecodingConfig", "EagleDecodingConfig",
            "MTPDecodingConfig", "MedusaDecodingConfig")

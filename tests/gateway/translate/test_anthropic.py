@@ -7,8 +7,8 @@ from anthropic.types import Message, RawMessageStreamEvent
 from gateway.config import RequestLimits
 from gateway.errors import BackendError, InvalidRequestError, RateLimited
 from gateway.translate.anthropic import MessagesBody, chat_body, error_body, parse_messages
-from translated_streams import chunk, named_events, sdk_event_types, usage_chunk
-from translated_streams import shape as shape_of
+from tests.support.checks.translated_streams import chunk, named_events, sdk_event_types, usage_chunk
+from tests.support.checks.translated_streams import shape as shape_of
 
 LIMITS = RequestLimits()
 EVENT_TYPES = sdk_event_types(RawMessageStreamEvent)  # (ping and error are not in it)

@@ -7,8 +7,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from gateway.config import RequestLimits
 from gateway.errors import BackendError, InvalidRequestError
 from gateway.translate.responses_api import ResponsesBody, chat_body, parse_responses
-from translated_streams import chunk, named_events, sdk_event_types, usage_chunk
-from translated_streams import shape as shape_of
+from tests.support.checks.translated_streams import chunk, named_events, sdk_event_types, usage_chunk
+from tests.support.checks.translated_streams import shape as shape_of
 
 LIMITS = RequestLimits()
 EVENT_TYPES = sdk_event_types(ResponseStreamEvent)

@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from servers import AppServer
+from tests.support.servers.loopback import AppServer
 
 DEFAULT_DIMENSIONS = 8
 

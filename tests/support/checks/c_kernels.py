@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from skips import required
+from tests.support.checks.skips import required
 
 
 def need_kernels(int4: bool = False) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from servers import start_on_a_free_port, wait_listening
-from skips import required
+from tests.support.servers.loopback import start_on_a_free_port, wait_listening
+from tests.support.checks.skips import required
 
 BINARY = shutil.which("redis-server")
 

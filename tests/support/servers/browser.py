@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from skips import required
+from tests.support.checks.skips import required
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

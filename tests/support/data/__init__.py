@@ -1,0 +1,1 @@
+"""Test inputs built from rules or saved models: paged-attention cases, tiny Llama checkpoints, the AutoAWQ packing rules."""
