@@ -158,7 +158,7 @@ class LLMEngine:
         if seq is None or request_id not in self._milestones:
             return None
         timings = self._final_timings(request_id, seq.num_preemptions, seq.num_cached_tokens,
-                                      seq.spec.counts if seq.spec is not None else None)
+                                      self.scheduler.speculation.request_counts(seq))
         self.scheduler.finish(request_id, reason)
         return timings
 
