@@ -163,7 +163,8 @@ class EngineError(Exception):
 
 
 class EngineCoreProtocol(Protocol):
-    """What the engine process drives. Runs in the engine process only, single-threaded."""
+    """What the engine process drives (process.output_processor.OutputProcessor: the core with
+    text). Runs in the engine process only, single-threaded."""
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; raise EngineError to refuse it."""
