@@ -51,6 +51,9 @@ class ScheduledChunk:
     # Constrained decoding: the tokens the request's grammar allows next (int32 words, bit t % 32
     # of word t // 32 for token t), for a sampling chunk of a constrained request; else None.
     token_bitmask: np.ndarray | None = None
+    # A pooling request's chunk (never sampled): the runner pools its final hidden states, and
+    # on the chunk that ends the prompt returns the request's vector (RunnerOutput.pooled).
+    pooling: str | None = None
 
     @property
     def num_logit_rows(self) -> int:
@@ -110,3 +113,5 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # request_id -> drafts verified and accepted, for every request that verified drafts.
     drafts: dict[str, DraftCounts] = field(default_factory=dict)
+    # request_id -> the pooled, L2-normalised vector of a pooling request whose prompt ended this step.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -8,6 +8,10 @@ compiled on a worker thread (core.grammars), while the batch runs on; then it jo
 with its own matcher. A constraint the library refuses ends it before any token (EngineError
 "invalid" naming the request parameter).
 
+A pooling request (EngineRequest.pooling: an embedding) takes the same path, prefill only: the
+scheduler runs its prompt in the budget of ordinary steps (so it never stalls the decodes in
+flight), the runner pools its hidden states, and its one output carries the vector.
+
 The core never touches the model: the executor builds it, owns it and runs it. The engine is
 handed its executor (process.factory builds both), so the core imports nothing of execution.
 Nor does it hold text: the process's output processor (process/output_processor.py) turns each
@@ -116,7 +120,8 @@ class LLMEngine:
         extra_eos = tuple(t for t in self.eos_token_ids[1:] if t not in sampling.stop_token_ids)
         if extra_eos and not sampling.ignore_eos:  # models that end on several ids (SmolLM2: two)
             sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
-        seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority)
+        seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority,
+                       pooling=request.pooling)
         try:
             if request.grammar is None:
                 self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
@@ -254,6 +259,7 @@ class LLMEngine:
             num_cached_tokens=result.num_cached_tokens,
             num_output_tokens=result.num_output_tokens,
             timings=timings,
+            embedding=result.embedding,
         )
 
     def _failed_alone(self, result: StepResult) -> CoreOutput:

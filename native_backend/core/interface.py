@@ -28,6 +28,11 @@ EngineErrorKind = Literal["invalid", "context_length", "overloaded", "internal"]
 # Every id a tokenizer hands out fits in a signed 32-bit int (what the device kernels index with).
 MAX_TOKEN_ID = 2**31 - 1
 
+# How a pooling request turns its prompt's final hidden states (after the model's last norm, the
+# LM head's input) into one vector: the last token's, or the mean over every token. Either way
+# the vector is L2-normalised, as vLLM's embedding models return it.
+POOLING_TYPES = ("last", "mean")
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -81,6 +86,10 @@ class EngineRequest:
     trace_context: dict[str, str] = field(default_factory=dict)
     # Constrained decoding: the output must match this (a JSON schema, regex, choice, grammar).
     grammar: GrammarSpec | None = None
+    # None: generate. One of POOLING_TYPES: a pooling request (an embedding): its prompt is
+    # prefilled like any other, nothing is sampled, its KV is freed at once, and its one output
+    # carries the pooled vector (RequestOutput.embedding).
+    pooling: str | None = None
 
     def check(self, vocab_size: int) -> None:
         """Refuse (EngineError "invalid") what would fail later inside a batched step, where it
@@ -88,6 +97,8 @@ class EngineRequest:
         bad = next((t for t in self.prompt_token_ids if not (type(t) is int and 0 <= t < vocab_size)), None)
         if bad is not None:
             raise EngineError("invalid", f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise EngineError("invalid", f"pooling: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         try:
             self.sampling.check(vocab_size)
         except ValueError as exc:
@@ -116,6 +127,7 @@ class CoreOutput:
     num_output_tokens: int = 0
     timings: dict[str, float] | None = None  # as RequestOutput.timings
     error: EngineError | None = None  # as RequestOutput.error
+    embedding: list[float] | None = None  # as RequestOutput.embedding
 
     @property
     def finished(self) -> bool:
@@ -140,6 +152,8 @@ class RequestOutput:
     # Set when this request failed alone mid-way (its finish_reason is then "abort"): the engine
     # dropped it and carries on with the others. The client raises it to the consumer.
     error: EngineError | None = None
+    # A pooling request's one output: its L2-normalised pooled hidden state (finish_reason "stop").
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,11 @@ logits with it); `update()` advances the grammar past every appended token.
 
 `update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
 drafts not accepted), registers newly full blocks in the prefix cache, and detects the end of a request.
+
+Pooling requests (embeddings, `Sequence.pooling`) are scheduled like any prompt (chunked, within
+the budget, preemptible) but never sampled and never speculated on: the step that runs their last
+prompt token ends them with the runner's pooled vector and frees their KV. Mean pooling needs
+every token's hidden state, so it never starts from a cached prefix; last-token pooling does.
 """
 
 from __future__ import annotations
@@ -94,6 +99,19 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, *, max_mo
             f"engine's whole cache holds ({cache_slots} tokens).")
 
 
+def check_pooling_fits(num_prompt_tokens: int, *, max_model_len: int, cache_slots: int) -> None:
+    """A pooling request generates nothing: its prompt alone must fit the context and the cache."""
+    if num_prompt_tokens == 0:
+        raise ValueError("The prompt is empty.")
+    if num_prompt_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, the "
+            f"input has {num_prompt_tokens} tokens.")
+    if num_prompt_tokens > cache_slots:
+        raise ContextLengthError(f"The input ({num_prompt_tokens} tokens) needs more KV slots than this engine's "
+                                 f"whole cache holds ({cache_slots} tokens).")
+
+
 def fitted_max_tokens(num_prompt_tokens: int, bound: int, *, max_model_len: int, cache_slots: int) -> int:
     """A default max_tokens (the client named none): the bound, lowered to what the context leaves
     and what the cache holds for this prompt alone; at least 1, so a prompt that leaves nothing
@@ -117,6 +135,7 @@ class StepResult:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
     num_preemptions: int = 0  # times this request was preempted so far
     error: str | None = None  # set when the request failed alone (finish_reason "abort")
+    embedding: list[float] | None = None  # a pooling request's vector, on its one (finished) result
     spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: speculation is off)
 
     @property
@@ -211,6 +230,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         c = self.config
         cache_slots = c.num_blocks * c.block_size
+        if seq.pooling is not None:
+            check_pooling_fits(seq.num_prompt_tokens, max_model_len=c.max_model_len, cache_slots=cache_slots)
+            return
         if seq.sampling.max_tokens_default and seq.sampling.max_tokens is not None:
             seq.sampling = dataclasses.replace(seq.sampling, max_tokens=fitted_max_tokens(
                 seq.num_prompt_tokens, seq.sampling.max_tokens, max_model_len=c.max_model_len, cache_slots=cache_slots))
@@ -292,7 +314,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
-            drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None
+            drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None and seq.pooling is None
             num_slots = self._draft_slots(seq, plan) if drafts else 0
             if self._reserve_blocks(seq, num_new, plan):
                 plan.add(self._make_chunk(seq, num_new, num_slots))
@@ -360,7 +382,7 @@ class Scheduler:
 
     def _try_admit(self, seq: Sequence, token_budget: int) -> ScheduledChunk | None:
         bm = self.block_manager
-        num_cached = bm.get_computed_prefix(seq)
+        num_cached = 0 if seq.pooling == "mean" else bm.get_computed_prefix(seq)  # mean pools every token
         num_new = min(seq.num_tokens - num_cached, token_budget)
         if not bm.can_allocate(seq, num_new, num_cached):
             return None
@@ -380,12 +402,13 @@ class Scheduler:
             token_ids=seq.token_ids(start, end),
             start_pos=start,
             block_table=list(seq.block_table),  # a snapshot: the runner may keep it past update()
-            sample=end == seq.num_tokens,
+            sample=end == seq.num_tokens and seq.pooling is None,
             sampling=seq.sampling,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             num_spec_tokens=num_slots,
             proposer=self.speculation.proposer if num_slots else None,
+            pooling=seq.pooling,
         )
 
     # --- applying the runner's results -----------------------------------------------------
@@ -407,6 +430,8 @@ class Scheduler:
         if error is not None:  # this request's sampling failed: it ends alone
             return self._fail(seq, error)
         seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) + chunk.num_spec_tokens
+        if seq.pooling is not None:
+            return self._apply_pooling(seq, runner)
         sampled = runner.sampled_token_ids.get(seq.request_id, []) if chunk.sample else []
         drafts = runner.drafts.get(seq.request_id, NO_DRAFTS)
         if chunk.sample and (len(sampled) != 1 + drafts.num_accepted or drafts.num_proposed > chunk.num_spec_tokens):
@@ -442,6 +467,20 @@ class Scheduler:
         self._end(seq, "abort")
         return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
                           num_output_tokens=seq.num_output_tokens, error=error)
+
+    def _apply_pooling(self, seq: Sequence, runner: RunnerOutput) -> StepResult | None:
+        """A pooling request ends on the step that ran its last prompt token: its vector, its KV freed."""
+        self.block_manager.cache_full_blocks(seq)  # its prompt's blocks may serve later requests
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None
+        embedding = runner.pooled.get(seq.request_id)
+        if embedding is None:  # without it the request would end with nothing to show
+            raise RuntimeError(f"runner pooled nothing for {seq.request_id}")
+        self.running.remove(seq)
+        self._end(seq, "stop")
+        return StepResult(seq.request_id, [], "stop", num_prompt_tokens=seq.num_prompt_tokens,
+                          num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+                          embedding=embedding)
 
     def _keep_accepted(self, seq: Sequence, num_slots: int, drafts: DraftCounts) -> None:
         """The slots of drafts not accepted (rejected, or never proposed) are rolled back (blocks

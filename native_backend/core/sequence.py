@@ -43,6 +43,9 @@ class Sequence:
     # Output-token limit after resolving sampling.max_tokens against the context window;
     # the scheduler sets it in add().
     max_tokens: int | None = None
+    # A pooling request (core.interface.POOLING_TYPES): prefill only, never sampled, ended with
+    # its pooled vector as soon as the last prompt token has run.
+    pooling: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

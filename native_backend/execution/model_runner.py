@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from native_backend.core.batch import DraftCounts, RunnerOutput, ScheduledChunk, SchedulerOutput, step_tokens
+from native_backend.execution.pooler import Pooler
 from native_backend.execution.sampler import Sampler, SamplingRow
 from native_backend.model.attention.metadata import AttentionMetadata
 from native_backend.model.kv_cache import KVCache
@@ -47,19 +48,24 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
+        self.pooler = Pooler()  # pooling requests (embeddings): their vectors from the hidden states
         model.bind_kv_cache(kv_cache)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
-        """Run one step; return the token(s) sampled for every chunk with `sample=True`.
+        """Run one step; return the token(s) sampled for every chunk with `sample=True`, and the
+        vector of every pooling request whose prompt ended.
         draft_probs: request_id -> q (n, vocab) of a draft model's drafts (absent: one-hot)."""
         self.sampler.forget(sched_out.finished_request_ids)
+        self.pooler.forget(sched_out.finished_request_ids + sched_out.preempted_request_ids)
         output = RunnerOutput()
         if sched_out.is_empty:
             return output
         chunks, draft_probs = sched_out.chunks, draft_probs or {}
         inputs = self.prepare_inputs(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if any(c.pooling is not None for c in chunks):
+            self.pooler.pool(chunks, hidden, output)
         sampling_chunks = [c for c in chunks if c.sample]
         if not sampling_chunks:
             return output

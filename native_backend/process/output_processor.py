@@ -109,6 +109,7 @@ class OutputProcessor:
             num_cached_tokens=out.num_cached_tokens,
             num_output_tokens=out.num_output_tokens,
             timings=timings,
+            embedding=out.embedding,
         )
 
     def _logprobs(self, out: CoreOutput) -> list[TokenLogprobs] | None:

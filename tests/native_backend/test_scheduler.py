@@ -469,3 +469,38 @@ def test_a_default_max_tokens_is_lowered_to_what_the_context_and_cache_leave(mak
     wide.add(long)
     assert long.max_tokens == wide.config.max_model_len - 100
     wide.abort("c")
+
+
+def test_a_pooling_prompt_may_fill_the_context_a_generation_may_not():
+    """Nothing is generated after a pooling prompt: all max_model_len positions are its own."""
+    from native_backend.core.scheduler import ContextLengthError, check_pooling_fits, check_request_fits
+
+    check_pooling_fits(32, max_model_len=32, cache_slots=64)
+    with pytest.raises(ContextLengthError, match="maximum context length is 32 tokens"):
+        check_request_fits(32, None, max_model_len=32, cache_slots=64)
+    with pytest.raises(ContextLengthError, match="the input has 33 tokens"):
+        check_pooling_fits(33, max_model_len=32, cache_slots=64)
+    with pytest.raises(ContextLengthError, match="whole cache holds \\(16 tokens\\)"):
+        check_pooling_fits(20, max_model_len=32, cache_slots=16)
+
+
+def test_a_pooling_request_is_prefilled_in_chunks_never_sampled_or_drafted_and_freed_at_its_end(make_scheduler):
+    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2), propose=lambda seq, k: [2, 6])
+    sched = make_scheduler(speculation=policy, max_num_batched_tokens=8)
+    s = Sequence("e", tokens(17), SamplingParams(), pooling="mean")
+    sched.add(s)
+    starts = []
+    for _ in range(2):  # 8 + 8 tokens: no vector yet
+        out = sched.schedule()
+        (chunk,) = out.chunks
+        assert not chunk.sample and chunk.pooling == "mean" and chunk.num_spec_tokens == 0
+        starts.append(chunk.start_pos)
+        assert sched.update(out, RunnerOutput()) == []
+    out = sched.schedule()  # the last token alone: a "decode" shape, still never drafted
+    assert out.chunks[0].token_ids == tokens(17)[16:] and out.chunks[0].num_spec_tokens == 0
+    with pytest.raises(RuntimeError, match="pooled nothing"):
+        sched.update(out, RunnerOutput())  # a runner that loses the vector is a bug, not a silent end
+    (result,) = sched.update(out, RunnerOutput(pooled={"e": [0.6, 0.8]}))
+    assert starts == [0, 8] and result.embedding == [0.6, 0.8] and result.finish_reason == "stop"
+    assert result.num_prompt_tokens == 17 and result.new_token_ids == []
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == sched.config.num_blocks

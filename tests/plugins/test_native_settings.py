@@ -16,7 +16,7 @@ from kvgate_native.backend import KVEventsSettings, NativeSettings, SpeculativeS
 from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
 NESTED = {"speculative", "kv_events"}  # nested parts, absent unless asked for: their fields are held in step below
@@ -182,3 +182,28 @@ def test_the_gateways_sampling_parameters_reach_the_engine_field_for_field():
                                stop_token_ids=(1,), ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.25,
                                repetition_penalty=1.5, logprobs=2)
     assert dataclasses.asdict(_engine_sampling(GenerationRequest("r", "m", sampling))) == dataclasses.asdict(sampling)
+
+
+@pytest.mark.parametrize("embeddings, declared", [(None, True), ({"pooling": "mean"}, True), ({"enabled": False}, False)])
+def test_embeddings_are_declared_unless_switched_off(embeddings, declared):
+    from kvgate_native.backend import NativeBackend
+
+    settings = NativeSettings(**({"embeddings": embeddings} if embeddings is not None else {}))
+    backend = NativeBackend(settings, name="native-0")
+    try:
+        assert ("embeddings" in backend.capabilities().endpoints) is declared
+        assert {"chat", "completions", "tokenize"} <= backend.capabilities().endpoints
+    finally:
+        backend._tokenize_pool.shutdown()
+
+
+@pytest.mark.parametrize("embeddings, message", [({"pooling": "max"}, "pooling"), ({"normalize": False}, "normalize")])
+def test_check_config_refuses_bad_embedding_settings_naming_them(tmp_path, capsys, embeddings, message):
+    from gateway import cli
+
+    path = tmp_path / "embed.yaml"
+    path.write_text("models:\n  - name: m\n    deployments:\n      - name: d\n        backend: native\n"
+                    f"        settings: {{embeddings: {embeddings}}}\n".replace("'", '"'))
+    code = cli.main(["check-config", str(path)])
+    out = capsys.readouterr()
+    assert code == 1 and f"settings.embeddings.{message}" in out.out + out.err, out.out + out.err

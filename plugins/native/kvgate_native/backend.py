@@ -25,12 +25,13 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import (
-    Capabilities, DetokenizeRequest, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, TokenizeRequest,
-    TokenizeResult, TokenLogprob, TopLogprob, Usage)
+    Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
+    LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
-from gateway.errors import (
-    APIError, BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded, RequestFailed)
+from gateway.errors import BackendError, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
+from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
+from kvgate_native.engine_errors import api_error
 from kvgate_native.tools import HermesParser, tool_grammar, uses_tools, with_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
@@ -52,6 +53,8 @@ ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
                                    features=frozenset({"logprobs", "n", "json_object", "json_schema", "tools"}),
                                    extras=frozenset({"structured_outputs"}))
+EMBEDDING_CAPABILITIES = dataclasses.replace(NATIVE_CAPABILITIES,
+                                             endpoints=NATIVE_CAPABILITIES.endpoints | {"embeddings"})
 
 
 class SpeculativeSettings(BaseModel):
@@ -110,7 +113,7 @@ class KVEventsSettings(BaseModel):
 
 
 # Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings"}
 
 
 class NativeSettings(BaseModel):
@@ -159,6 +162,8 @@ class NativeSettings(BaseModel):
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
                                              description="Watchdog and restarts of the engine process.")
+    embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings,
+                                          description="/v1/embeddings from the model's pooled hidden states.")
 
     @model_validator(mode="after")
     def _valid_for_the_engine(self):
@@ -213,9 +218,9 @@ class NativeBackend:
         """Chat and completions with logprobs and n, structured outputs (response_format
         json_object / json_schema, vLLM's structured_outputs: grammar-constrained sampling in the
         engine), tools (Hermes-style prompt and parser; `required` and named functions enforced by
-        a grammar: kvgate_native/tools.py), and /tokenize with the engine's tokenizer and chat
-        template."""
-        return NATIVE_CAPABILITIES
+        a grammar: kvgate_native/tools.py), /tokenize with the engine's tokenizer and chat
+        template, and /v1/embeddings unless `embeddings.enabled` is false."""
+        return EMBEDDING_CAPABILITIES if self.settings.embeddings.enabled else NATIVE_CAPABILITIES
 
     def _new_client(self, on_exit) -> AsyncEngineClient:
         return AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=self.settings.startup_timeout_s,
@@ -291,9 +296,20 @@ class NativeBackend:
                     event = _token_event(out, want_logprobs, request.continuous_usage)
                     yield event if parser is None else _with_tool_calls(event, parser)
         except EngineError as exc:
-            raise _api_error(exc) from None
+            raise api_error(exc) from None
         except EngineDeadError as exc:
             raise BackendError(f"The engine of deployment '{self.name}' is not running: {exc}") from None
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """/v1/embeddings: each input (tokenized on the tokenizing threads) prefilled by the engine
+        as a pooling request, all of them at once (embeddings.py)."""
+        check_embedding_request(request, self.settings.embeddings, self.name)
+        if not self.supervisor.up:
+            raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize_pool, self._embedding_ids, request.inputs)
+        vectors = await pooled_vectors(self.client, request, ids, self.settings.embeddings.pooling, self.name)
+        return EmbeddingResult(vectors, sum(map(len, ids)))
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         """/tokenize: the ids generation would read (the same template, the same special-token
@@ -369,6 +385,21 @@ class NativeBackend:
         except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
             log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
             raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
+
+    def _embedding_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each embedding input's ids: text tokenized as a completion prompt is, token arrays
+        checked against the vocabulary; a failure is a 400 naming the input (`input[2]`)."""
+        tokenizer = self._ready_tokenizer()
+        ids = []
+        for i, item in enumerate(inputs):
+            try:
+                ids.append(_checked_token_ids(item, tokenizer.vocab_size) if isinstance(item, list)
+                           else tokenizer.encode(item))
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=input_path(i, len(inputs))) from None
+            if not ids[-1]:
+                raise InvalidRequestError("The input has no tokens.", param=input_path(i, len(inputs)))
+        return ids
 
 
 def _local_address(endpoint: str) -> str:
@@ -459,24 +490,6 @@ def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = Fa
         text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=logprobs,
         finish_reason=out.finish_reason, usage=usage, timings=out.timings,
     )
-
-
-def _api_error(exc: EngineError) -> APIError:
-    if exc.kind == "context_length":
-        return ContextLengthExceeded(exc.message, param="max_tokens")
-    if exc.kind == "invalid":
-        return InvalidRequestError(exc.message, param=_named_field(exc.message))
-    if exc.kind == "overloaded":
-        return Overloaded(exc.message, retry_after_s=2)
-    # The engine dropped this request alone and went on: not a fault of the deployment.
-    return RequestFailed(f"The engine could not complete this request: {exc.message}")
-
-
-def _named_field(message: str) -> str | None:
-    """The engine's checks say 'field: problem' (a dotted path for a constraint's parameter,
-    e.g. 'response_format.json_schema.schema')."""
-    head, sep, _ = message.partition(":")
-    return head if sep and head and all(part.isidentifier() for part in head.split(".")) else None
 
 
 def _engine_info(stats: dict) -> dict[str, str]:

@@ -1,0 +1,157 @@
+"""/v1/embeddings from the native engine behind a real gateway, through the real openai client.
+
+The vectors are checked against transformers (`AutoModel`'s final-norm hidden states of the same
+token ids, last-token pooled and L2-normalised; tolerance as in
+tests/native_backend/test_pooling.py), in float and base64, and while a streamed chat
+completion runs on the same engine, which must finish token for token as it does alone.
+"""
+
+import base64
+import os
+import struct
+import threading
+import time
+
+import httpx
+import openai
+import pydoc_data.topics
+import pytest
+import torch
+from transformers import AutoModel
+
+from native_backend.model.loader import default_gguf_path
+from servers import GatewayServer
+
+pytestmark = pytest.mark.timeout(900)
+
+TOLERANCE = 1e-5
+CONFIG = """
+models:
+  - name: smollm2
+    timeouts: {first_token_s: 300}  # a loaded CI machine: prefill is slow, not stuck
+    deployments:
+      - name: native-0
+        backend: native
+        settings:
+          max_num_seqs: 8
+          max_num_batched_tokens: 128
+          kv_cache_bytes: 268435456
+          num_threads: 2
+          embeddings: {pooling: last}
+"""
+TEXTS = ["The capital of France is Paris.", "Paged attention keeps the KV cache in blocks.",
+         " ".join(list(pydoc_data.topics.topics.values())[:2])[:1200]]  # 128-token chunks
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
+    with GatewayServer(CONFIG, ready_timeout=600) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return gw.openai(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    path = default_gguf_path()
+    torch.set_num_threads(2)
+    model = AutoModel.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return model.eval()
+
+
+def token_ids(gw, text: str) -> list[int]:
+    return httpx.post(gw.base_url + "/tokenize", json={"model": "smollm2", "prompt": text}).json()["tokens"]
+
+
+def last_token_reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden[-1], dim=-1)
+
+
+def max_diff(a, b) -> float:
+    return float((torch.as_tensor(a, dtype=torch.float32) - torch.as_tensor(b, dtype=torch.float32)).abs().max())
+
+
+def post(gw, body: dict) -> httpx.Response:
+    return httpx.post(gw.base_url + "/v1/embeddings", json=body, timeout=300)
+
+
+def test_models_card_says_the_model_embeds(gw):
+    card = httpx.get(gw.base_url + "/v1/models").json()["data"][0]
+    assert "embeddings" in card["capabilities"]["endpoints"]
+
+
+def test_float_and_base64_vectors_match_transformers(gw, client, hf_model):
+    floats = client.embeddings.create(model="smollm2", input=TEXTS, encoding_format="float")
+    b64 = client.embeddings.create(model="smollm2", input=TEXTS)  # the client's default: base64, decoded
+    ids = [token_ids(gw, text) for text in TEXTS]
+    assert floats.usage.prompt_tokens == b64.usage.prompt_tokens == sum(map(len, ids))
+    assert floats.model == "smollm2" and [d.index for d in floats.data] == [0, 1, 2]
+    for row, row64, tokens in zip(floats.data, b64.data, ids):
+        assert len(row.embedding) == hf_model.config.hidden_size
+        assert max_diff(row.embedding, row64.embedding) == 0.0  # the same float32 values either way
+        assert max_diff(row.embedding, last_token_reference(hf_model, tokens)) < TOLERANCE
+    raw = post(gw, {"model": "smollm2", "input": TEXTS[0], "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    decoded = struct.unpack(f"<{hf_model.config.hidden_size}f", base64.b64decode(raw))
+    assert max_diff(decoded, floats.data[0].embedding) < TOLERANCE  # alone, not in a batch of three
+
+
+def test_token_arrays_embed_as_their_text_does(gw, client):
+    ids = [token_ids(gw, text) for text in TEXTS[:2]]
+    by_ids = client.embeddings.create(model="smollm2", input=ids, encoding_format="float")
+    by_text = client.embeddings.create(model="smollm2", input=TEXTS[:2], encoding_format="float")
+    one = client.embeddings.create(model="smollm2", input=ids[0], encoding_format="float")  # one token array
+    assert len(one.data) == 1 and one.usage.prompt_tokens == len(ids[0])
+    for a, b in zip(by_ids.data, by_text.data):
+        assert max_diff(a.embedding, b.embedding) < TOLERANCE
+    assert max_diff(one.data[0].embedding, by_text.data[0].embedding) < TOLERANCE
+
+
+def test_embeddings_while_a_streamed_chat_runs_leave_it_unchanged(gw, client):
+    chat = dict(model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+                temperature=0, max_tokens=160, extra_body={"ignore_eos": True})
+    alone = client.chat.completions.create(**chat).choices[0].message.content
+    embedded_alone = client.embeddings.create(model="smollm2", input=TEXTS, encoding_format="float")
+    arrivals, pieces, finish = [], [], []
+
+    def read_stream():
+        for chunk in client.chat.completions.create(**chat, stream=True):
+            arrivals.append(time.monotonic())
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish.append(chunk.choices[0].finish_reason)
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    while len(arrivals) < 5 and reader.is_alive():
+        time.sleep(0.01)
+    started = time.monotonic()
+    embedded = [client.embeddings.create(model="smollm2", input=TEXTS, encoding_format="float") for _ in range(3)]
+    ended = time.monotonic()
+    reader.join(timeout=300)
+    assert any(t < started for t in arrivals) and any(t > ended for t in arrivals), "the stream was not in flight"
+    assert "".join(pieces) == alone and finish[-1] == "length"
+    for out in embedded:
+        for row, row_alone in zip(out.data, embedded_alone.data):
+            assert max_diff(row.embedding, row_alone.embedding) < TOLERANCE
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"input": "hello", "dimensions": 8}, "dimensions", "unsupported_parameter"),
+    ({"input": [[1, 2, 3], [4, 10**7]]}, "input[1]", None),
+    ({"input": ["fine", "word " * 9000]}, "input[1]", "context_length_exceeded"),
+])
+def test_bad_input_is_400_naming_the_path_and_the_engine_serves_on(gw, client, body, param, code):
+    response = post(gw, {"model": "smollm2", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and (code is None or error["code"] == code)
+    deployment = next(d for d in gw.state.registry.deployments() if d.name == "native-0")
+    assert deployment.breaker.consecutive_failures == 0  # the client's mistake, not the engine's
+    assert len(client.embeddings.create(model="smollm2", input="still here").data) == 1
+    assert gw.backend("native-0").client.in_flight == 0  # the failed input's siblings are gone too
