@@ -11,13 +11,11 @@ default config's int4 linears (quantization: gguf) run the same Q4_1 values with
 arithmetic: cosine similarity above INT4_MIN_COSINE.
 """
 
-import os
-
 import pydoc_data.topics
 import pytest
 import torch
-from transformers import AutoModel
 
+from hf_reference import base_model, hidden_states as hf_hidden, max_diff, pooled as reference
 from native_backend.config.engine import EngineConfig
 from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.sampling_params import SamplingParams
@@ -66,26 +64,12 @@ def prompts(token_ids):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    path = default_gguf_path()
-    torch.set_num_threads(2)
-    model = AutoModel.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
-
-
-def hf_hidden(model, ids: list[int]) -> torch.Tensor:
-    """transformers' final-norm hidden states of one prompt, (tokens, hidden)."""
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).last_hidden_state[0]
+    return base_model()
 
 
 @pytest.fixture(scope="module")
 def hidden_states(hf_model, prompts):
     return [hf_hidden(hf_model, p) for p in prompts]
-
-
-def reference(hidden: torch.Tensor, pooling: str) -> torch.Tensor:
-    vector = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
-    return torch.nn.functional.normalize(vector, dim=-1)
 
 
 def run_all(engine, requests) -> dict:
@@ -115,7 +99,7 @@ def test_pooled_vectors_match_transformers_while_generations_run(engine, prompts
         ours = torch.tensor(out.embedding)
         assert ours.shape == (engine.model_config.hidden_size,)
         assert abs(float(ours.norm()) - 1.0) < TOLERANCE
-        diff = float((ours - reference(hidden_states[i], pooling)).abs().max())
+        diff = max_diff(ours, reference(hidden_states[i], pooling))
         assert diff < TOLERANCE, f"{pooling} pooling of {len(prompt)} tokens differs by {diff:g}"
     for rid in ("gen0", "gen1"):  # the generations beside them: token for token as without them
         assert mixed[rid][1] == alone[rid][1]
@@ -129,7 +113,7 @@ def test_last_pooling_reuses_a_cached_prefix_mean_pooling_does_not(engine, promp
         again = run_all(engine, [EngineRequest(f"{pooling}-again", prompt, pooling=pooling)])
         out = again[f"{pooling}-again"][0]
         assert (out.num_cached_tokens > 0) is expect_cached, pooling
-        diff = float((torch.tensor(out.embedding) - reference(hidden, pooling)).abs().max())
+        diff = max_diff(out.embedding, reference(hidden, pooling))
         assert diff < TOLERANCE
 
 
@@ -146,7 +130,7 @@ def test_mean_pooling_preempted_mid_prompt_starts_over_and_is_right(engine_facto
     assert out.timings["preemptions"] >= 1 and small.stats().num_preemptions >= 1
     assert len(done["gen"][1]) == 40
     expected = reference(hf_hidden(hf_model, prompt), "mean")
-    assert float((torch.tensor(out.embedding) - expected).abs().max()) < TOLERANCE
+    assert max_diff(out.embedding, expected) < TOLERANCE
     assert small.scheduler.block_manager.num_free_blocks == small.plan.num_blocks
 
 
@@ -172,5 +156,5 @@ def test_refused_pooling_requests_leave_the_engine_serving(engine, prompts, hidd
         engine.add_request(request_)
     assert info.value.kind == kind
     done = run_all(engine, [EngineRequest("after", prompts[2], pooling="last")])
-    diff = float((torch.tensor(done["after"][0].embedding) - reference(hidden_states[2], "last")).abs().max())
+    diff = max_diff(done["after"][0].embedding, reference(hidden_states[2], "last"))
     assert diff < TOLERANCE

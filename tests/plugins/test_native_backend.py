@@ -367,10 +367,9 @@ def test_tokenize_a_prompt_as_transformers_does(gw):
 
 
 def test_native_declares_no_reasoning_and_says_so(gw):
-    """(Structured outputs and tools it serves: test_native_structured_http.py.)"""
+    """(Structured outputs and tools it serves: test_native_structured_http.py; embeddings:
+    test_native_embeddings.py.)"""
     r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,
                    json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     assert "native-0" in r.json()["error"]["message"]
-    r = httpx.post(gw.base_url + "/v1/embeddings", json={"model": "smollm2", "input": "hi"}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_endpoint"

@@ -7,20 +7,16 @@ completion runs on the same engine, which must finish token for token as it does
 """
 
 import base64
-import os
 import struct
 import threading
 import time
 
 import httpx
-import openai
 import pydoc_data.topics
 import pytest
-import torch
-from transformers import AutoModel
 
-from native_backend.model.loader import default_gguf_path
-from servers import GatewayServer
+from hf_reference import base_model, hidden_states, max_diff, pooled
+from servers import native_gateway
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,8 +41,7 @@ TEXTS = ["The capital of France is Paris.", "Paged attention keeps the KV cache 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    with GatewayServer(CONFIG, ready_timeout=600) as server:
+    with native_gateway(CONFIG, tmp_path_factory) as server:
         yield server
 
 
@@ -57,24 +52,11 @@ def client(gw):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    path = default_gguf_path()
-    torch.set_num_threads(2)
-    model = AutoModel.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+    return base_model()
 
 
 def token_ids(gw, text: str) -> list[int]:
     return httpx.post(gw.base_url + "/tokenize", json={"model": "smollm2", "prompt": text}).json()["tokens"]
-
-
-def last_token_reference(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        hidden = model(torch.tensor([ids])).last_hidden_state[0]
-    return torch.nn.functional.normalize(hidden[-1], dim=-1)
-
-
-def max_diff(a, b) -> float:
-    return float((torch.as_tensor(a, dtype=torch.float32) - torch.as_tensor(b, dtype=torch.float32)).abs().max())
 
 
 def post(gw, body: dict) -> httpx.Response:
@@ -95,7 +77,7 @@ def test_float_and_base64_vectors_match_transformers(gw, client, hf_model):
     for row, row64, tokens in zip(floats.data, b64.data, ids):
         assert len(row.embedding) == hf_model.config.hidden_size
         assert max_diff(row.embedding, row64.embedding) == 0.0  # the same float32 values either way
-        assert max_diff(row.embedding, last_token_reference(hf_model, tokens)) < TOLERANCE
+        assert max_diff(row.embedding, pooled(hidden_states(hf_model, tokens), "last")) < TOLERANCE
     raw = post(gw, {"model": "smollm2", "input": TEXTS[0], "encoding_format": "base64"}).json()["data"][0]["embedding"]
     decoded = struct.unpack(f"<{hf_model.config.hidden_size}f", base64.b64decode(raw))
     assert max_diff(decoded, floats.data[0].embedding) < TOLERANCE  # alone, not in a batch of three

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import socket
 import subprocess
@@ -93,6 +95,15 @@ class GatewayServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def native_gateway(config_yaml: str, tmp_path_factory):
+    """A GatewayServer whose native engines may take minutes to load, their caches (tokenizer,
+    kernels) in a temporary folder unless KVGATE_CACHE_DIR names one."""
+    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
+    with GatewayServer(config_yaml, ready_timeout=600) as server:
+        yield server
 
 
 class AppServer:
