@@ -97,13 +97,13 @@ def test_pooled_vectors_match_transformers_while_generations_run(engine, prompts
         assert out.finish_reason == "stop" and out.error is None and new_tokens == []
         assert out.num_prompt_tokens == len(prompt)
         ours = torch.tensor(out.embedding)
-        assert ours.shape == (engine.model_config.hidden_size,)
+        assert ours.shape == (engine.core.model_config.hidden_size,)
         assert abs(float(ours.norm()) - 1.0) < TOLERANCE
         diff = max_diff(ours, reference(hidden_states[i], pooling))
         assert diff < TOLERANCE, f"{pooling} pooling of {len(prompt)} tokens differs by {diff:g}"
     for rid in ("gen0", "gen1"):  # the generations beside them: token for token as without them
         assert mixed[rid][1] == alone[rid][1]
-    assert engine.scheduler.block_manager.num_free_blocks == engine.plan.num_blocks  # every block back
+    assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks  # every block back
 
 
 def test_last_pooling_reuses_a_cached_prefix_mean_pooling_does_not(engine, prompts, hidden_states):
@@ -121,7 +121,7 @@ def test_mean_pooling_preempted_mid_prompt_starts_over_and_is_right(engine_facto
     # 16 blocks x 16 tokens: a generation holding 7 blocks and growing, and a 180-token prompt
     # (12 blocks) of lower priority that must give its blocks back halfway and prefill again.
     small = engine_factory(kv_cache_bytes=16 * 16 * 46080)
-    assert small.plan.num_blocks == 16
+    assert small.core.plan.num_blocks == 16
     prompt = token_ids[:180]
     generation = EngineRequest("gen", token_ids[200:300], SamplingParams(max_tokens=40, temperature=0.0,
                                                                           ignore_eos=True))
@@ -131,7 +131,7 @@ def test_mean_pooling_preempted_mid_prompt_starts_over_and_is_right(engine_facto
     assert len(done["gen"][1]) == 40
     expected = reference(hf_hidden(hf_model, prompt), "mean")
     assert max_diff(out.embedding, expected) < TOLERANCE
-    assert small.scheduler.block_manager.num_free_blocks == small.plan.num_blocks
+    assert small.core.scheduler.block_manager.num_free_blocks == small.core.plan.num_blocks
 
 
 def test_int4_linears_pool_close_to_the_dequantized_reference(engine_factory, prompts, hidden_states):

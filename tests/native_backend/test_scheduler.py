@@ -485,7 +485,7 @@ def test_a_pooling_prompt_may_fill_the_context_a_generation_may_not():
 
 
 def test_a_pooling_request_is_prefilled_in_chunks_never_sampled_or_drafted_and_freed_at_its_end(make_scheduler):
-    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2), propose=lambda seq, k: [2, 6])
+    policy = SpeculationPolicy(SpeculativeOptions("ngram", num_speculative_tokens=2))
     sched = make_scheduler(speculation=policy, max_num_batched_tokens=8)
     s = Sequence("e", tokens(17), SamplingParams(), pooling="mean")
     sched.add(s)
