@@ -15,7 +15,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from hf_reference import base_model, hidden_states as hf_hidden, max_diff, pooled as reference
+from tests.support.checks.hf_reference import base_model, hidden_states as hf_hidden, max_diff, pooled as reference
 from native_backend.config.engine import EngineConfig
 from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.sampling_params import SamplingParams

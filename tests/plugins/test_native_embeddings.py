@@ -15,8 +15,8 @@ import httpx
 import pydoc_data.topics
 import pytest
 
-from hf_reference import base_model, hidden_states, max_diff, pooled
-from servers import native_gateway
+from tests.support.checks.hf_reference import base_model, hidden_states, max_diff, pooled
+from tests.support.servers.loopback import native_gateway
 
 pytestmark = pytest.mark.timeout(900)
 
