@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from structured_battery import CHOICES, REGEXES, SCHEMAS  # noqa: E402
 
@@ -197,7 +197,7 @@ def run_case(client, case: dict, constrained: bool, seed: int) -> dict:
 
 def validity(args) -> dict:
     import openai
-    from servers import free_port
+    from tests.support.servers.loopback import free_port
     from upstream_overhead import spawn
 
     port = free_port()
