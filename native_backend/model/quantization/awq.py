@@ -29,12 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from native_backend.model.layers.rotary import apply_rope
-from native_backend.model.quantization.rtn import fake_quantize
+from native_backend.model.quantization.rtn import fake_quantize_, fake_quantize_groups
 
 N_GRID = 20  # scale exponents 0, 0.05, .. 0.95 (AutoAWQ's n_grid)
 CLIP_STEPS = 10  # clip max|w| to 1, 0.95, .. 0.55 of itself (max_shrink 0.5 over n_grid 20)
-CLIP_TOKENS = 512  # tokens the clip search samples (AutoAWQ's n_sample_token)
-CLIP_ROWS = 64  # output rows per clip batch (memory: rows x tokens x in floats)
+CLIP_ROWS = 1024  # output rows per clip batch (memory: a few rows x in floats)
 # Tokens (whole sequences) whose output the scale grid's loss compares: 21 forward passes of each
 # linear group per layer over every calibration token cost most of the search on a CPU (AutoAWQ,
 # on a GPU, judges on all of them); the statistics mean|x| still use every token.
@@ -127,9 +126,11 @@ def search_scale(group: ScaleGroup, x: torch.Tensor, group_size: int) -> torch.T
         ratio = i / N_GRID
         s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
+        # The group's weights become Q(w s) in place and its input x / s: the output is
+        # x Q(w s)^T / s as the folded model's, without two more passes over every weight.
         for lin, w0 in zip(group.linears, originals):
-            lin.weight.copy_(fake_quantize(w0 * s, group_size) / s)
-        loss = float((group.judge(x) - reference).pow(2).mean())
+            fake_quantize_(torch.mul(w0, s, out=lin.weight), group_size)
+        loss = float((group.judge(x / s) - reference).pow(2).mean())
         if loss < best_loss:
             best, best_loss = s, loss
     for lin, w0 in zip(group.linears, originals):
@@ -153,29 +154,39 @@ def fold_scale(group: ScaleGroup, s: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------ clipping
 
 
+def group_gram(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(tokens.., in) -> (in/g, g, g): per input group, the mean of x_i x_j over every token."""
+    x = x.reshape(-1, x.shape[-1])
+    xg = x.reshape(x.shape[0], -1, group_size).transpose(0, 1)  # (groups, tokens, g)
+    return torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]
+
+
 def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:
     """(out, in/g, 1) the max|w| per output row and group whose fake-quantized rows, clipped to it,
-    change the output on x (tokens, in) least."""
-    x = x.reshape(-1, x.shape[-1])
-    x = x[:: max(1, x.shape[0] // CLIP_TOKENS)]
+    change the output on x (tokens.., in) least.
+
+    A row's output error from one group is x_g . d over the tokens (d: the group's rounded minus
+    its float weights), and its mean square is d^T G d with G the group's mean x x^T: exact, and
+    costs g^2 a weight instead of a dot product per token, so every token counts (AutoAWQ
+    samples 512 and multiplies them out)."""
+    gram = group_gram(x, group_size)  # (groups, g, g)
     n_groups = w.shape[1] // group_size
-    xg = x.reshape(x.shape[0], n_groups, group_size).transpose(0, 1)  # (groups, tokens, g)
     best_all = []
     for r0 in range(0, w.shape[0], CLIP_ROWS):
-        wb = w[r0:r0 + CLIP_ROWS]
-        rows = wb.shape[0]
-        wg = wb.reshape(rows, n_groups, group_size)
-        org_max = wg.abs().amax(dim=-1, keepdim=True)  # (rows, groups, 1)
-        org_out = torch.bmm(xg, wg.permute(1, 2, 0))  # (groups, tokens, rows): per-group partial outputs
+        wg = w[r0:r0 + CLIP_ROWS].reshape(-1, n_groups, group_size)  # (rows, groups, g)
+        hi, lo = wg.amax(dim=-1), wg.amin(dim=-1)
+        org_max = torch.maximum(hi, -lo)
         best, min_err = org_max.clone(), torch.full_like(org_max, float("inf"))
         for i in range(CLIP_STEPS):
             max_val = org_max * (1 - i / N_GRID)
-            q = fake_quantize(torch.clamp(wg, -max_val, max_val).reshape(rows, -1), group_size)
-            out = torch.bmm(xg, q.reshape(rows, n_groups, group_size).permute(1, 2, 0))
-            err = (out - org_out).pow(2).mean(dim=1).t()[..., None]  # (rows, groups, 1)
+            clipped = torch.clamp(wg, -max_val[..., None], max_val[..., None])
+            # the clipped group's max and min, without a pass over it
+            d = fake_quantize_groups(clipped, hi.clamp(-max_val, max_val), lo.clamp(-max_val, max_val)).sub_(wg)
+            dg = d.transpose(0, 1)  # (groups, rows, g)
+            err = (torch.bmm(dg, gram) * dg).sum(-1).t()  # (rows, groups)
             better = err < min_err
             min_err[better], best[better] = err[better], max_val[better]
-        best_all.append(best)
+        best_all.append(best[..., None])
     return torch.cat(best_all)
 
 
