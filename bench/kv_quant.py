@@ -8,11 +8,18 @@ In one run, for every KV dtype (float32, bfloat16, fp8_e4m3, fp8_e5m2, int8):
   through the stored format), its last STRIDE tokens scored (the first window: all of them);
 - greedy agreement with the float32 cache: 16 prompts x 64 new tokens through the engine,
   how many sequences are identical and the mean share of tokens before the first difference;
+- the chat battery (CHAT_PROMPTS, 36 questions through the model's chat template, none of them
+  in the calibration): greedy answers (up to 48 tokens, stopping at EOS) against the float32
+  cache's (identical answers, same first token, mean share before the first difference), the
+  perplexity of the float32 cache's answers read back through each format (chat text: another
+  kind than the calibration's and pydoc's), the fp8 values clamped (the engine's counters) and
+  the answer to "What is the capital of France?";
 - capacity and speed: the C2 workload of bench/engine_throughput.py (64 requests, prompts of
   64-512 tokens, outputs of 64-256) at a KV budget where float32 preempts (96 MiB): output tokens
   per second (output tokens only) and preemptions, float32 vs fp8_e4m3 vs int8.
 
-fp8 scales come from the engine's calibration pass (stdlib docstrings, not the evaluation text).
+fp8 scales come from the engine's calibration pass (kv_scales.calibration_ids: a few chat
+turns and stdlib docstrings, not the evaluation text).
 
     .venv/bin/python bench/kv_quant.py [--quick] [--threads 2]
 
@@ -37,6 +44,22 @@ sys.path.insert(0, str(ROOT / "bench"))
 DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 CAPACITY_DTYPES = ("float32", "fp8_e4m3", "int8")
 WINDOW, STRIDE, BLOCK = 512, 448, 16  # every scored token sees at least 64 tokens of context
+CHAT_NEW_TOKENS = 48
+CHAT_PROMPTS = (
+    "What is the capital of France?", "What is the capital of Japan?", "Translate 'good morning' into Spanish",
+    "Name three primary colors.", "How many days are in a week?", "What is 12 times 7?",
+    "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
+    "Give me a synonym for 'happy'.", "What is photosynthesis?", "List the planets of the solar system.",
+    "What language is spoken in Brazil?", "Explain what a computer program is in one sentence.",
+    "What is the largest ocean on Earth?", "Suggest a name for a pet cat.", "What do bees make?",
+    "How do I boil an egg?", "What is the opposite of 'cold'?", "Write a short greeting for a birthday card.",
+    "What is the chemical symbol for gold?", "Why is the sky blue?", "Tell me a fun fact about elephants.",
+    "What is the square root of 81?", "Who painted the Mona Lisa?", "What is the freezing point of water in Fahrenheit?",
+    "Describe a rainbow in two sentences.", "What are the three states of matter?", "What is the capital of Italy?",
+    "Recommend a healthy breakfast.", "What does a thermometer measure?", "How many legs does a spider have?",
+    "Summarize the story of Cinderella in one sentence.", "What is the tallest mountain in the world?",
+    "Write a Python function that adds two numbers.", "What is the main ingredient of guacamole?",
+)
 
 
 def held_out_ids(tokenizer, min_tokens: int) -> list[int]:
@@ -103,6 +126,72 @@ def agreement(ours: list[list[int]], base: list[list[int]]) -> dict:
             "mean_share_before_divergence": sum(shares) / len(shares)}
 
 
+def chat_answers(kv_dtype: str, prompts: list[list[int]], threads: int, **overrides) -> dict:
+    """Greedy answers to every prompt (stopping at EOS), the fp8 values the engine clamped meanwhile,
+    and the scales its cache holds (to read the answers back through the same format)."""
+    from native_backend.core.interface import EngineRequest
+    from native_backend.core.sampling_params import SamplingParams
+
+    e = engine(kv_dtype, threads, max_num_seqs=16, **overrides)
+    answers = {f"c{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        e.add_request(EngineRequest(f"c{i}", p, SamplingParams(max_tokens=CHAT_NEW_TOKENS, temperature=0.0)))
+    while e.has_unfinished():
+        for out in e.step():
+            answers[out.request_id].extend(out.new_token_ids)
+    stats = e.stats()
+    layers = e.executor.kv_cache.layers
+    return {"answers": [answers[f"c{i}"] for i in range(len(prompts))],
+            "clamped": [stats.kv_clamped_keys, stats.kv_clamped_values],
+            "scales": [(layer.k_scale, layer.v_scale) for layer in layers] if layers[0].dtype.quantized else None}
+
+
+def answers_perplexity(model, prompts: list[list[int]], answers: list[list[int]], kv_dtype: str, scales) -> float:
+    """exp(mean NLL) of `answers` (the float32 cache's) after their prompts, each conversation one
+    prefill through a `kv_dtype` cache holding `scales`."""
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.kv_scales import apply
+    from native_backend.execution.model_runner import ModelRunner
+    from native_backend.model.kv_cache import KVCache
+
+    nll, count = 0.0, 0
+    for prompt, answer in zip(prompts, answers):
+        ids = prompt + answer
+        blocks = math.ceil(len(ids) / BLOCK)
+        cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=BLOCK, dtype=kv_dtype)
+        if scales is not None:
+            apply(cache, scales)
+        chunk = ScheduledChunk("chat", ids, 0, list(range(1, blocks + 1)), True, SamplingParams(temperature=0.0),
+                               num_logits=len(answer) + 1)
+        logits = ModelRunner(model, cache).compute_logits(SchedulerOutput([chunk]))["chat"]
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        nll -= float(logp.gather(1, torch.tensor(answer)[:, None]).sum())
+        count += len(answer)
+    return math.exp(nll / count)
+
+
+def chat_battery(model, tokenizer, threads: int) -> dict:
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_PROMPTS]
+    runs = {name: chat_answers(name, prompts, threads) for name in DTYPES}
+    base = runs["float32"]["answers"]
+    report = {}
+    for name, run in runs.items():
+        ours = run["answers"]
+        report[name] = {
+            **agreement(ours, base),
+            "same_first_token": sum(a[:1] == b[:1] for a, b in zip(ours, base)),
+            "answers_ppl": answers_perplexity(model, prompts, base, name, run["scales"]),
+            "clamped_k_v": run["clamped"],
+            "capital": tokenizer.decode(ours[0]),
+        }
+        print(f"chat       {name:9s} {report[name]}", flush=True)
+    f32 = report["float32"]["answers_ppl"]
+    for r in report.values():
+        r["answers_ppl_vs_float32_pct"] = 100 * (r["answers_ppl"] / f32 - 1)
+    return report
+
+
 def capacity(kv_dtype: str, workload: dict, kv_bytes: int, threads: int) -> dict:
     from engine_throughput import _kvgate_run, _kvgate_warmup
 
@@ -126,8 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests of the capacity workload")
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES, help="perplexity of these dtypes only")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant.json"))
-    ap.add_argument("--only", nargs="+", choices=("perplexity", "greedy", "capacity"),
-                    default=("perplexity", "greedy", "capacity"),
+    ap.add_argument("--only", nargs="+", choices=("perplexity", "greedy", "chat", "capacity"),
+                    default=("perplexity", "greedy", "chat", "capacity"),
                     help="run these parts; the others keep what --out already holds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -135,7 +224,7 @@ def main(argv=None) -> int:
     from engine_throughput import build_workload
 
     from native_backend.config.cache_dir import tokenizer_cache_dir
-    from native_backend.execution.kv_scales import CALIBRATION_TOKENS, calibrate, calibration_text
+    from native_backend.execution.kv_scales import calibrate, calibration_ids
     from native_backend.model.kv_cache import resolve_kv_dtype
     from native_backend.model.loader import default_gguf_path, load_model
     from native_backend.text.tokenizer import Tokenizer
@@ -144,9 +233,10 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.from_pretrained(path, cache_dir=str(tokenizer_cache_dir()))
     model = load_model(path)
     eval_ids = held_out_ids(tokenizer, 4096 if args.quick else args.eval_tokens)
-    calib = tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS]
+    calib = calibration_ids(tokenizer)
     out = Path(args.out)
-    report = json.loads(out.read_text()) if out.exists() else {"perplexity": {}, "greedy": {}, "capacity": {}}
+    report = {"perplexity": {}, "greedy": {}, "chat": {}, "capacity": {}}
+    report.update(json.loads(out.read_text()) if out.exists() else {})
     report.update({"model": os.path.basename(path), "eval_tokens": len(eval_ids), "window": WINDOW, "stride": STRIDE,
                    "threads": args.threads})
     for name in args.dtypes if "perplexity" in args.only else ():
@@ -170,6 +260,8 @@ def main(argv=None) -> int:
         report["greedy"] = {name: agreement(tokens[name], tokens["float32"]) for name in DTYPES}
         for name in DTYPES:
             print(f"greedy     {name:9s} {report['greedy'][name]}", flush=True)
+    if "chat" in args.only:
+        report["chat"] = chat_battery(model, tokenizer, args.threads)
     if "capacity" in args.only:
         for name in CAPACITY_DTYPES:
             report["capacity"][name] = capacity(name, workload, args.kv_cache_mib << 20, args.threads)
@@ -180,7 +272,7 @@ def main(argv=None) -> int:
     report[f"load_average_{'_'.join(args.only)}"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    if all(report[part] for part in ("perplexity", "greedy", "capacity")):
+    if all(report[part] for part in ("perplexity", "greedy", "chat", "capacity")):
         print_table(report)
     return 0
 
@@ -191,6 +283,12 @@ def print_table(r: dict) -> None:
         p, g = r["perplexity"][name], r["greedy"][name]
         print(f"{name:9s}  {p['ppl']:8.4f} ({p['vs_float32_pct']:+.2f} %)   {g['identical']:2d}/{g['of']}  "
               f"{g['mean_share_before_divergence']:.2f}")
+    print(f"\nKV dtype   chat: identical  same first token  before divergence  answers ppl (vs fp32)  clamped K/V")
+    for name in DTYPES:
+        c = r["chat"][name]
+        print(f"{name:9s}  {c['identical']:2d}/{c['of']}  {c['same_first_token']:2d}/{c['of']}  "
+              f"{c['mean_share_before_divergence']:.2f}  {c['answers_ppl']:.4f} ({c['answers_ppl_vs_float32_pct']:+.2f} %)  "
+              f"{c['clamped_k_v']}  {c['capital']!r}")
     print(f"\nKV dtype   blocks  out tok/s (x fp32)  preemptions")
     for name, c in r["capacity"].items():
         print(f"{name:9s}  {c['kv_blocks']:6d}  {c['out_tok_s']:7.1f} ({c['speed_vs_float32']:.2f}x)  {c['preemptions']:6d}")

@@ -116,7 +116,7 @@ class InProcessExecutor:
 
         mc = self.config.model
         tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
-        return tokenizer.encode(kv_scales.calibration_text())[: min(kv_scales.CALIBRATION_TOKENS, self.max_model_len)]
+        return kv_scales.calibration_ids(tokenizer, min(kv_scales.CALIBRATION_TOKENS, self.max_model_len))
 
     def kv_clamped(self) -> tuple[int, int]:
         """(K, V) values an fp8 cache clamped at its range since start (kv_scales.clamped_totals)."""

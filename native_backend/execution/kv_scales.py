@@ -5,8 +5,11 @@ calibration pass at start; 1.0 only when asked.
 
 Calibration runs the model once over CALIBRATION_TOKENS tokens of built-in text into a temporary
 float cache and reads max|K| and max|V| of each layer back from it (what vLLM's
-`calculate_kv_scales` measures). The text is the docstrings of a few standard-library modules: it
-ships with Python, and it is not `pydoc_data.topics`, the text accuracy is evaluated on.
+`calculate_kv_scales` measures). The text is a few short conversations through the model's chat
+template (its special tokens and role headers are what served prompts start with; on SmolLM2 one
+chat prompt's |V| reaches 1.48x the largest the docstrings alone produce in a layer), then the
+docstrings of a few standard-library modules. Neither is what accuracy is evaluated on
+(`pydoc_data.topics`, and bench/kv_quant.py's battery of chat prompts).
 """
 
 from __future__ import annotations
@@ -24,6 +27,17 @@ from native_backend.model.kv_cache import KVCache, KVCacheDType
 
 log = logging.getLogger("kvgate.engine")
 
+# Conversations (user, assistant) for the chat template's part: none of the evaluation's prompts.
+CALIBRATION_CHATS = (
+    ("Can you explain how a bicycle gear works?",
+     "A bicycle gear changes how far the wheel turns for each turn of the pedals. A larger rear cog makes "
+     "pedalling easier but slower; a smaller one makes it harder but faster."),
+    ("Écris une phrase sur la pluie.", "La pluie tombe doucement sur les toits de la ville endormie."),
+    ("Sort these numbers: 42, 7, 19, 3.", "Sorted in ascending order: 3, 7, 19, 42."),
+    ("Write a JSON object with a name and an age.", '{"name": "Ada", "age": 36}'),
+    ("What should I pack for a weekend hike?",
+     "Water, snacks, a rain jacket, a map, sunscreen, a first-aid kit and sturdy shoes."),
+)
 CALIBRATION_MODULES = ("argparse", "json", "collections", "functools", "typing", "pathlib", "logging", "asyncio")
 CALIBRATION_TOKENS = 512
 # Later tokens may reach beyond what calibration saw; twice the observed range keeps them
@@ -36,6 +50,18 @@ CALIBRATION_BLOCK = 16
 def calibration_text() -> str:
     docs = [importlib.import_module(name).__doc__ or "" for name in CALIBRATION_MODULES]
     return "\n\n".join(d.strip() for d in docs if d.strip())
+
+
+def calibration_ids(tokenizer, limit: int = CALIBRATION_TOKENS) -> list[int]:
+    """The calibration tokens: the conversations through the chat template (when the model has
+    one), then the docstrings, `limit` tokens in all."""
+    ids: list[int] = []
+    if tokenizer.chat_template:
+        for user, assistant in CALIBRATION_CHATS:
+            ids += tokenizer.apply_chat_template([{"role": "user", "content": user},
+                                                  {"role": "assistant", "content": assistant}],
+                                                 add_generation_prompt=False)
+    return (ids + tokenizer.encode(calibration_text()))[:limit]
 
 
 def calibrate(model, token_ids: list[int], kv_dtype: KVCacheDType, device: torch.device) -> list[tuple[float, float]]:

@@ -261,3 +261,23 @@ def test_triton_kernels_match_the_reference_under_interpreter():
 
 if __name__ == "__main__":
     print("\n".join(triton_checks()))
+
+
+def test_fp8_calibration_starts_with_chat_turns_and_holds_no_evaluated_prompt(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from native_backend.execution.kv_scales import CALIBRATION_TOKENS, calibration_ids
+    from native_backend.model.loader import default_gguf_path
+    from native_backend.text.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kv_quant import CHAT_PROMPTS  # the chat battery accuracy is judged on
+
+    tokenizer = Tokenizer.from_pretrained(default_gguf_path(), cache_dir=str(tmp_path))
+    ids = calibration_ids(tokenizer)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert len(ids) == CALIBRATION_TOKENS
+    assert text.startswith("<|im_start|>system") and text.count("<|im_start|>assistant") == 5
+    assert "command-line" in text.lower()  # then the docstrings (argparse first)
+    assert not any(q in text for q in CHAT_PROMPTS)
