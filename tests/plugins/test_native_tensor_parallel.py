@@ -22,7 +22,7 @@ import pytest
 
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.tokenizer import Tokenizer
-from tests.support.servers.loopback import GatewayServer, free_port
+from tests.support.servers.loopback import GatewayServer, listening_url
 from tests.support.checks.stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 from tests.support.checks.tensor_parallel_checks import smollm2_prompts, transformers_greedy
 
@@ -102,14 +102,16 @@ def test_a_dead_or_stopped_worker_fails_the_stream_and_the_engine_comes_back(gw,
 def test_sigterm_of_the_gateway_leaves_no_engine_or_worker_behind(tmp_path):
     config = tmp_path / "kvgate.yaml"
     config.write_text(CONFIG)
-    port = free_port()
     env = {**os.environ, "KVGATE_CACHE_DIR": os.environ.get("KVGATE_CACHE_DIR", str(tmp_path / "cache"))}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=Path(__file__).parents[2], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log_path = tmp_path / "gateway.log"
+    with open(log_path, "wb") as log:  # the child binds port 0 and logs the port it got
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host",
+                                 "127.0.0.1", "--port", "0"], cwd=Path(__file__).parents[2], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: _ready(port) or proc.poll() is not None, 900, "the gateway")
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        base = listening_url(proc, log_path, timeout=900)
+        wait_until(lambda: _ready(base) or proc.poll() is not None, 900, "the gateway")
+        assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert sum("spawn_main" in " ".join(p.cmdline()) for p in descendants) >= 3  # engine + 2 workers
         proc.send_signal(signal.SIGTERM)
@@ -119,11 +121,10 @@ def test_sigterm_of_the_gateway_leaves_no_engine_or_worker_behind(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.stderr.close()
 
 
-def _ready(port: int) -> bool:
+def _ready(base: str) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200
+        return httpx.get(f"{base}/health/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
