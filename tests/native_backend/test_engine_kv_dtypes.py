@@ -71,7 +71,9 @@ def test_preemption_prefix_cache_and_abort_with_a_quantized_cache(make_engine, p
     # The same prompts again: their prefixes come from the cache, the text does not change.
     second = run(engine, prompts, "b")
     assert engine.stats().prefix_cache_hits > stats.prefix_cache_hits
-    assert sum(a == b for a, b in zip(first, second)) >= len(prompts) - 1
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a != b]
+    print(kv_cache_dtype, "prompts whose text changed with a prefix-cache hit:", differ)
+    assert differ == []
     # Close to the float32 cache: the first tokens agree for most prompts.
     agree = sum(q[:6] == f[:6] for q, f in zip(first, float32_tokens))
     assert agree >= MIN_AGREEMENT[kv_cache_dtype], (kv_cache_dtype, agree)
