@@ -93,7 +93,7 @@ def test_fp8_clamps_are_counted_and_calibrated_scales_clamp_no_chat_prompt(make_
     # The calibrated scales (stdlib docstrings and chat turns, 2x headroom) cover every K and V the
     # template's prompts and their answers produce, prefill and decode alike.
     assert (stats.kv_clamped_keys, stats.kv_clamped_values) == (0, 0)
-    layer = engine.executor.kv_cache.layer(3)
+    layer = engine.core.executor.kv_cache.layer(3)
     layer.k_scale /= 1000  # now a layer's largest keys are far beyond the format's range
     # a new question: its prompt's new tokens are written through the (shrunk) scale at prefill
     run(engine, [engine.tokenizer.apply_chat_template([{"role": "user", "content": "Who wrote Hamlet?"}])], "small")
