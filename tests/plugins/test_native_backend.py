@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.servers.loopback import GatewayServer
+from tests.support.servers.loopback import GatewayServer, native_gateway
 from tests.support.checks.stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,8 +37,7 @@ models:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    with GatewayServer(CONFIG, ready_timeout=600) as server:
+    with native_gateway(CONFIG, tmp_path_factory) as server:
         yield server
 
 

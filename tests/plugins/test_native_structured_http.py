@@ -10,7 +10,6 @@ refuses is a 400 naming the parameter, sent while a batch runs, and the batch co
 
 import concurrent.futures
 import json
-import os
 import re
 import time
 
@@ -21,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.support.servers.loopback import GatewayServer
+from tests.support.servers.loopback import native_gateway
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -55,8 +54,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    with GatewayServer(CONFIG, ready_timeout=600) as server:
+    with native_gateway(CONFIG, tmp_path_factory) as server:
         yield server
 
 
