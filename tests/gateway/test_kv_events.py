@@ -67,16 +67,22 @@ def test_what_is_not_a_batch_is_refused(payload):
         decode_batch(payload)
 
 
+def bind_any_port(socket) -> int:
+    """Binds `socket` to a port the system picks and returns it (no port picked, freed and bound
+    later, which another process on the machine could take in between)."""
+    socket.bind("tcp://127.0.0.1:*")
+    return int(socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
 class RawPublisher:
     """A publisher the test drives frame by frame, with an optional replay endpoint serving what
     the test put in `kept`."""
 
     def __init__(self, context: zmq.asyncio.Context, topic: bytes = b"kv"):
-        self.port, self.replay_port = free_port(), free_port()
         self.pub = context.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.port = bind_any_port(self.pub)
         self.router = context.socket(zmq.ROUTER)
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.replay_port = bind_any_port(self.router)
         self.topic = topic
         self.kept: dict[int, bytes] = {}
         self.replays: list[int] = []
