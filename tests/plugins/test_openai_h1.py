@@ -10,6 +10,7 @@ for proxies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import struct
@@ -66,6 +67,18 @@ class Upstream:
                     return
         finally:
             writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(answer, **client_kw):
+    """The scaffold of most tests here: an `Upstream` answering with `answer` and an H1Client
+    (`client(**client_kw)`) that is closed when the test's block ends, passed or failed."""
+    async with Upstream(answer) as up:
+        c = client(**client_kw)
+        try:
+            yield up, c
+        finally:
+            await c.aclose()
 
 
 def _headers(head: bytes) -> dict[str, str]:
@@ -155,8 +168,8 @@ def test_a_corrupt_compressed_answer_breaks_the_stream():
 
 def test_content_length_body_and_the_request_on_the_wire():
     async def main():
-        async with Upstream(fixed(b'{"ok": true}', b"X-Thing: Yes\r\n")) as up:
-            c = client(headers={"content-type": "application/json", "authorization": "Bearer k"})
+        headers = {"content-type": "application/json", "authorization": "Bearer k"}
+        async with serving(fixed(b'{"ok": true}', b"X-Thing: Yes\r\n"), headers=headers) as (up, c):
             response = await c.send("POST", up.url, b'{"a": 1}', {"traceparent": "00-abc-01"})
             assert response.status_code == 200
             assert response.headers.get("X-THING") == "Yes" and response.headers["content-type"] == "application/json"
@@ -168,7 +181,6 @@ def test_content_length_body_and_the_request_on_the_wire():
             assert _headers(head) == {"host": f"127.0.0.1:{up.port}", "content-type": "application/json",
                                       "authorization": "Bearer k", "traceparent": "00-abc-01",
                                       "content-length": "8"}
-            await c.aclose()
     run(main())
 
 
@@ -176,8 +188,7 @@ def test_a_get_goes_out_without_a_body_and_its_connection_is_reused():
     """Metrics scrapes are GETs: no content-length (RFC 9110: none for a request without
     content), and the next request finds the connection in step."""
     async def main():
-        async with Upstream(fixed(b"vllm:num_requests_running 3\n")) as up:
-            c = client()
+        async with serving(fixed(b"vllm:num_requests_running 3\n")) as (up, c):
             for _ in range(2):
                 response = await c.send("GET", up.url, b"", {})
                 assert await read_all(response) == b"vllm:num_requests_running 3\n"
@@ -187,7 +198,6 @@ def test_a_get_goes_out_without_a_body_and_its_connection_is_reused():
             (get, body), _, (post, _) = conn.requests
             assert get.startswith(b"GET /v1/completions HTTP/1.1\r\n") and body == b""
             assert "content-length" not in _headers(get) and _headers(post)["content-length"] == "2"
-            await c.aclose()
     run(main())
 
 
@@ -199,8 +209,7 @@ def test_chunked_body_with_an_extension_and_trailers():
         return True
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             for _ in range(2):  # the second on the same connection: the trailers were consumed
                 assert await fetch(c, up.url) == (200, b"hello world")
             assert len(up.connections) == 1
@@ -208,7 +217,6 @@ def test_chunked_body_with_an_extension_and_trailers():
             await read_all(response)
             assert "x-checksum" not in response.headers  # a trailer is not a header
             await response.aclose()
-            await c.aclose()
     run(main())
 
 
@@ -221,12 +229,10 @@ def test_a_close_delimited_body_ends_at_eof_and_its_connection_is_not_reused():
         return False  # _serve closes the connection
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             assert await fetch(c, up.url) == (200, b"until the end")
             assert await fetch(c, up.url) == (200, b"until the end")
             assert len(up.connections) == 2 and c.open_connections == 0
-            await c.aclose()
     run(main())
 
 
@@ -245,12 +251,10 @@ def test_a_chunked_answer_split_at_every_byte_boundary():
         return True
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             for _ in range(len(wire) - 1):
                 assert await fetch(c, up.url) == (200, b"data: 1\n\ndata: 2\n\n")
             assert len(up.connections) == 1  # every answer was read to its end and reused
-            await c.aclose()
     run(main())
 
 
@@ -265,15 +269,13 @@ def test_interim_answers_are_skipped():
         return True
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             assert response.status_code == 201 and "link" not in response.headers
             assert await read_all(response) == b"ok"
             await response.aclose()
             assert await fetch(c, up.url) == (201, b"ok")
             assert len(up.connections) == 1
-            await c.aclose()
     run(main())
 
 
@@ -309,25 +311,21 @@ def test_sequential_requests_share_one_connection():
 
 def test_idle_connections_expire_even_without_another_request():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client(keepalive_expiry_s=0.1)
+        async with serving(fixed(b"ok"), keepalive_expiry_s=0.1) as (up, c):
             await fetch(c, up.url)
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed by the sweep
             await fetch(c, up.url)
             assert len(up.connections) == 2 and c.reuse_retries == 0
-            await c.aclose()
     run(main())
 
 
 def test_an_expired_connection_is_not_reused_even_before_the_sweep_runs():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client(keepalive_expiry_s=0.1)
+        async with serving(fixed(b"ok"), keepalive_expiry_s=0.1) as (up, c):
             await fetch(c, up.url)
             time.sleep(0.2)  # the loop is blocked: the sweep's timer cannot have fired
             await fetch(c, up.url)
             assert len(up.connections) == 2
-            await c.aclose()
     run(main())
 
 
@@ -341,38 +339,32 @@ def test_bytes_after_the_answer_make_the_connection_unusable():
         return True
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             assert await fetch(c, up.url) == (200, b"ok")
             assert await fetch(c, up.url) == (200, b"ok")
             assert len(up.connections) == 2
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
-            await c.aclose()
     run(main())
 
 
 def test_no_keep_alive_asks_the_upstream_to_close():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client(keepalive_expiry_s=0)
+        async with serving(fixed(b"ok"), keepalive_expiry_s=0) as (up, c):
             for _ in range(3):
                 assert await fetch(c, up.url) == (200, b"ok")
             assert len(up.connections) == 3
             assert all(_headers(conn.requests[0][0])["connection"] == "close" for conn in up.connections)
-            await c.aclose()
     run(main())
 
 
 def test_connection_close_from_the_upstream_is_honoured():
     async def main():
         # The server says `connection: close` but keeps the socket open: we must close it.
-        async with Upstream(fixed(b"ok", b"Connection: close\r\n")) as up:
-            c = client()
+        async with serving(fixed(b"ok", b"Connection: close\r\n")) as (up, c):
             assert await fetch(c, up.url) == (200, b"ok")
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
             assert await fetch(c, up.url) == (200, b"ok")
             assert len(up.connections) == 2
-            await c.aclose()
     run(main())
 
 
@@ -380,12 +372,10 @@ def test_http_1_0_without_keep_alive_is_not_reused():
     answer = raw(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             await fetch(c, up.url)
             await fetch(c, up.url)
             assert len(up.connections) == 2
-            await c.aclose()
     run(main())
 
 
@@ -405,15 +395,13 @@ def _drop_reused(how: str):
 @pytest.mark.parametrize("how", ["fin", "rst"])
 def test_a_request_a_reused_connection_dropped_is_sent_once_more_on_a_new_one(how):
     async def main():
-        async with Upstream(_drop_reused(how)) as up:
-            c = client()
+        async with serving(_drop_reused(how)) as (up, c):
             for _ in range(3):
                 assert await fetch(c, up.url) == (200, b"ok")
             # 1 on A; 2 dropped by A, sent again on B, which serves that one request only (the
             # upstream may be closing its other idle connections too); 3 on a new C.
             assert c.reuse_retries == 1 and len(up.connections) == 3
             assert len(up.connections[1].requests) == 1 and up.connections[1].eof.is_set()
-            await c.aclose()
     run(main())
 
 
@@ -425,13 +413,11 @@ def test_a_new_connection_that_drops_the_request_is_not_retried(how):
         return False
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             with pytest.raises(UpstreamUnreachable):
                 await c.send("POST", up.url, b"", {})
             assert len(up.connections) == 1 and c.reuse_retries == 0
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
@@ -453,8 +439,7 @@ async def _slots_free(c: H1Client) -> bool:
 
 def test_requests_beyond_the_limit_wait_in_order_and_a_cancelled_waiter_takes_no_slot():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client(max_connections=2)
+        async with serving(fixed(b"ok"), max_connections=2) as (up, c):
             held = [await c.send("POST", up.url, b"", {}) for _ in range(2)]
             order = []
 
@@ -482,14 +467,12 @@ def test_requests_beyond_the_limit_wait_in_order_and_a_cancelled_waiter_takes_no
                 await tasks[name].result().aclose()
             assert len(up.connections) == 2  # never more than the limit
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
 def test_a_waiter_handed_a_slot_as_it_is_cancelled_passes_the_slot_on():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client(max_connections=1)
+        async with serving(fixed(b"ok"), max_connections=1) as (up, c):
             held = await c.send("POST", up.url, b"", {})
             first = asyncio.create_task(c.send("POST", up.url, b"", {}))
             second = asyncio.create_task(c.send("POST", up.url, b"", {}))
@@ -503,7 +486,6 @@ def test_a_waiter_handed_a_slot_as_it_is_cancelled_passes_the_slot_on():
             await read_all(response)
             await response.aclose()
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
@@ -538,8 +520,7 @@ def _partial(sent: bytes, promised: int, then: str):
 
 def test_closing_an_answer_before_its_end_closes_the_connection():
     async def main():
-        async with Upstream(_partial(b"part", 1000, "wait")) as up:
-            c = client()
+        async with serving(_partial(b"part", 1000, "wait")) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             chunks = response.aiter_bytes()
             assert await anext(chunks) == b"part"
@@ -548,14 +529,12 @@ def test_closing_an_answer_before_its_end_closes_the_connection():
             with pytest.raises(StreamBroken):
                 await anext(chunks)
             assert await _slots_free(c) and c.open_connections == 0
-            await c.aclose()
     run(main())
 
 
 def test_closing_from_another_task_wakes_the_reader():
     async def main():
-        async with Upstream(_partial(b"part", 1000, "wait")) as up:
-            c = client()
+        async with serving(_partial(b"part", 1000, "wait")) as (up, c):
             response = await c.send("POST", up.url, b"", {})
 
             async def reader():
@@ -566,21 +545,18 @@ def test_closing_from_another_task_wakes_the_reader():
             with pytest.raises(StreamBroken):
                 await asyncio.wait_for(task, 2)
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
-            await c.aclose()
     run(main())
 
 
 @pytest.mark.parametrize("then", ["close", "rst"])
 def test_a_body_cut_short_is_a_broken_stream(then):
     async def main():
-        async with Upstream(_partial(b"part", 1000, then)) as up:
-            c = client()
+        async with serving(_partial(b"part", 1000, then)) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             with pytest.raises(StreamBroken):
                 await read_all(response)
             await response.aclose()
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
@@ -588,14 +564,12 @@ def test_bad_chunked_framing_is_a_broken_stream_and_the_connection_is_not_reused
     answer = raw(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             with pytest.raises(StreamBroken):
                 await read_all(response)
             await response.aclose()
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
-            await c.aclose()
     run(main())
 
 
@@ -603,12 +577,10 @@ def test_a_garbled_status_line_is_unreachable():
     answer = raw(b"SPDY/9 what\r\n\r\n")
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             with pytest.raises(UpstreamUnreachable):
                 await c.send("POST", up.url, b"", {})
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
@@ -623,15 +595,13 @@ def test_the_callers_deadline_ends_a_silent_upstream_and_its_connection_is_not_r
 
     async def main():
         nonlocal up
-        async with Upstream(answer) as up:
-            c = client(max_connections=1)
+        async with serving(answer, max_connections=1) as (up, c):
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.2):
                     await c.send("POST", up.url, b"", {})
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
             assert await fetch(c, up.url) == (200, b"ok")  # the slot came back; a new connection
             assert len(up.connections) == 2
-            await c.aclose()
     up = None
     run(main())
 
@@ -679,25 +649,21 @@ def test_a_connection_that_is_never_accepted_times_out_as_unreachable():
 
 def test_a_response_dropped_without_aclose_gives_its_slot_back():
     async def main():
-        async with Upstream(_partial(b"part", 1000, "wait")) as up:
-            c = client(max_connections=1)
+        async with serving(_partial(b"part", 1000, "wait"), max_connections=1) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             del response
             gc.collect()
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)  # closed: it was not read to its end
             assert await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
 def test_a_host_name_is_resolved_and_sent_in_the_host_header():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client()
+        async with serving(fixed(b"ok")) as (up, c):
             url = up.url.replace("127.0.0.1", "localhost")
             assert await fetch(c, url) == (200, b"ok")
             assert _headers(up.connections[-1].requests[0][0])["host"] == f"localhost:{up.port}"
-            await c.aclose()
     run(main())
 
 
@@ -724,12 +690,10 @@ def test_an_ipv6_literal_is_connected_to_and_bracketed_in_the_host_header():
 
 def test_a_header_that_could_split_the_request_is_refused():
     async def main():
-        async with Upstream(fixed(b"ok")) as up:
-            c = client()
+        async with serving(fixed(b"ok")) as (up, c):
             with pytest.raises(ValueError):
                 await c.send("POST", up.url, b"", {"tracestate": "a\r\nx-injected: 1"})
             assert up.connections == [] and await _slots_free(c)
-            await c.aclose()
     run(main())
 
 
@@ -747,8 +711,7 @@ def test_an_answer_nobody_reads_is_not_buffered_without_bound():
         return True
 
     async def main():
-        async with Upstream(answer) as up:
-            c = client()
+        async with serving(answer) as (up, c):
             response = await c.send("POST", up.url, b"", {})
             conn = response.body._conn
             await eventually(lambda: conn.paused)  # the server writes as fast as we let it
@@ -761,7 +724,6 @@ def test_an_answer_nobody_reads_is_not_buffered_without_bound():
             assert total == size
             await response.aclose()
             assert await fetch(c, up.url, b"") and len(up.connections) == 1  # read to the end: reused
-            await c.aclose()
     run(main())
 
 
