@@ -12,14 +12,13 @@ import contextlib
 import json
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.support.servers.loopback import GatewayServer, listening_url
+from tests.support.servers.loopback import GatewayServer, listening_url, wait_ready
 from tests.support.checks.skips import required
 
 pytestmark = pytest.mark.slow
@@ -62,25 +61,11 @@ def llamacpp_server(mode: str):
             proc = subprocess.Popen(["bash", str(SCRIPT), mode, "0"], stdout=log, stderr=subprocess.STDOUT)
         try:
             base = listening_url(proc, log_path, timeout=120)
-            _wait_for_models(base, proc, log_path)
+            wait_ready(base, proc, timeout=120, path="/v1/models", log_path=log_path)
             yield base
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-
-
-def _wait_for_models(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"llama.cpp server exited: {log_path.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("llama.cpp server did not start")
 
 
 @pytest.fixture(scope="module")

@@ -209,18 +209,27 @@ def listening_url(proc: subprocess.Popen, log_path, timeout: float = 60) -> str:
     raise AssertionError("server did not log that it listens")
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 60, path: str = "/health/ready",
+               log_path=None) -> None:
+    """Until the child server answers 200 on `path`; its exit before that fails with its stderr
+    (or the tail of `log_path`, where its output goes to a file)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read().decode() if proc.stderr else proc.returncode}")
+            raise AssertionError(f"server exited: {_exit_output(proc, log_path)}")
         try:
-            if httpx.get(base_url + "/health/ready", timeout=1).status_code == 200:
+            if httpx.get(base_url + path, timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise AssertionError("server did not become ready")
+    raise AssertionError(f"server did not answer 200 on {path} within {timeout} s")
+
+
+def _exit_output(proc: subprocess.Popen, log_path) -> str:
+    if log_path is not None:
+        return Path(log_path).read_text(errors="replace")[-3000:]
+    return proc.stderr.read().decode() if proc.stderr else str(proc.returncode)
 
 
 def content_length(head: bytes) -> int:
