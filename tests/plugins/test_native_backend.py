@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.servers.loopback import GatewayServer, native_gateway
+from tests.support.servers.loopback import GatewayServer, native_gateway_fixtures
 from tests.support.checks.stream_checks import ends_with_one_error_then_done, ready, stream_lines, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,15 +35,7 @@ models:
 """
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    with native_gateway(CONFIG, tmp_path_factory) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(gw):
-    return gw.openai(timeout=120)
+gw, client = native_gateway_fixtures(CONFIG, client_timeout=120)
 
 
 def ask(client, content, **kw):

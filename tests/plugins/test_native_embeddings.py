@@ -16,7 +16,7 @@ import pydoc_data.topics
 import pytest
 
 from tests.support.checks.hf_reference import base_model, hidden_states, max_diff, pooled
-from tests.support.servers.loopback import native_gateway
+from tests.support.servers.loopback import native_gateway_fixtures
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,15 +39,7 @@ TEXTS = ["The capital of France is Paris.", "Paged attention keeps the KV cache 
          " ".join(list(pydoc_data.topics.topics.values())[:2])[:1200]]  # 128-token chunks
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    with native_gateway(CONFIG, tmp_path_factory) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(gw):
-    return gw.openai(timeout=300)
+gw, client = native_gateway_fixtures(CONFIG, client_timeout=300)
 
 
 @pytest.fixture(scope="module")

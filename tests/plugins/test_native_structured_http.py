@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.support.servers.loopback import native_gateway
+from tests.support.servers.loopback import native_gateway_fixtures
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,15 +52,7 @@ class City(BaseModel):
     population: int
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    with native_gateway(CONFIG, tmp_path_factory) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(gw):
-    return gw.openai(timeout=300)
+gw, client = native_gateway_fixtures(CONFIG, client_timeout=300)
 
 
 def chat(client, content, **kw):

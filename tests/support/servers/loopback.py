@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 
 from gateway.app import build_state, create_app
@@ -104,6 +105,22 @@ def native_gateway(config_yaml: str, tmp_path_factory):
     os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
     with GatewayServer(config_yaml, ready_timeout=600) as server:
         yield server
+
+
+def native_gateway_fixtures(config_yaml: str, client_timeout: float):
+    """A test module's `gw` (a native gateway, one per module) and `client` (the openai client
+    on it) fixtures: `gw, client = native_gateway_fixtures(CONFIG, client_timeout=300)`."""
+
+    @pytest.fixture(scope="module")
+    def gw(tmp_path_factory):
+        with native_gateway(config_yaml, tmp_path_factory) as server:
+            yield server
+
+    @pytest.fixture(scope="module")
+    def client(gw):
+        return gw.openai(timeout=client_timeout)
+
+    return gw, client
 
 
 class AppServer:
