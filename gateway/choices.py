@@ -138,6 +138,7 @@ async def open_choices(registry: ModelRegistry, pool: ModelPool, requests: list[
     opened: list[OpenChoice] = []
     try:
         for index, request in enumerate(requests):
+            await pool.prepare_routing(request)
             opened.append(await opener(registry, pool, index, request, ticket, recorder))
     except BaseException:
         await asyncio.gather(*(c.close() for c in opened))

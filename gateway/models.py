@@ -94,10 +94,18 @@ class ModelPool:
             feed.track([d for d in self.deployments if d.started])
 
     def kv_feeds(self) -> list:
-        """The KV-event feeds of its policies (precise_prefix has one; a disaggregated model's
-        prefill policy its own)."""
-        policies = (self.policy, self.prefill_policy)
-        return [p.kv_feed for p in policies if p is not None and hasattr(p, "kv_feed")]
+        """The KV-event feeds of its policies, each once (precise_prefix has one; a disaggregated
+        model's prefill policy shares it: one subscription per engine)."""
+        feeds = [p.kv_feed for p in (self.policy, self.prefill_policy) if p is not None and hasattr(p, "kv_feed")]
+        return list({id(f): f for f in feeds}.values())
+
+    async def prepare_routing(self, request) -> None:
+        """What the policy computes before it can choose, outside the synchronous `take`
+        (precise_prefix: the prompt's token ids, on threads or from a backend's /tokenize). Its
+        prefill policy, where it has one, shares what this prepares."""
+        prepare = getattr(self.policy, "prepare", None)
+        if prepare is not None:
+            await prepare(request, self.deployments)
 
     def take(self, request, exclude: frozenset[str] = frozenset(), role: str = "decode") -> Deployment | None:
         """Choose a deployment that can take `request` now (and serves what it needs) and claim a
@@ -239,9 +247,16 @@ def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Re
         make_policy = policies.get(model.policy)
     except KeyError as exc:
         raise ValueError(f"models[{index}].policy: {exc.args[0]}") from None
-    prefill_policy = make_policy(dict(model.policy_options)) if model.disaggregated else None
-    return ModelPool(model.name, list(model.aliases), deployments, make_policy(dict(model.policy_options)), model,
-                     groups, prefill_policy)
+    policy = make_policy(dict(model.policy_options))
+    prefill_policy = _prefill_policy(policy, make_policy, model) if model.disaggregated else None
+    return ModelPool(model.name, list(model.aliases), deployments, policy, model, groups, prefill_policy)
+
+
+def _prefill_policy(policy, make_policy, model: ModelConfig):
+    """The prefill hops' own policy instance: its turns and memory of choices apart, but what it
+    may share with the decode hops' (precise_prefix: the KV index and its subscriptions) shared."""
+    sibling = getattr(policy, "sibling", None)
+    return sibling() if sibling is not None else make_policy(dict(model.policy_options))
 
 
 def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> DiscoveryGroup:

@@ -1,8 +1,9 @@
 """`precise_prefix`: route to the deployment that holds the longest run of the prompt's KV blocks.
 
 Engines publish which blocks they cache (gateway.kv_events); one index per model records them
-(gateway.kv_index). For a request, the prompt becomes token ids (a backend's own tokenizer and chat
-template: `prompt_token_ids`), the token ids become the engines' chained block hashes, and each
+(gateway.kv_index). For a request, the prompt becomes token ids before the policy chooses
+(gateway.route_tokens: the engine's own tokenizer in this process, or the backend's /tokenize; chat
+through the same template), the token ids become the engines' chained block hashes, and each
 candidate scores
 
     score(d) = prefix_weight * cached(d) / prompt_tokens  -  load_weight * load_score(d) / weight(d)
@@ -13,10 +14,10 @@ in tokens) and load_score the queue-and-KV score every load-aware policy uses (r
 holding the whole prompt wins until it is a full load unit busier than an empty one: a hot engine
 with the prefix does not get everything. Ties go in turn.
 
-When no candidate's events are live (no publisher declared, nothing heard yet) or the prompt cannot
-be tokenized here, `prefix_affinity` decides instead; it also places a prompt no deployment holds
-any block of, so that requests sharing a new prefix meet on one engine before any has cached it. Routing stays advisory: a wrong guess costs
-a recompute on the chosen engine, never a failed request.
+When no candidate's events are live (no publisher declared, nothing heard yet) or the prompt could
+not be tokenized, `prefix_affinity` decides instead; it also places a prompt no deployment holds
+any block of, so that requests sharing a new prefix meet on one engine before any has cached it.
+Routing stays advisory: a wrong guess costs a recompute on the chosen engine, never a failed request.
 """
 
 from __future__ import annotations
@@ -30,19 +31,24 @@ import zmq.asyncio
 
 from gateway.kv_events import EventStream
 from gateway.kv_index import KVIndex, prefix_block_hashes
+from gateway.route_tokens import PromptTokens
 from gateway.routing import PrefixAffinity, load_score
 
 log = logging.getLogger("kvgate.routing")
 
 MATCHES_KEPT = 4096  # recent choices whose matched prefix a route span may still ask for
-OPTIONS = {"prefix_weight", "load_weight", "max_index_blocks", "max_prompt_chars", "prefix_chars", "max_score"}
+OPTIONS = {"prefix_weight", "load_weight", "max_index_blocks", "max_prompt_chars", "tokenize_timeout_s",
+           "tokenized_prompts_kept", "prefix_chars", "max_score"}
 
 
 class KVFeed:
-    """One model's KV index and the event streams of its deployments that publish them."""
+    """One model's KV index, the event streams of its deployments that publish them, and its
+    recent prompts' token ids: shared by the policies routing the model (a disaggregated model's
+    prefill hops and decode hops), so each engine is subscribed to once."""
 
-    def __init__(self, max_blocks: int):
+    def __init__(self, max_blocks: int, tokens: PromptTokens):
         self.index = KVIndex(max_blocks)
+        self.tokens = tokens
         self.streams: dict[str, EventStream] = {}
         self._incarnations: dict[str, int] = {}
         self._silent: set[str] = set()  # deployments that declare no events source
@@ -75,6 +81,7 @@ class KVFeed:
         return stream is not None and stream.live
 
     async def close(self) -> None:
+        self.tokens.close()
         streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             await stream.close()
@@ -125,19 +132,38 @@ class PrecisePrefix:
         self.load_weight = float(options.get("load_weight", 1.0))
         if self.prefix_weight < 0 or self.load_weight < 0:
             raise ValueError("precise_prefix: prefix_weight and load_weight must be >= 0")
-        self.kv_feed = KVFeed(int(options.get("max_index_blocks", 1_000_000)))
-        # Routing tokenizes on the event loop: a longer prompt (its text) routes by prefix_affinity
-        # rather than stall every stream for the milliseconds its tokenization takes.
         self.max_prompt_chars = int(options.get("max_prompt_chars", 32768))
+        timeout_s = float(options.get("tokenize_timeout_s", 0.25))
+        kept = int(options.get("tokenized_prompts_kept", 1024))
+        if self.max_prompt_chars < 0 or timeout_s <= 0 or kept <= 0:
+            raise ValueError("precise_prefix: max_prompt_chars must be >= 0, tokenize_timeout_s and "
+                             "tokenized_prompts_kept > 0")
+        self.kv_feed = KVFeed(int(options.get("max_index_blocks", 1_000_000)),
+                              PromptTokens(self.max_prompt_chars, timeout_s, kept))
+        self._options = dict(options)
         self._fallback = PrefixAffinity({k: options[k] for k in ("prefix_chars", "max_score") if k in options})
         self._turn = itertools.count()
         # request id -> cached prompt tokens on the deployment chosen for it (for its route span)
         self._matched: OrderedDict[str, int] = OrderedDict()
 
+    def sibling(self) -> "PrecisePrefix":
+        """Another instance with the same options and the same KV feed (index, subscriptions,
+        prompt ids), its own turns and memory of choices: a disaggregated model's prefill hops."""
+        other = PrecisePrefix(self._options)
+        other.kv_feed = self.kv_feed
+        return other
+
+    async def prepare(self, request, deployments) -> None:
+        """Before `choose`: the prompt's token ids, off the event loop or from the backend's
+        /tokenize, when a deployment's events are live (else there is nothing to match them to)."""
+        live = [d for d in deployments if d.started and self.kv_feed.live(d.name)]
+        if live:
+            await self.kv_feed.tokens.prepare(request, live)
+
     def choose(self, request, candidates):
         self.kv_feed.track(candidates)
         live = [d for d in candidates if self.kv_feed.live(d.name)]
-        tokens = _prompt_token_ids(request, live) if live and _text_chars(request) <= self.max_prompt_chars else None
+        tokens = self.kv_feed.tokens.ids(request, live) if live else None
         if not tokens:
             return self._fallback.choose(request, candidates)
         cached = self._cached_tokens(tokens, live)
@@ -176,30 +202,3 @@ class PrecisePrefix:
                 cached[name] = blocks * block_size
         return cached
 
-
-def _text_chars(request) -> int:
-    """How much text tokenizing the request means (token-id prompts: none)."""
-    messages = getattr(request, "messages", None)
-    if messages is not None:
-        return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    prompt = getattr(request, "prompt", None)
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
-def _prompt_token_ids(request, deployments) -> list[int] | None:
-    """The prompt as the engines read it, from the first backend that can tell (chat through its
-    template); None when none can (not a prompt, no tokenizer here, or the text is refused: the
-    backend will say so itself when the request reaches it)."""
-    if getattr(request, "messages", None) is None and getattr(request, "prompt", None) is None:
-        return None
-    for d in deployments:
-        tokenize = getattr(d.backend, "prompt_token_ids", None)
-        if tokenize is None:
-            continue
-        try:
-            ids = tokenize(request)
-        except Exception:  # noqa: BLE001 - advisory: the request's own errors surface in generate
-            return None
-        if ids is not None:
-            return ids
-    return None

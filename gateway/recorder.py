@@ -57,7 +57,8 @@ class RequestRecorder:
                      "kvgate.candidate_scores": [round(s, 4) for s in (scores or {}).values()]}
             if hop is not None:
                 attrs["kvgate.pd.hop"] = hop
-            matched = getattr(pool.policy, "matched_tokens", None)
+            policy = pool.prefill_policy if hop == "prefill" and pool.prefill_policy is not None else pool.policy
+            matched = getattr(policy, "matched_tokens", None)
             tokens = matched(self.request_id) if matched is not None else None
             if tokens is not None:  # precise_prefix: the prompt tokens the index says it holds
                 attrs["kvgate.kv_prefix_matched_tokens"] = tokens

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import zmq
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.backend import GenerationRequest, KVEventsSource, LoadSnapshot, SamplingParams
@@ -280,3 +281,56 @@ def test_through_the_gateway_the_route_span_metrics_and_status_page_show_the_ind
     finally:
         for e in engines:
             e.publisher.close()
+
+
+class CountingPublisher:
+    """A bare PUB socket that counts the subscribers connecting to it (for PublishingEcho)."""
+
+    def __init__(self):
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.port = int(self.pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.monitor = self.pub.get_monitor_socket(zmq.EVENT_ACCEPTED)
+
+    def subscribers_accepted(self, quiet_s: float = 0.5) -> int:
+        """Connections accepted so far, counted once none has come for `quiet_s`."""
+        count = 0
+        while self.monitor.poll(int(quiet_s * 1000)):
+            self.monitor.recv_multipart()
+            count += 1
+        return count
+
+    def close(self) -> None:
+        self.pub.disable_monitor()
+        self.context.destroy(linger=0)
+
+
+DISAGGREGATED = """
+models:
+  - name: m
+    policy: precise_prefix
+    deployments:
+      - {name: p0, backend: kv_echo, role: prefill, settings: {engine: 0}}
+      - {name: d0, backend: kv_echo, role: decode, settings: {engine: 1}}
+      - {name: d1, backend: kv_echo, role: decode, settings: {engine: 2}}
+"""
+
+
+def test_a_disaggregated_models_two_policies_share_one_subscription_per_engine():
+    publishers = [CountingPublisher() for _ in range(3)]
+    try:
+        with GatewayServer(DISAGGREGATED, extra_plugins={"kv_echo": PublishingEchoPlugin(publishers)}) as gw:
+            pool = gw.state.registry.pools[0]
+            decode, prefill = pool.policy, pool.prefill_policy
+            assert prefill is not decode and prefill.kv_feed is decode.kv_feed and pool.kv_feeds() == [decode.kv_feed]
+            deadline = time.monotonic() + 10
+            while not all(s.connected for s in decode.kv_feed.streams.values()) or len(decode.kv_feed.streams) < 3:
+                assert time.monotonic() < deadline, "the gateway did not subscribe"
+                time.sleep(0.05)
+            r = httpx.post(gw.base_url + "/v1/completions", json={"model": "m", "prompt": [1, 2, 3] * 200, "max_tokens": 1})
+            assert r.status_code == 200
+            assert [p.subscribers_accepted() for p in publishers] == [1, 1, 1]
+    finally:
+        for p in publishers:
+            p.close()

@@ -179,14 +179,20 @@ class ScriptedUpstream(AppServer):
 
     async def tokenize(self, request: Request):
         body = await self._body(request)
+        tokens, words = self.token_ids(body)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                             "token_strs": words if body.get("return_token_strs") else None})
+
+    def token_ids(self, body: dict) -> tuple[list[int], list[str]]:
+        """(token ids, their words) of a /tokenize body, or of a chat or completion body (the
+        prompt it computes): one token per word, chat messages' contents joined."""
         text = body["prompt"] if "prompt" in body else " ".join(_text(m.get("content")) for m in body["messages"])
         words = text.split()
         tokens = [self.vocabulary.setdefault(w, len(self.vocabulary) + 1) for w in words]
         if body.get("add_special_tokens", "prompt" in body):
             tokens = [0] + tokens  # a BOS token, as vLLM adds for a prompt by default
             words = ["<s>"] + words
-        return JSONResponse({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
-                             "token_strs": words if body.get("return_token_strs") else None})
+        return tokens, words
 
     async def detokenize(self, request: Request):
         body = await self._body(request)

@@ -1,0 +1,177 @@
+"""The prompt as the engines read it (token ids), for routing by what they cache (precise_prefix).
+
+The policy's `choose` is synchronous (it runs inside `ModelPool.take`), so the prompt is turned
+into token ids before it, in an async step (`PromptTokens.prepare`), never stalling the event loop:
+
+    a token-id prompt                 the ids as sent
+    a tokenizer in this process       backend.prompt_token_ids(request) (native: the engine's
+      (backend.prompt_token_ids)      tokenizer and chat template): inline up to INLINE_CHARS,
+                                      past that on this module's threads
+    a tokenizer behind the backend    backend.tokenize(...): vLLM's POST /tokenize (chat: messages
+      (backend.tokenize: vLLM, SGLang) and tools through the server's own template), within timeout_s
+
+The ids go into a small LRU keyed by a hash of the prompt, where `choose` finds them, as do a
+disaggregated request's prefill hop, the other choices of an n > 1 request and a retried take.
+Any failure (a timeout, an error, an answer that is not token ids) leaves the prompt without ids:
+the policy then routes by approximate affinity. A deployment whose /tokenize failed is not asked
+again for FAILURE_BACKOFF_S, so a server without /tokenize costs one timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+
+from gateway.backend import TokenizeRequest
+from gateway.capabilities import Needs
+
+log = logging.getLogger("kvgate.routing")
+
+# Prompts up to this many characters are tokenized inline, at most ~0.3 ms of the loop's time
+# (bench/route_tokenize.py); a longer one (up to 15-25 ms at max_prompt_chars) goes to a thread.
+INLINE_CHARS = 1024
+THREADS = 2  # tokenizing threads per model: a burst of long prompts queues here, not on the loop
+FAILURE_BACKOFF_S = 30.0
+TOKENIZE = Needs("tokenize")
+
+
+def prompt_key(request) -> bytes | None:
+    """A digest of what tokenizing the request reads (text prompt, or messages with tools);
+    None for a token-id prompt or a request that has no prompt."""
+    messages = getattr(request, "messages", None)
+    prompt = getattr(request, "prompt", None)
+    if messages is not None:
+        material = json.dumps([messages, getattr(request, "tools", None), getattr(request, "tool_choice", None)],
+                              sort_keys=True, default=str)
+    elif isinstance(prompt, str):
+        material = prompt
+    else:
+        return None
+    return hashlib.blake2b(material.encode(), digest_size=16).digest()
+
+
+def text_chars(request) -> int:
+    """How much text tokenizing the request means (token-id prompts: none)."""
+    messages = getattr(request, "messages", None)
+    if messages is not None:
+        return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    prompt = getattr(request, "prompt", None)
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _token_id_prompt(request) -> list[int] | None:
+    prompt = getattr(request, "prompt", None)
+    return prompt if isinstance(prompt, list) and getattr(request, "messages", None) is None else None
+
+
+class PromptTokens:
+    """Recent prompts' token ids (LRU), and the async step that fills it."""
+
+    def __init__(self, max_chars: int, timeout_s: float, kept: int):
+        self.max_chars = max_chars
+        self.timeout_s = timeout_s
+        self.kept = kept
+        self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._backoff: dict[str, float] = {}  # deployment -> monotonic time its /tokenize may be asked again
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self.remote_failures = 0
+
+    def ids(self, request, deployments) -> list[int] | None:
+        """The request's prompt ids if known now: a token-id prompt, a prepared one, or a short one
+        a local tokenizer turns into ids inline; None otherwise."""
+        ids = _token_id_prompt(request)
+        if ids is not None:
+            return self._local_now(request, deployments, ids)
+        key = prompt_key(request)
+        if key is None:
+            return None
+        ids = self._ids.get(key)
+        if ids is not None:
+            self._ids.move_to_end(key)
+            return ids
+        if text_chars(request) <= INLINE_CHARS:
+            ids = self._local_now(request, deployments, None)
+            if ids:
+                self._keep(key, ids)
+        return ids
+
+    async def prepare(self, request, deployments) -> None:
+        """Tokenize the request's prompt (if it has text, is not known yet and is not too long)
+        with the first of `deployments` that can, and keep the ids for `ids`."""
+        key = prompt_key(request)
+        if key is None or key in self._ids or text_chars(request) > self.max_chars:
+            return
+        ids = await self._tokenized(request, deployments, text_chars(request) > INLINE_CHARS)
+        if ids:
+            self._keep(key, ids)
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+
+    def _keep(self, key: bytes, ids: list[int]) -> None:
+        self._ids[key] = ids
+        if len(self._ids) > self.kept:
+            self._ids.popitem(last=False)
+
+    def _local_now(self, request, deployments, default):
+        """backend.prompt_token_ids of the first deployment that has one (inline); `default`
+        when none has, None when it fails (the request's own errors surface in generate)."""
+        local = next((d.backend.prompt_token_ids for d in deployments
+                      if getattr(d.backend, "prompt_token_ids", None) is not None), None)
+        if local is None:
+            return default
+        try:
+            return local(request)
+        except Exception:  # noqa: BLE001 - advisory
+            return None
+
+    async def _tokenized(self, request, deployments, long: bool) -> list[int] | None:
+        local = next((d for d in deployments if getattr(d.backend, "prompt_token_ids", None) is not None), None)
+        if local is not None:
+            if not long:
+                return self._local_now(request, [local], None)
+            return await self._on_thread(local.backend.prompt_token_ids, request)
+        now = time.monotonic()
+        remote = next((d for d in deployments if d.capabilities.serves(TOKENIZE)
+                       and self._backoff.get(d.name, 0.0) <= now), None)
+        return await self._asked(remote, request) if remote is not None else None
+
+    async def _on_thread(self, tokenize, request) -> list[int] | None:
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kvgate-route-tokenize")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, tokenize, request)
+        except Exception:  # noqa: BLE001 - advisory
+            return None
+
+    async def _asked(self, d, request) -> list[int] | None:
+        """The prompt's ids from the deployment's server (/tokenize), or None (and a back-off)."""
+        ask = TokenizeRequest(request_id=f"{request.request_id}-route", model=d.upstream_model,
+                              prompt=request.prompt if request.messages is None else None,
+                              messages=request.messages, tools=request.tools,
+                              trace_context=dict(request.trace_context))
+        try:
+            answer = await asyncio.wait_for(d.backend.tokenize(ask), self.timeout_s)
+            ids = answer.tokens
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise ValueError("the answer is not a list of token ids")
+            return ids
+        except Exception as exc:  # noqa: BLE001 - advisory: any failure routes by affinity
+            self.remote_failures += 1
+            self._backoff[d.name] = time.monotonic() + FAILURE_BACKOFF_S
+            log.warning("precise_prefix: /tokenize on deployment %s failed (%s); routing by prefix affinity "
+                        "without asking it for %g s", d.name, _why(exc), FAILURE_BACKOFF_S)
+            return None
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
