@@ -29,6 +29,7 @@ from collections import OrderedDict
 
 from gateway.backend import TokenizeRequest
 from gateway.capabilities import Needs
+from gateway.disagg import prompt_chars
 
 log = logging.getLogger("kvgate.routing")
 
@@ -53,15 +54,6 @@ def prompt_key(request) -> bytes | None:
     else:
         return None
     return hashlib.blake2b(material.encode(), digest_size=16).digest()
-
-
-def text_chars(request) -> int:
-    """How much text tokenizing the request means (token-id prompts: none)."""
-    messages = getattr(request, "messages", None)
-    if messages is not None:
-        return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    prompt = getattr(request, "prompt", None)
-    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def _token_id_prompt(request) -> list[int] | None:
@@ -94,7 +86,7 @@ class PromptTokens:
         if ids is not None:
             self._ids.move_to_end(key)
             return ids
-        if text_chars(request) <= INLINE_CHARS:
+        if prompt_chars(request) <= INLINE_CHARS:
             ids = self._local_now(request, deployments, None)
             if ids:
                 self._keep(key, ids)
@@ -104,9 +96,12 @@ class PromptTokens:
         """Tokenize the request's prompt (if it has text, is not known yet and is not too long)
         with the first of `deployments` that can, and keep the ids for `ids`."""
         key = prompt_key(request)
-        if key is None or key in self._ids or text_chars(request) > self.max_chars:
+        if key is None or key in self._ids:
             return
-        ids = await self._tokenized(request, deployments, text_chars(request) > INLINE_CHARS)
+        chars = prompt_chars(request)
+        if chars > self.max_chars:
+            return
+        ids = await self._tokenized(request, deployments, chars > INLINE_CHARS)
         if ids:
             self._keep(key, ids)
 
