@@ -45,6 +45,7 @@ VALUE_SETS = {
     "gpu-engines": [CHART / "examples" / "gpu-engines.yaml"],
     "existing-secret": [CHART / "examples" / "existing-secret.yaml"],
     "created-secrets": [HERE / "values" / "created-secrets.yaml"],
+    "disaggregated-vllm": [CHART / "examples" / "disaggregated-vllm.yaml"],
 }
 SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
@@ -182,6 +183,15 @@ BAD_VALUES = [
     (["remoteModels[0].name=v", "remoteModels[0].model=smollm2-135m-instruct", "remoteModels[0].discovery.dns=v",
       "remoteModels[0].discovery.port=80", "remoteModels[0].discovery.ttl=5"], "additional properties 'ttl' not allowed"),
     (["engineDefaults.discoveryRefreshSeconds=0"], "/engineDefaults/discoveryRefreshSeconds"),
+    (["engines[0].name=p", "engines[0].model=smollm2-135m-instruct", "engines[0].role=leader"],
+     "at '/engines/0/role': value must be one of 'colocated', 'prefill', 'decode'"),
+    (["engines[0].name=p", "engines[0].model=smollm2-135m-instruct", "engines[0].role=prefill"],
+     "models[0] (smollm2-135m-instruct): a prefill pool needs a decode pool too"),
+    (["engines[0].name=p", "engines[0].model=smollm2-135m-instruct", "engines[0].role=prefill",
+      "engines[1].name=c", "engines[1].model=smollm2-135m-instruct",
+      "engines[2].name=d", "engines[2].model=smollm2-135m-instruct", "engines[2].role=decode"],
+     "either all colocated or each prefill or decode"),
+    (["models[0].name=m", "models[0].disaggregation.min_prompt_tokens=5"], "additional properties 'min_prompt_tokens'"),
 ]
 
 
@@ -887,3 +897,53 @@ def test_service_monitor_scrapes_with_a_metrics_key_from_the_auth_secret(helm):
     assert "serviceMonitor.secretKey: no secret for it" in refused.stderr
     docs = render(helm, [], ["serviceMonitor.enabled=true"])  # no keys: no credential needed
     assert "authorization" not in find(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]
+
+
+# ------------------------------------------------------------------------------ prefill/decode pools
+
+def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
+    """The disaggregated-vllm example's gateway config served as its pod runs it, in front of two
+    loopback engines that answer as vLLM with the NIXL connector does, each found in its pool's
+    headless-Service DNS name (served by a loopback DNS server): a long prompt is prefilled on
+    the prefill pool's pod and decoded on the decode pool's, which loads the prefill's blocks;
+    a short one goes to the decode pod alone."""
+    import openai
+    from gateway.disagg import PREFILL_PARAMS
+    from tests.support.fakes.vllm_pd import VllmPDEngine
+    from tests.support.servers.dns_server import DnsServer
+    from tests.support.servers.loopback import wait_ready
+
+    docs = rendered("disaggregated-vllm")
+    gateway_cfg = gateway_config(docs)
+    with contextlib.ExitStack() as stack:
+        dns = stack.enter_context(DnsServer())
+        cluster: dict = {}
+        pods = {role: stack.enter_context(VllmPDEngine(f"{role}-pod", cluster)) for role in ("prefill", "decode")}
+        for d in gateway_cfg["models"][0]["deployments"]:
+            pod = pods[d["role"]]
+            dns.set(d["discovery"]["dns"], ["127.0.0.1"])
+            d["discovery"].update(port=int(pod.base_url.rsplit(":", 1)[1]), resolver=dns.address, refresh_s=0.2,
+                                  allowed_cidrs=["127.0.0.0/8"])  # the "pods" are on loopback
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump(gateway_cfg))
+        proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
+        stack.callback(stop, proc)
+        wait_ready(base, proc)
+
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        long_prompt = " ".join(f"word{i}" for i in range(400))  # over the example's 2000 characters
+        stream = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": long_prompt}],
+                                                max_tokens=500, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == long_prompt
+        [prefill] = pods["prefill"].bodies("/v1/chat/completions")
+        assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+        assert prefill["model"] == "Qwen/Qwen2.5-7B-Instruct"
+        [decode] = pods["decode"].bodies("/v1/chat/completions")
+        assert decode["kv_transfer_params"]["remote_engine_id"] == "prefill-pod"
+        assert [engine for engine, _ in pods["decode"].loaded] == ["prefill-pod"]
+
+        short = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "hi there"}])
+        assert short.choices[0].message.content == "hi there"
+        assert len(pods["prefill"].bodies("/v1/chat/completions")) == 1  # no prefill hop for it
+        assert pods["decode"].computed == 1
+

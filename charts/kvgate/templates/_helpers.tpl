@@ -221,7 +221,9 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- if $root.Values.engineAuth.enabled }}{{ $_ := set $settings "api_key_env" "KVGATE_ENGINE_KEY" }}{{ end -}}
 {{- $settings = mergeOverwrite (omit (deepCopy (default (dict) $e.gatewaySettings)) "base_url") $settings -}}
 {{- $discovery := dict "dns" $dns "port" (int $e.port) "path" "/v1" "health_path" "/health/ready" "refresh_s" $e.discoveryRefreshSeconds -}}
-{{- $deps = append $deps (dict "name" $e.name "backend" "openai" "weight" $e.weight "settings" $settings "discovery" $discovery) -}}
+{{- $d := dict "name" $e.name "backend" "openai" "weight" $e.weight "settings" $settings "discovery" $discovery -}}
+{{- if ne $e.role "colocated" }}{{ $_ := set $d "role" $e.role }}{{ end -}}
+{{- $deps = append $deps $d -}}
 {{- end -}}
 {{- end -}}
 {{- range $ri, $r := $root.Values.remoteModels -}}
@@ -234,12 +236,14 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- with $r.discovery }}{{ $_ := set $d "discovery" (include "kvgate.discoveryConfig" . | fromYaml) }}{{ end -}}
 {{- with $r.upstreamModel }}{{ $_ := set $d "upstream_model" . }}{{ end -}}
 {{- with $r.weight }}{{ $_ := set $d "weight" . }}{{ end -}}
+{{- if and $r.role (ne $r.role "colocated") }}{{ $_ := set $d "role" $r.role }}{{ end -}}
 {{- $deps = append $deps $d -}}
 {{- end -}}
 {{- end -}}
 {{- if not $deps -}}
 {{- fail (printf "models[%d] (%s): no deployments; name it in an engines[] or remoteModels[] entry, or list deployments" $mi $m.name) -}}
 {{- end -}}
+{{- include "kvgate.checkRoles" (dict "index" $mi "model" $m.name "deployments" $deps) -}}
 {{- $entry := omit (deepCopy $m) "deployments" -}}
 {{- $_ := set $entry "deployments" $deps -}}
 {{- $models = append $models $entry -}}
@@ -298,6 +302,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $quantization := $e.quantization | default (and (eq (default "default" $e.modelFile) "default") (ne $e.device "cuda") | ternary "gguf" "") -}}
 {{- with $quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
 {{- with $e.speculative }}{{ $_ := set $settings "speculative" (include "kvgate.speculativeSettings" . | fromYaml) }}{{ end -}}
+{{- $settings = mergeOverwrite $settings (include "kvgate.kvTransferSettings" $e | fromYaml) -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $e.port) -}}
@@ -328,4 +333,44 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $out := dict -}}
 {{- range $key, $value := . }}{{ $_ := set $out (get $names $key) $value }}{{ end -}}
 {{- toYaml $out -}}
+{{- end -}}
+
+
+{{/* A model's deployments are all colocated, or prefill and decode pools both (as kvgate's
+check-config says, but at install, not in a gateway pod's crash loop). dict index model deployments */}}
+{{- define "kvgate.checkRoles" -}}
+{{- $roles := dict -}}
+{{- range .deployments }}{{ $_ := set $roles (default "colocated" .role) true }}{{ end -}}
+{{- if and (hasKey $roles "colocated") (or (hasKey $roles "prefill") (hasKey $roles "decode")) -}}
+{{- fail (printf "models[%d] (%s): its deployments are either all colocated or each prefill or decode; set role on every engines[] / remoteModels[] entry of it" .index .model) -}}
+{{- end -}}
+{{- range $have, $need := dict "prefill" "decode" "decode" "prefill" -}}
+{{- if and (hasKey $roles $have) (not (hasKey $roles $need)) -}}
+{{- fail (printf "models[%d] (%s): a %s pool needs a %s pool too (an engines[] or remoteModels[] entry with role: %s)" $.index $.model $have $need $need) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The KV connector settings of a prefill or decode engine group (none when colocated). A
+prefill pod serves its blocks on every interface and tells the decode side its pod IP, which
+only the pod knows: the ConfigMap holds a placeholder that the engine container replaces with
+$KVGATE_POD_IP (the downward API) before it starts (engine-statefulset.yaml). */}}
+{{- define "kvgate.kvTransferSettings" -}}
+{{- if eq .role "prefill" -}}
+kv_role: producer
+kv_transfer_host: 0.0.0.0
+kv_transfer_port: {{ int .kvTransferPort }}
+kv_transfer_advertise_host: {{ include "kvgate.podIpPlaceholder" . }}
+{{- else if eq .role "decode" -}}
+kv_role: consumer
+{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.podIpPlaceholder" -}}__KVGATE_POD_IP__{{- end -}}
+
+{{/* Non-empty when an engines[] group is a prefill pool. */}}
+{{- define "kvgate.anyPrefillEngine" -}}
+{{- range .Values.engines -}}
+{{- if eq (default $.Values.engineDefaults.role .role) "prefill" }}yes{{ end -}}
+{{- end -}}
 {{- end -}}

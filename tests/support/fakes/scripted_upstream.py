@@ -33,7 +33,7 @@ import time
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.support.servers.loopback import AppServer
@@ -64,6 +64,7 @@ class ScriptedUpstream(AppServer):
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
         ])
         super().__init__(app)
 
@@ -198,6 +199,9 @@ class ScriptedUpstream(AppServer):
         body = await self._body(request)
         words = {i: w for w, i in self.vocabulary.items()}
         return JSONResponse({"prompt": " ".join(words.get(t, "<s>" if t == 0 else "?") for t in body["tokens"])})
+
+    async def health(self, request: Request):
+        return Response(status_code=200)  # vLLM's and SGLang's /health: 200, no body
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model",
