@@ -287,6 +287,10 @@ class Backend(Protocol):
     ids: `prompt_token_ids(request) -> list[int] | None` (cheap and synchronous: it runs while
     routing; None or an exception means "cannot tell", and routing falls back).
 
+    Optionally a backend enforces some of `server.limits` itself (the native engine bounds the
+    grammars it compiles): `use_limits(limits: gateway.config.RequestLimits)` is called once,
+    after it is built and before `start`.
+
     Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
     the events that became ready together (one network read of an upstream stream). The gateway
     then reads that instead, and passes each list through its layers once (every layer costs

@@ -48,6 +48,15 @@ class RequestLimits(StrictModel):
     max_extra_fields: int = Field(16, ge=0, description="Most vendor fields (forwarded verbatim to deployments "
                                   "that accept them) in one request.")
     max_extra_bytes: int = Field(65536, gt=0, description="Largest vendor field value, in bytes of JSON.")
+    # Grammars of structured outputs and tool calls, where a backend compiles them itself (native):
+    # a pathological constraint cannot hold its engine. Read when the deployment is built.
+    max_grammar_bytes: int = Field(1_048_576, gt=0, description="Largest output constraint an engine compiles: "
+                                   "a JSON schema, regex, choice list or grammar, or the grammar made from a "
+                                   "request's tools (all of their parameter schemas), in bytes.")
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, description="Seconds a constraint may take to compile; "
+                                             "then its request is a 400 naming the parameter.")
+    grammar_cache_size: int = Field(128, gt=0, description="Compiled constraints an engine keeps (the most "
+                                    "recently used): the same schema again does not compile again.")
     max_embedding_inputs: int = Field(256, gt=0, description="Most inputs in one embeddings request.")
     max_embedding_input_chars: int = Field(65536, gt=0, description="Longest text input of an embeddings or "
                                            "tokenize request, in characters.")

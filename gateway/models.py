@@ -10,7 +10,7 @@ from gateway.admission import PoolAdmission
 from gateway.backend import Backend
 from gateway.breaker import CircuitBreaker
 from gateway.capabilities import DEFAULT_CAPABILITIES, Capabilities, Needs, capabilities_of, unservable
-from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, SaturationConfig
+from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, RequestLimits, SaturationConfig
 from gateway.discovery import DiscoveryGroup
 from gateway.errors import ModelNotFound
 from gateway.plugins import Registry
@@ -162,7 +162,8 @@ class ModelRegistry:
               reuse: dict[tuple, Deployment] | None = None) -> "ModelRegistry":
         """Create (not start) every deployment's backend; bad settings raise ValueError with a
         path. Deployments found in `reuse` (same model, name and config) are kept as they are."""
-        pools = [_build_pool(i, m, backends, policies, reuse or {}) for i, m in enumerate(config.models)]
+        pools = [_build_pool(i, m, backends, policies, reuse or {}, config.server.limits)
+                 for i, m in enumerate(config.models)]
         return cls(pools)
 
     def resolve(self, name: str) -> ModelPool:
@@ -234,15 +235,15 @@ def deployment_key(model: str, d: DeploymentConfig) -> tuple:
 
 
 def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Registry,
-                reuse: dict[tuple, Deployment]) -> ModelPool:
+                reuse: dict[tuple, Deployment], limits: RequestLimits) -> ModelPool:
     deployments, groups = [], []
     for j, d in enumerate(model.deployments):
         where = f"models[{index}].deployments[{j}]"
         kept = reuse.get(deployment_key(model.name, d))
         if d.discovery is None:
-            deployments.append(kept or _build_deployment(where, model, d, backends))
+            deployments.append(kept or _build_deployment(where, model, d, backends, limits))
         else:
-            groups.append(kept or _build_group(where, model, d, backends))
+            groups.append(kept or _build_group(where, model, d, backends, limits))
     try:
         make_policy = policies.get(model.policy)
     except KeyError as exc:
@@ -259,13 +260,14 @@ def _prefill_policy(policy, make_policy, model: ModelConfig):
     return sibling() if sibling is not None else make_policy(dict(model.policy_options))
 
 
-def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> DiscoveryGroup:
+def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry,
+                 limits: RequestLimits) -> DiscoveryGroup:
     """A discovery group whose members are `d` with their own name and base_url. One member is
     built now and dropped, so that bad settings are refused at load time (and by check-config)."""
 
     def make_member(name: str, base_url: str) -> Deployment:
         member = d.model_copy(update={"name": name, "settings": {**d.settings, "base_url": base_url}})
-        return _build_deployment(where, model, member, backends)
+        return _build_deployment(where, model, member, backends, limits)
 
     group = DiscoveryGroup(model.name, d, make_member)
     try:
@@ -279,7 +281,8 @@ def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: 
     return group
 
 
-def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry) -> Deployment:
+def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry,
+                      limits: RequestLimits) -> Deployment:
     try:
         factory = backends.get(d.backend)
     except KeyError as exc:
@@ -288,6 +291,9 @@ def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backe
         backend = factory(dict(d.settings), d.name)
     except ValueError as exc:
         raise ValueError(f"{where}.{exc}") from None
+    use_limits = getattr(backend, "use_limits", None)
+    if use_limits is not None:  # a backend that enforces some of server.limits itself (before start)
+        use_limits(limits)
     try:
         capabilities = capabilities_of(backend)
     except ValueError as exc:

@@ -127,7 +127,19 @@ def check_tools(tools: list[FunctionTool] | None, tool_choice, limits: RequestLi
         names.add(tool.function.name)
         if tool.function.parameters is not None:
             check_schema(tool.function.parameters, f"{where}.function.parameters", limits)
+            _check_object_schema(tool.function.parameters, f"{where}.function.parameters")
     _check_choice(tool_choice, names)
+
+
+def _check_object_schema(parameters: dict, where: str) -> None:
+    """A call's arguments are a JSON object, so `parameters` must allow one (OpenAI refuses
+    `type: "string"` there too). A schema without `type` is taken as it is; an omitted
+    `parameters` means no arguments, `{}`."""
+    kind = parameters.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is not None and "object" not in kinds:
+        raise InvalidRequestError(f"A tool's parameters must be a JSON schema of type 'object' (the arguments are a "
+                                  f"JSON object); got type {_short(fastjson.dumps(kind).decode())}.", param=f"{where}.type")
 
 
 def _check_choice(tool_choice, names: set[str]) -> None:

@@ -7,6 +7,7 @@
       parallel:    ParallelOptions     tensor-parallel size, collective timeout
       speculative: SpeculativeOptions | None
       kv_events:   KVEventsOptions | None   the prefix cache's changes, published as vLLM's KV events
+      grammar:     GrammarOptions      bounds on constrained requests' grammars (the gateway's server.limits)
 
 Each part checks itself once, in `__post_init__`, and raises ValueError naming the field; the
 native plugin's settings are these fields by name (EngineConfig.build; tests/plugins hold the two in step).
@@ -192,6 +193,21 @@ class KVEventsOptions:
         _positive("kv_events", buffer_steps=self.buffer_steps, hwm=self.hwm)
 
 
+@dataclass(frozen=True)
+class GrammarOptions:
+    """Bounds on the grammars of constrained requests (core.grammars), so that a pathological
+    constraint cannot hold the engine. A gateway sets them from its `server.limits`
+    (max_grammar_bytes, grammar_compile_timeout_s, grammar_cache_size); these defaults are theirs."""
+
+    max_bytes: int = 1 << 20  # largest constraint compiled (a schema, regex, grammar, a request's tool grammar)
+    compile_timeout_s: float = 10.0  # a compile still running after this fails its request (a 400)
+    cache_size: int = 128  # compiled grammars kept, most recently used
+
+    def __post_init__(self):
+        _positive("grammar", max_bytes=self.max_bytes, compile_timeout_s=self.compile_timeout_s,
+                  cache_size=self.cache_size)
+
+
 MAX_SPECULATIVE_TOKENS = 7  # 1 + k rows per request: the CPU kernels' short-query path takes up to 8
 
 
@@ -203,6 +219,7 @@ class EngineConfig:
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     speculative: SpeculativeOptions | None = None
     kv_events: KVEventsOptions | None = None
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -214,10 +231,11 @@ class EngineConfig:
         """From flat setting names, each of which belongs to exactly one part (`FIELD_PARTS`);
         an unknown name raises instead of being dropped. `speculative` (a dict or
         SpeculativeOptions) and `kv_events` (a dict or KVEventsOptions) are the nested parts: each
-        is absent unless asked for."""
+        is absent unless asked for. `grammar` (a dict or GrammarOptions) defaults to GrammarOptions()."""
         parts: dict[str, dict] = {name: {} for name in PARTS}
         speculative = settings.pop("speculative", None)
         kv_events = settings.pop("kv_events", None)
+        grammar = settings.pop("grammar", None) or GrammarOptions()
         for key, value in settings.items():
             if key not in FIELD_PARTS:
                 raise TypeError(f"unknown engine setting {key!r}")
@@ -225,7 +243,7 @@ class EngineConfig:
         spec = SpeculativeOptions(**speculative) if isinstance(speculative, dict) else speculative
         events = KVEventsOptions(**kv_events) if isinstance(kv_events, dict) else kv_events
         return cls(**{name: PARTS[name](**values) for name, values in parts.items()}, speculative=spec,
-                   kv_events=events)
+                   kv_events=events, grammar=GrammarOptions(**grammar) if isinstance(grammar, dict) else grammar)
 
 
 PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions}

@@ -148,7 +148,7 @@ class LLMEngine:
         if self._grammars is None:
             make, vocab_size = self._grammar_compiler, self.model_config.vocab_size
             eos = self.eos_token_ids[0] if self.eos_token_ids else None
-            self._grammars = GrammarService(lambda: make(vocab_size, eos))
+            self._grammars = GrammarService(lambda: make(vocab_size, eos), self.config.grammar)
         return self._grammars
 
     def abort(self, request_id: str) -> None:

@@ -21,14 +21,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from native_backend.config.engine import GrammarOptions
 from native_backend.text.grammar import Grammar, GrammarCompiler
 from native_backend.text.grammar_spec import GrammarSpec
-
-# Engine-wide bounds (docs/engine/structured-outputs.md). The gateway bounds a schema's size first
-# (server.limits.max_schema_bytes, max_extra_bytes); this is the engine's own, for direct callers.
-MAX_GRAMMAR_BYTES = 1 << 20
-COMPILE_TIMEOUT_S = 10.0
-CACHE_SIZE = 128  # compiled grammars kept (most recently used)
 
 
 @dataclass
@@ -40,12 +35,13 @@ class GrammarStats:
 
 
 class GrammarService:
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler], *, cache_size: int = CACHE_SIZE,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S, max_bytes: int = MAX_GRAMMAR_BYTES):
-        self.compile_timeout_s = compile_timeout_s
-        self.max_bytes = max_bytes
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], options: GrammarOptions = GrammarOptions()):
+        """`options`: the size limit, compile deadline and cache size (EngineConfig.grammar; a
+        gateway sets them from its server.limits)."""
+        self.compile_timeout_s = options.compile_timeout_s
+        self.max_bytes = options.max_bytes
         self.stats = GrammarStats()
-        self._cache_size = cache_size
+        self._cache_size = options.cache_size
         self._done: OrderedDict[tuple, Grammar] = OrderedDict()  # LRU of compiled grammars
         self._compiling: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()  # the worker thread finishes futures, the step loop reads

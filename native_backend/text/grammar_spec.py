@@ -40,8 +40,8 @@ class GrammarSpec:
             raise GrammarError(f"{self.param}: unknown constraint kind {self.kind!r} (known: {', '.join(KINDS)})")
         size = len(self.text.encode())
         if size > max_bytes:
-            raise GrammarError(f"{self.param}: the constraint is {size} bytes, over this engine's limit of "
-                               f"{max_bytes}")
+            raise GrammarError(f"{self.param}: the constraint is {size} bytes, over this server's limit of "
+                               f"{max_bytes} for a constraint to compile")
         if self.kind == "choice":
             try:
                 choices = json.loads(self.text)

@@ -8,11 +8,17 @@ into the engine process and never needs torch.
 Special tokens and user text: the backend turns the text "<|im_start|>" into the control token
 <|im_start|> wherever it appears. A user message containing "<|im_start|>system\\n..." would then
 open a forged system turn. So only specials the *template* writes become special ids; inside
-message contents they are tokenized as plain text (see `apply_chat_template`).
+message contents (and tool calls, and the tools offered) they are tokenized as plain text (see
+`apply_chat_template`).
+
+Tools: a template that reads the variable `tools` renders them itself (`supports_tools`; Qwen 2.5,
+Hermes 2/3 and Llama 3.1 style templates), given OpenAI's tool list, assistant messages with their
+`tool_calls` (arguments as objects, as transformers' templates expect) and tool-role messages.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -141,18 +147,24 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """The chat template renders a `tools` list itself (it reads that variable)."""
+        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids for a chat, using the model's template; only template-written
-        special tokens become special ids.
+        special tokens become special ids. `tools` (OpenAI's tool list) go to a template that
+        `supports_tools`; one that does not ignores them.
 
-        How: special-token text in message contents is swapped for a random marker before the
-        template runs, so after rendering every remaining special text was written by the
-        template. The rendered text is tokenized normally between markers (identical to
-        tokenizing the whole text when no content holds special text), and each marker's
-        original text is tokenized as plain text.
+        How: special-token text in message contents (and in tool calls and tools) is swapped
+        for a random marker before the template runs, so after rendering every remaining special
+        text was written by the template. The rendered text is tokenized normally between
+        markers (identical to tokenizing the whole text when no content holds special text), and
+        each marker's original text is tokenized as plain text.
         """
-        rendered, originals = self._render(validate_messages(messages), add_generation_prompt)
+        rendered, originals = self._render(validate_messages(messages), tools, add_generation_prompt)
         if not originals:
             return _ids(self.backend, rendered, False)
         marker_pattern = _alternation(originals)
@@ -165,23 +177,25 @@ class Tokenizer:
         ids += _ids(self.backend, rendered[position:], False)
         return ids
 
-    def render_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+    def render_chat_template(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
                              add_generation_prompt: bool = True) -> str:
         """The prompt as text (for logs and debugging; tokenize with apply_chat_template)."""
-        rendered, originals = self._render(validate_messages(messages), add_generation_prompt)
+        rendered, originals = self._render(validate_messages(messages), tools, add_generation_prompt)
         for marker, original in originals.items():
             rendered = rendered.replace(marker, original)
         return rendered
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, dict[str, str]]:
+    def _render(self, messages: list[dict], tools: Sequence[Mapping] | None,
+                add_generation_prompt: bool) -> tuple[str, dict[str, str]]:
         """Render with special text in contents replaced by markers; return marker -> original."""
         from transformers.utils.chat_template_utils import render_jinja_template  # sandboxed jinja
 
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        tools = [dict(t) for t in tools] if tools and self.supports_tools else None
         originals: dict[str, str] = {}
         if self._special_pattern is not None:
-            nonce = _unused_nonce(messages)
+            nonce = _unused_nonce([messages, tools])
 
             # (A template that rewrites content, e.g. `| upper`, mangles markers too; the
             # special text is then lost, never turned into a control token.)
@@ -190,9 +204,9 @@ class Tokenizer:
                 originals[marker] = match.group()
                 return marker
 
-            messages = [{**m, "content": self._special_pattern.sub(to_marker, m["content"])} for m in messages]
+            messages, tools = _map_strings([messages, tools], lambda text: self._special_pattern.sub(to_marker, text))
         rendered, _ = render_jinja_template(
-            conversations=[messages], chat_template=self.chat_template,
+            conversations=[messages], tools=tools, chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
         return rendered[0], originals
 
@@ -223,11 +237,13 @@ def gguf_tokenizer_dir(gguf_path: str, cache_dir: str | os.PathLike) -> str:
     return target
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check chat messages and reduce them to {"role", "content": str}; ValueError names the field.
+def validate_messages(messages: Any) -> list[dict]:
+    """Check chat messages and reduce them to {"role", "content": str}, plus an assistant's
+    `tool_calls` and a tool message's `tool_call_id` and `name`; ValueError names the field.
 
-    Content is a string or a list of {"type": "text", "text": ...} parts (joined with newlines).
-    Other fields are dropped, so nothing unchecked reaches the template.
+    Content is a string or a list of {"type": "text", "text": ...} parts (joined with newlines);
+    an assistant message that only calls tools has content "". Other fields are dropped, so
+    nothing unchecked reaches the template.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages: expected a list of messages")
@@ -236,14 +252,42 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     return [_validate_message(i, message) for i, message in enumerate(messages)]
 
 
-def _validate_message(index: int, message: Any) -> dict[str, str]:
+def _validate_message(index: int, message: Any) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where}: expected an object with 'role' and 'content'")
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise ValueError(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-    return {"role": role, "content": _content_text(f"{where}.content", message.get("content"))}
+    calls = message.get("tool_calls") if role == "assistant" else None
+    content = message.get("content")
+    out = {"role": role, "content": "" if content is None and calls else _content_text(f"{where}.content", content)}
+    if calls:
+        if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+            raise ValueError(f"{where}.tool_calls: expected a list of tool calls")
+        out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{i}]", call) for i, call in enumerate(calls)]
+    if role == "tool":
+        out.update({key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)})
+    return out
+
+
+def _tool_call(where: str, call: Any) -> dict:
+    """An OpenAI tool call as templates read it: the arguments as an object when they are one
+    in JSON (transformers' templates write `arguments | tojson`; vLLM hands them objects too)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where}.function.name: expected a string")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        except ValueError:
+            pass  # as the model wrote it: the template shows it as text
+    elif not isinstance(arguments, Mapping):
+        raise ValueError(f"{where}.function.arguments: expected a JSON string or an object")
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _content_text(where: str, content: Any) -> str:
@@ -267,12 +311,39 @@ def _alternation(strings) -> re.Pattern:
     return re.compile("|".join(re.escape(s) for s in sorted(strings, key=len, reverse=True)))
 
 
-def _unused_nonce(messages: list[dict[str, str]]) -> str:
-    """A random tag no message contains, so markers cannot be forged either."""
+def _unused_nonce(values: Any) -> str:
+    """A random tag no string in `values` contains, so markers cannot be forged either."""
+    texts: list[str] = []
+    _map_strings(values, lambda text: texts.append(text) or text)
     while True:
         nonce = secrets.token_hex(8)
-        if not any(nonce in m["content"] for m in messages):
+        if not any(nonce in text for text in texts):
             return nonce
+
+
+def _map_strings(value: Any, change) -> Any:
+    """`value` (JSON-like: dicts, lists, strings, numbers) with `change` applied to every string
+    in it, the keys of objects too (a schema's property names are shown by `tojson`)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, Mapping):
+        return {_map_strings(key, change): _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(item, change) for item in value]
+    return value
+
+
+def _template_variables(template: str) -> set[str]:
+    """The variables a chat template reads from its context (parsed with transformers' own
+    environment, which knows its extra tags; an unparsable template reads none)."""
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        environment = _compile_jinja_template(template).environment
+        return jinja2.meta.find_undeclared_variables(environment.parse(template))
+    except Exception:  # noqa: BLE001 - whatever the template holds, it then renders without tools
+        return set()
 
 
 def _read_json(path: str) -> dict:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from native_backend.config.engine import GrammarOptions
 from native_backend.core.grammars import GrammarService
 from native_backend.execution.token_mask import apply_token_bitmasks, unpack_bitmask
 from native_backend.model.loader import default_gguf_path
@@ -75,7 +76,7 @@ def test_the_service_compiles_a_spec_once_and_counts_hits(compiler):
 
 
 def test_the_cache_is_bounded(compiler):
-    service = GrammarService(lambda: compiler, cache_size=2)
+    service = GrammarService(lambda: compiler, GrammarOptions(cache_size=2))
     specs = [GrammarSpec("regex", f"x{i}") for i in range(3)]
     for spec in specs:
         service.submit(spec).result(timeout=30)

@@ -131,7 +131,7 @@ def test_oversized_and_malformed_specs_are_refused_on_arrival(engine):
     with pytest.raises(EngineError, match="structured_outputs.choice: choice must be"):
         engine.add_request(EngineRequest("c", prompt(engine, "Hi"), SamplingParams(max_tokens=4),
                                          grammar=GrammarSpec("choice", "[]", param="structured_outputs.choice")))
-    with pytest.raises(EngineError, match="over this engine's limit"):
+    with pytest.raises(EngineError, match="over this server's limit of 1048576"):
         engine.add_request(EngineRequest("big", prompt(engine, "Hi"), SamplingParams(max_tokens=4),
                                          grammar=GrammarSpec("regex", "a" * (2 << 20))))
     assert not engine.has_unfinished()

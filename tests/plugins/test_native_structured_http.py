@@ -4,8 +4,10 @@ SmolLM2 answers under every kind of constraint a client can send: OpenAI's respo
 pydantic model through `chat.completions.parse`, a raw json_schema, json_object) and vLLM's
 structured_outputs (regex, choice, a GBNF grammar). Every output is checked against its
 constraint by an independent judge (`jsonschema`, Python's `re`), sampled at temperature 1 with
-seeds, so the mask, not the model's good manners, makes it valid. A constraint the grammar library
-refuses is a 400 naming the parameter, sent while a batch runs, and the batch completes.
+seeds, so the mask, not the model's good manners, makes it valid. Bad input (a constraint the
+grammar library refuses, one over server.limits.max_grammar_bytes, a tool_choice naming no tool,
+a tool whose parameters are no object schema) is a 400 naming the path, sent while a batch runs,
+and the batch completes. /tokenize counts a chat's tools as its generation does.
 """
 
 import concurrent.futures
@@ -25,6 +27,8 @@ from tests.support.servers.loopback import native_gateway_fixtures
 pytestmark = pytest.mark.timeout(900)
 
 CONFIG = """
+server:
+  limits: {max_grammar_bytes: 4096}
 models:
   - name: smollm2
     deployments:
@@ -139,8 +143,25 @@ def test_completions_endpoint_is_constrained_too(client):
     assert re.fullmatch("[0-9]{4}", out.choices[0].text)
 
 
+def tool(name: str, description: str = "", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             **({"parameters": parameters} if parameters is not None else {})}}
+
+
+# Each under every gateway size limit, over the engine's 4096 bytes of grammar (the tools': their
+# parameter schemas together).
+BIG_GRAMMAR = "root ::= " + " | ".join(f'"word{i}"' for i in range(500))
+MANY_TOOLS = [tool(f"t{i}", parameters={"type": "object", "description": "x" * 2500}) for i in range(2)]
 BAD = [
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": BIG_GRAMMAR}}, "structured_outputs.grammar"),
+    ({"tools": MANY_TOOLS, "tool_choice": "required"}, "tools"),
+    ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name"),
+    ({"tools": [tool("f", parameters={"type": "strin"})]}, "tools[0].function.parameters.type"),
+    ({"tools": [tool("f", parameters={"type": "string"})]}, "tools[0].function.parameters.type"),
+    ({"tools": [tool("f", parameters={"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}})],
+      "tool_choice": "required"}, "tools"),  # the library refuses the pattern
     ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
@@ -265,3 +286,15 @@ def test_a_tool_round_trip(client):
     out = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], tool_choice="none",
                                          seed=5, **SAMPLED)
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+def test_tokenize_counts_the_tools_as_the_generation_does(gw, client):
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+    def count(**extra):
+        r = httpx.post(gw.base_url + "/tokenize", json={"model": "smollm2", "messages": messages, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    out = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=1)
+    assert count(tools=TOOLS) == out.usage.prompt_tokens > count() + 100  # the Hermes prompt lists the tools

@@ -213,6 +213,8 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["city"]}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
      "tools[0].function.parameters.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters.type"),  # valid JSON Schema, but the arguments are an object
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"minLength": -1}}}}}]},
      "tools[0].function.parameters.properties.a.minLength"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {

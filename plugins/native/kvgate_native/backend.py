@@ -32,10 +32,11 @@ from gateway.errors import BackendError, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
 from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
 from kvgate_native.engine_errors import api_error
-from kvgate_native.tools import HermesParser, tool_grammar, uses_tools, with_tools
+from kvgate_native.tools import HermesParser, chat_prompt_ids, tool_grammar, uses_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.cache_dir import tokenizer_cache_dir
-from native_backend.config.engine import SPECULATIVE_METHODS, EngineConfig, KVEventsOptions, SpeculativeOptions
+from native_backend.config.engine import (
+    SPECULATIVE_METHODS, EngineConfig, GrammarOptions, KVEventsOptions, SpeculativeOptions)
 from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES
 from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
 from native_backend.core.sampling_params import SamplingParams as EngineSampling
@@ -222,6 +223,13 @@ class NativeBackend:
         template, and /v1/embeddings unless `embeddings.enabled` is false."""
         return EMBEDDING_CAPABILITIES if self.settings.embeddings.enabled else NATIVE_CAPABILITIES
 
+    def use_limits(self, limits) -> None:
+        """The gateway's server.limits (gateway.config.RequestLimits), before start: the engine
+        bounds the grammars of constrained requests with them (size, compile time, cache)."""
+        grammar = GrammarOptions(max_bytes=limits.max_grammar_bytes, compile_timeout_s=limits.grammar_compile_timeout_s,
+                                 cache_size=limits.grammar_cache_size)
+        self.config = dataclasses.replace(self.config, grammar=grammar)
+
     def _new_client(self, on_exit) -> AsyncEngineClient:
         return AsyncEngineClient(ENGINE_FACTORY, (self.config,), startup_timeout_s=self.settings.startup_timeout_s,
                                  watchdog_s=self.settings.supervision.watchdog_s, on_exit=on_exit,
@@ -324,8 +332,9 @@ class NativeBackend:
         tokenizer = self._ready_tokenizer()
         chat = request.messages is not None
         try:
-            if chat:
-                ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=request.add_generation_prompt)
+            if chat:  # the tools counted as a chat request with tool_choice auto counts them
+                ids = chat_prompt_ids(tokenizer, request.messages, request.tools, "auto",
+                                      add_generation_prompt=request.add_generation_prompt)
                 if request.add_special_tokens and tokenizer.bos_token_id is not None:
                     ids = [tokenizer.bos_token_id] + ids  # on top of the template's, as vLLM does
             else:
@@ -376,7 +385,7 @@ class NativeBackend:
         param = "messages" if request.messages is not None else "prompt"
         try:
             if request.messages is not None:
-                return tokenizer.apply_chat_template(with_tools(request.messages, request.tools, request.tool_choice))
+                return chat_prompt_ids(tokenizer, request.messages, request.tools, request.tool_choice)
             if isinstance(request.prompt, list):
                 return _checked_token_ids(request.prompt, tokenizer.vocab_size)
             return tokenizer.encode(request.prompt or "")

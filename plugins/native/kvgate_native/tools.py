@@ -1,7 +1,9 @@
 """Tool calling on the native engine, Hermes style (NousResearch's format, vLLM's `hermes` parser).
 
-    request tools ──> a system prompt listing them (SmolLM2's template has no tools of its own)
-    conversation  ──> assistant tool_calls as <tool_call>{"name", "arguments"}</tool_call> text,
+    request tools ──> the model's own chat template, when it renders tools (Qwen 2.5, Hermes style:
+                      `Tokenizer.supports_tools`), given the tools, the calls and the tool messages;
+                      otherwise (SmolLM2) a system prompt listing them, and the conversation as text:
+                      assistant tool_calls as <tool_call>{"name", "arguments"}</tool_call>,
                       tool results as <tool_response>...</tool_response>
     tool_choice   ──> "required" / a named function: a grammar (Lark with the tools' parameter schemas)
                       makes the output one call (or several, with parallel_tool_calls) that parses;
@@ -34,6 +36,18 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 def uses_tools(tools: list[dict] | None, tool_choice) -> bool:
     return bool(tools) and tool_choice != "none"
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None, tool_choice,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """A chat's prompt token ids with its tools (text.tokenizer.Tokenizer): generation and
+    /tokenize both count them this way. The template's own tool rendering when it has one, else
+    the Hermes system prompt; tool_choice "none" offers no tools."""
+    if tokenizer.supports_tools:
+        offered = tools if uses_tools(tools, tool_choice) else None
+        return tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(with_tools(messages, tools, tool_choice),
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def with_tools(messages: list[dict], tools: list[dict] | None, tool_choice) -> list[dict]:
