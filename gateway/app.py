@@ -146,6 +146,28 @@ async def admin_reload(request: Request) -> JSONResponse:
     return JSONResponse({"reloaded": True, "message": message})
 
 
+async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
+    """vLLM's POST /reset_prefix_cache for the deployments of `?model=` (default: every model)
+    whose backend has a prefix cache to reset (native): each engine forgets its cached prefixes
+    and tells its KV-event subscribers (AllBlocksCleared), so precise_prefix's index drops them."""
+    registry = request.app.state.kvgate.registry
+    model = request.query_params.get("model")
+    pools = [registry.resolve(model)] if model is not None else registry.pools
+    answer: dict[str, list[str]] = {"reset": [], "unavailable": [], "not_supported": []}
+    for d in (d for pool in pools for d in pool.deployments):
+        reset = getattr(d.backend, "reset_prefix_cache", None)
+        if reset is None:
+            answer["not_supported"].append(d.name)
+            continue
+        try:
+            await reset()
+        except APIError:
+            answer["unavailable"].append(d.name)
+        else:
+            answer["reset"].append(d.name)
+    return JSONResponse(answer)
+
+
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -181,6 +203,7 @@ ROUTES = [
     Route("/health/live", health_live, methods=["GET"]),
     Route("/health/ready", health_ready, methods=["GET"]),
     Route("/admin/reload", admin_reload, methods=["POST"]),
+    Route("/admin/reset_prefix_cache", admin_reset_prefix_cache, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),
     Route("/", lambda request: RedirectResponse("/status"), methods=["GET"]),

@@ -253,6 +253,9 @@ def _kv_index_metrics(registry):
                                   "max_index_blocks.", labels=["model"])
     held = GaugeMetricFamily("kvgate_kv_index_deployment_blocks", "KV blocks the index says a deployment holds.",
                              labels=["model", "deployment"])
+    tokenize_failures = CounterMetricFamily("kvgate_kv_route_tokenize_failures", "Prompts a backend's /tokenize "
+                                            "did not turn into ids in time for routing (routed by affinity).",
+                                            labels=["model"])
     counters = {name: CounterMetricFamily(f"kvgate_kv_events_{name}", doc, labels=["model", "deployment"])
                 for name, doc in KV_EVENT_COUNTERS.items()}
     for pool in registry.pools:
@@ -261,11 +264,12 @@ def _kv_index_metrics(registry):
             continue
         size.add_metric([pool.name], len(feed.index))
         evicted.add_metric([pool.name], feed.index.evicted)
+        tokenize_failures.add_metric([pool.name], feed.tokens.remote_failures)
         for name, stream in feed.streams.items():
             held.add_metric([pool.name, name], feed.index.blocks_of(name))
             for field, family in counters.items():
                 family.add_metric([pool.name, name], getattr(stream.stats, field))
-    yield from (size, evicted, held, *counters.values())
+    yield from (size, evicted, held, tokenize_failures, *counters.values())
 
 
 CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_gpu_blocks")  # vLLM's names for them

@@ -241,6 +241,20 @@ class BlockManager:
         self._hash_to_block[block_hash] = block_id
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache, for an operator or a cold-start
+        benchmark): no later request reuses KV computed before. Blocks that running sequences hold
+        keep their KV for them, unhashed (they return to the free list when released); cached
+        free blocks become plain free blocks. Subscribers are told AllBlocksCleared, which
+        supersedes the changes not yet taken."""
+        for block_id in self._hash_to_block.values():
+            self.blocks[block_id].block_hash = None
+        self._hash_to_block.clear()
+        self._free_ids.extend(self._evictable)
+        self._evictable.clear()
+        if self._kv_events is not None:
+            self._kv_events = [AllBlocksCleared()]
+
     # --- KV events (what a router's index learns; process.kv_publisher sends them) -----------
 
     def take_kv_events(self) -> list[KVEvent]:

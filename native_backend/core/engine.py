@@ -170,6 +170,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._awaiting)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix now (running requests keep their own KV) and publish
+        AllBlocksCleared, so routers drop what they knew this engine held."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[CoreOutput]:

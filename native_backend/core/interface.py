@@ -192,5 +192,8 @@ class EngineCoreProtocol(Protocol):
     def has_unfinished(self) -> bool:
         """Whether step() has work to do."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (its KV-event subscribers are told AllBlocksCleared)."""
+
     def stats(self) -> EngineStats:
         """A small, picklable snapshot of load (queue lengths, KV usage, ...) for routing."""

@@ -216,6 +216,12 @@ class AsyncEngineClient:
         if self._alive:
             self._send((Msg.ABORT, request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Have the engine forget every cached prefix (between two steps; running requests keep
+        their KV) and publish AllBlocksCleared on its KV-event stream."""
+        self._check_accepting()
+        self._send((Msg.RESET_PREFIX_CACHE,))
+
     def _check_accepting(self) -> None:
         if self._alive and self._ready is not None and self._ready.done():
             return

@@ -60,6 +60,9 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         """One core step; each request's new tokens as a text delta."""
         return [self._to_output_or_error(out) for out in self.core.step() if out.request_id in self._texts]

@@ -19,7 +19,7 @@ class Msg(enum.Enum):
     """What crosses the pipes. Each message is a tuple whose first item is one of these.
 
     parent -> engine (sent in lists, so a burst costs one pipe write):
-        (ADD, EngineRequest) | (ABORT, request_id) | (SHUTDOWN,)
+        (ADD, EngineRequest) | (ABORT, request_id) | (RESET_PREFIX_CACHE,) | (SHUTDOWN,)
     engine -> parent:
         (READY, EngineStats, description) | (STARTUP_FAILED, summary, traceback)
         | (OUTPUTS, [RequestOutput, ...]) | (ERROR, request_id, EngineError)
@@ -28,6 +28,7 @@ class Msg(enum.Enum):
 
     ADD = enum.auto()
     ABORT = enum.auto()
+    RESET_PREFIX_CACHE = enum.auto()
     SHUTDOWN = enum.auto()
     READY = enum.auto()
     STARTUP_FAILED = enum.auto()

@@ -155,6 +155,19 @@ def test_a_restarted_or_departed_engine_is_forgotten():
     with_engines(scenario)
 
 
+def test_an_engines_prefix_cache_reset_empties_its_entries():
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A)
+        engines[1].serve(SYSTEM_A)
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d1") == 8)
+        engines[1].blocks.reset_prefix_cache()
+        engines[1].publisher.publish(engines[1].blocks.take_kv_events())  # AllBlocksCleared
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d1") == 0)
+        assert policy.kv_feed.index.blocks_of("d0") == 8 and policy.kv_feed.live("d1")
+        assert policy.choose(request(SYSTEM_A + [1] * 4, "after-reset"), ds).name == "d0"
+    with_engines(scenario)
+
+
 def test_routing_goes_on_when_a_publisher_disappears():
     async def scenario(policy, ds, engines):
         engines[0].serve(SYSTEM_A)
@@ -331,6 +344,29 @@ def test_a_disaggregated_models_two_policies_share_one_subscription_per_engine()
             r = httpx.post(gw.base_url + "/v1/completions", json={"model": "m", "prompt": [1, 2, 3] * 200, "max_tokens": 1})
             assert r.status_code == 200
             assert [p.subscribers_accepted() for p in publishers] == [1, 1, 1]
+            views = {d["name"]: d for d in httpx.get(gw.base_url + "/status.json").json()["models"][0]["deployments"]}
+            assert views["p0"]["kv_index"] == {"blocks": 0, "live": False}  # the prefill engine is shown too
+            assert 'kvgate_kv_events_batches_total{deployment="p0",model="m"} 0.0' in httpx.get(gw.base_url + "/metrics").text
     finally:
         for p in publishers:
             p.close()
+
+
+def test_the_reset_route_names_what_it_reset_and_refuses_an_unknown_model(monkeypatch):
+    """The native engines' side is tests/plugins/test_native_kv_routing.py; here backends without a
+    prefix cache to reset, and the route's refusals."""
+    monkeypatch.setenv("KVGATE_TEST_RESET_ADMIN", "admin-key-for-the-reset")
+    admin = {"authorization": "Bearer admin-key-for-the-reset"}
+    engines = [Engine(), Engine()]
+    try:
+        with GatewayServer("auth: {admin_key_env: KVGATE_TEST_RESET_ADMIN}\n" + GATEWAY,
+                           extra_plugins={"kv_echo": PublishingEchoPlugin(engines)}) as gw:
+            url = gw.base_url + "/admin/reset_prefix_cache"
+            assert httpx.post(url).status_code == 401
+            r = httpx.post(url, params={"model": "nope"}, headers=admin)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = httpx.post(url, params={"model": "m"}, headers=admin)
+            assert r.json() == {"reset": [], "unavailable": [], "not_supported": ["d0", "d1"]}
+    finally:
+        for e in engines:
+            e.publisher.close()

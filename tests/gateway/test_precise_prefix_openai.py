@@ -181,6 +181,8 @@ def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at
             failures = policy.kv_feed.tokens.remote_failures
             chat(gw, "and another one", system="another system prompt entirely")
             assert policy.kv_feed.tokens.remote_failures <= failures + 1  # each deployment backs off
+            metrics = httpx.get(gw.base_url + "/metrics").text
+            assert f'kvgate_kv_route_tokenize_failures_total{{model="m"}} {float(policy.kv_feed.tokens.remote_failures)}' in metrics
     finally:
         for up in upstreams:
             up.tokenize_delay_s = 0.0

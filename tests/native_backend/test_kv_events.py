@@ -104,6 +104,24 @@ def test_evictions_are_reported_as_removed():
     assert stored.block_hashes == tuple(recipe_hashes([50 + t for t in range(9)], 4, "0"))
 
 
+def test_a_prefix_cache_reset_forgets_every_prefix_and_says_all_blocks_cleared():
+    bm = BlockManager(num_blocks=8, block_size=4, record_kv_events=True)
+    done, running = Sequence("a", list(range(9))), Sequence("b", [50 + t for t in range(9)])
+    compute_all(bm, done)
+    bm.free(done)  # cached, free
+    compute_all(bm, running)  # cached, in use
+    bm.take_kv_events()
+    bm.reset_prefix_cache()
+    assert bm.take_kv_events() == [AllBlocksCleared()]
+    assert bm.get_computed_prefix(Sequence("a2", list(range(9)))) == 0
+    assert bm.get_computed_prefix(Sequence("b2", [50 + t for t in range(9)])) == 0
+    assert bm.num_free_blocks == 8 - len(running.block_table) and bm.num_cached_free_blocks == 0
+    bm.free(running)  # its blocks, unhashed now, return as plain free blocks
+    assert bm.num_free_blocks == 8 and bm.num_cached_free_blocks == 0
+    compute_all(bm, Sequence("c", list(range(9))))  # cached anew, and announced anew
+    assert [e.block_hashes for e in bm.take_kv_events()] == [tuple(recipe_hashes(list(range(9)), 4, "0"))]
+
+
 def test_nothing_is_kept_when_not_recording():
     bm = BlockManager(num_blocks=8, block_size=4)
     compute_all(bm, Sequence("a", list(range(9))))

@@ -19,6 +19,9 @@ from tests.support.servers.loopback import GatewayServer
 pytestmark = pytest.mark.timeout(900)  # two engines load the real model
 
 
+ADMIN_ENV, ADMIN_KEY = "KVGATE_TEST_KV_ROUTING_ADMIN", "admin-key-for-kv-routing"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,6 +36,7 @@ def config() -> str:
                    kv_events: {{endpoint: "tcp://*:{free_port()}", replay_endpoint: "tcp://*:{free_port()}"}}}}"""
                       for i in range(2))
     return f"""
+auth: {{admin_key_env: {ADMIN_ENV}}}
 models:
   - name: smollm2
     policy: precise_prefix
@@ -51,8 +55,9 @@ def route_of(exporter) -> dict:
     return dict(next(s for s in exporter.get_finished_spans() if s.name == "kvgate.route").attributes)
 
 
-def test_a_conversations_next_turn_goes_where_its_history_is_cached(tmp_path):
+def test_a_conversations_next_turn_goes_where_its_history_is_cached_until_the_caches_are_reset(tmp_path, monkeypatch):
     os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path / "kvgate-cache"))
+    monkeypatch.setenv(ADMIN_ENV, ADMIN_KEY)
     exporter = InMemorySpanExporter()
     system = "Answer briefly. Reference: " + " ".join(topics["for"].split())[:1200]
     with GatewayServer(config(), ready_timeout=600, span_exporter=exporter) as gw:
@@ -77,3 +82,16 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(tmp_path):
         assert second_route["kvgate.deployment"] == home
         assert second_route["kvgate.kv_prefix_matched_tokens"] >= 16 * 16
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 16
+
+        # An operator resets the engines' prefix caches: each says AllBlocksCleared, the index
+        # drops their blocks, and the same prompt is computed afresh.
+        reset = httpx.post(gw.base_url + "/admin/reset_prefix_cache", params={"model": "smollm2"},
+                           headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        assert reset.status_code == 200 and sorted(reset.json()["reset"]) == ["native-0", "native-1"]
+        deadline = time.monotonic() + 30
+        while any(feed.index.blocks_of(name) for name in feed.streams):
+            assert time.monotonic() < deadline, "the reset did not reach the index"
+            time.sleep(0.05)
+        again, again_route = turn()  # the second turn's prompt once more
+        assert (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+        assert again_route.get("kvgate.kv_prefix_matched_tokens", 0) == 0

@@ -353,6 +353,16 @@ class NativeBackend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, lambda: tokenizer.decode(ids, skip_special_tokens=False))
 
+    async def reset_prefix_cache(self) -> None:
+        """The engine forgets every cached prefix (POST /admin/reset_prefix_cache) and says so
+        on its KV-event stream (AllBlocksCleared)."""
+        if not self.supervisor.up:
+            raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
+        try:
+            self.client.reset_prefix_cache()
+        except EngineDeadError as exc:
+            raise BackendError(f"The engine of deployment '{self.name}' is not running: {exc}") from None
+
     def kv_events_source(self) -> KVEventsSource | None:
         """Where this deployment's engine publishes its KV events, as the gateway reaches it (a
         wildcard bind address becomes loopback: the engine runs on this machine)."""
