@@ -205,6 +205,8 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         return JSONResponse({}, status_code=CLIENT_CLOSED)
     if parsed.translation is not None:
         body = parsed.translation.whole(shape, body, states)
+    elif disagg.trusted(recorder.key) and (params := disagg.answered_params(choices)) is not None:
+        body["kv_transfer_params"] = params  # a prefill hop's answer, for the gateway that sent it
     return FastJSONResponse(body)
 
 
@@ -233,7 +235,7 @@ async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None
 
 def _parse_and_route(request: Request, state, key: ApiKey | None, parse, body, limits):
     """The request parsed and checked, its pool and its SLA class; an APIError (a 4xx) if not."""
-    parsed: ParsedRequest = parse(body, limits)
+    parsed: ParsedRequest = disagg.engine_hop(parse(body, limits), key, body)
     pool = _resolve_pool(state, key, parsed.model)
     if parsed.translation is not None:  # passed through where a deployment serves the API itself
         parsed = parsed.translation.routed(parsed, pool.declared())

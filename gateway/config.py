@@ -314,9 +314,11 @@ class ApiKeyConfig(StrictModel):
         "own default class (sla_class, else default_sla_class): a key opts in to the others. Another class "
         "is refused with 403, never lowered silently.")
     requests_per_minute: int | None = Field(None, gt=0)
-    scopes: list[Literal["metrics"]] = Field(
+    scopes: list[Literal["metrics", "kv_transfer"]] = Field(
         default_factory=list, description="metrics: may also read /metrics, /status and /status.json for "
-        "every model (a monitoring key); other keys see only their models there, and no /metrics.")
+        "every model (a monitoring key); other keys see only their models there, and no /metrics. "
+        "kv_transfer: its requests' kv_transfer_params reach the backend and the answer's come back (the key "
+        "of a gateway whose prefill/decode hops this server's engine serves); everyone else's are dropped.")
     tokens_per_minute: int | None = Field(None, gt=0, description="Prompt + completion tokens.")
     max_concurrency: int | None = Field(None, gt=0, description="Requests in flight at once.")
 

@@ -35,6 +35,7 @@ log = logging.getLogger("kvgate.disagg")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 NOT_ON_PREFILL = ("min_tokens", "min_completion_tokens")  # they would run it past its one token
+TRANSFER_SCOPE = "kv_transfer"  # a key scope: the caller is a gateway that drives P/D through this one
 
 
 def opener(pool: ModelPool):
@@ -118,6 +119,29 @@ async def _prefill_on(pool: ModelPool, deployment: Deployment, index: int, hop: 
         await choice.close()  # its slot, and its span
     recorder.metrics.pd_hop_seconds.labels(recorder.model, "prefill").observe(time.monotonic() - started)
     return choice.last_event
+
+
+def engine_hop(parsed, key, body):
+    """`parsed` (the parse dropped its transfer fields) carrying the body's `kv_transfer_params`
+    again when the caller's key has the `kv_transfer` scope: a gateway in front of this one (a
+    Kubernetes engine pod's) sending one of its hops. They go to the backend as the gateway's own
+    hops do, past the capability check; the engine validates them (it reads only blocks that its
+    producer holds for this very request, or recomputes)."""
+    params = body.get(TRANSFER_PARAMS) if isinstance(body, dict) else None
+    if not isinstance(params, dict) or not trusted(key):
+        return parsed
+    return replace(parsed, extra={**(parsed.extra or {}), TRANSFER_PARAMS: params})
+
+
+def trusted(key) -> bool:
+    """Whether `key` may send and receive transfer params (scope kv_transfer)."""
+    return key is not None and TRANSFER_SCOPE in key.scopes
+
+
+def answered_params(choices) -> dict | None:
+    """The transfer params a prefill hop's backend answered (vLLM returns them top-level)."""
+    last = choices[0].last_event if len(choices) == 1 else None
+    return last.kv_transfer_params if last is not None else None
 
 
 def colocated_reason(pool: ModelPool, request: GenerationRequest) -> str | None:

@@ -192,6 +192,9 @@ BAD_VALUES = [
       "engines[2].name=d", "engines[2].model=smollm2-135m-instruct", "engines[2].role=decode"],
      "either all colocated or each prefill or decode"),
     (["models[0].name=m", "models[0].disaggregation.min_prompt_tokens=5"], "additional properties 'min_prompt_tokens'"),
+    (["engineAuth.enabled=false", "engines[0].name=p", "engines[0].model=smollm2-135m-instruct", "engines[0].role=prefill",
+      "engines[1].name=d", "engines[1].model=smollm2-135m-instruct", "engines[1].role=decode"],
+     "prefill and decode engines need engineAuth"),
 ]
 
 
@@ -946,4 +949,3 @@ def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
         assert short.choices[0].message.content == "hi there"
         assert len(pods["prefill"].bodies("/v1/chat/completions")) == 1  # no prefill hop for it
         assert pods["decode"].computed == 1
-

@@ -5,6 +5,7 @@ received and what the client saw."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -230,3 +231,44 @@ def test_each_choice_of_n_takes_its_own_two_hops(gw, engines):
     choice_ids = {f"{answer.id}-0", f"{answer.id}-1"}
     assert {b["kv_transfer_params"]["remote_request_id"] for b in decodes(engines)} == choice_ids
     assert {request_id for _, request_id in loaded(engines)} == choice_ids and len(prefills(engines)) == 2
+
+
+POD = """
+auth:
+  keys:
+    - {{name: gateway, key_env: POD_GATEWAY_KEY, scopes: [{scopes}]}}
+models:
+  - name: scripted
+    deployments:
+      - {{name: vllm, backend: openai, upstream_model: scripted, settings: {{base_url: '{base}/v1', server: vllm, metrics: none}}}}
+"""
+FRONT_ENGINE = "{{name: {name}, backend: openai, role: {role}, upstream_model: scripted, " \
+               "settings: {{base_url: '{base}/v1', metrics: none, api_key_env: POD_GATEWAY_KEY}}}}"
+
+
+@pytest.mark.parametrize("scopes", ["kv_transfer", "metrics"])
+def test_a_kvgate_engine_server_passes_transfer_params_only_for_a_key_with_the_kv_transfer_scope(
+        engines, monkeypatch, scopes):
+    """A gateway whose P/D deployments are other kvgate servers (a Kubernetes engine pod each),
+    each in front of one engine: the pods carry the params both ways for the gateway's key with
+    scope kv_transfer; for any other key they drop them, so the decode engine computes the prompt."""
+    for engine in engines.values():
+        engine.reset()
+    monkeypatch.setenv("POD_GATEWAY_KEY", "gateway-key-123456")
+    with contextlib.ExitStack() as stack:
+        pods = {n: stack.enter_context(GatewayServer(POD.format(scopes=scopes, base=engines[n].base_url)))
+                for n in ("P0", "D0")}
+        front = CONFIG.format(min_chars=MIN_PROMPT_CHARS, solo=engines["solo"].base_url, engines="\n".join(
+            "      - " + FRONT_ENGINE.format(name=n, role=ROLES[n], base=pods[n].base_url) for n in pods))
+        gw = stack.enter_context(GatewayServer(front))
+        answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
+    assert answer.choices[0].message.content == LONG
+    [prefill], [decode] = engines["P0"].bodies("/v1/chat/completions"), engines["D0"].bodies("/v1/chat/completions")
+    assert prefill["max_tokens"] == 1
+    if scopes == "kv_transfer":
+        assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+        assert decode["kv_transfer_params"]["remote_engine_id"] == "P0"
+        assert [engine for engine, _ in engines["D0"].loaded] == ["P0"]
+    else:
+        assert "kv_transfer_params" not in prefill and "kv_transfer_params" not in decode
+        assert engines["D0"].loaded == [] and engines["D0"].computed == 1

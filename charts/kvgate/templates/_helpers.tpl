@@ -194,6 +194,11 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- range $i, $raw := .Values.engines -}}
 {{- $engines = append $engines (include "kvgate.mergedEngine" (dict "root" $root "raw" $raw) | fromYaml) -}}
 {{- end -}}
+{{- range $i, $e := $engines -}}
+{{- if and (ne $e.role "colocated") (not $root.Values.engineAuth.enabled) -}}
+{{- fail (printf "engines[%d] (%s): prefill and decode engines need engineAuth (an engine pod takes kv_transfer_params from the gateway's key alone)" $i $e.name) -}}
+{{- end -}}
+{{- end -}}
 {{- $modelNames := list -}}
 {{- range .Values.models }}{{ $modelNames = append $modelNames .name }}{{ end -}}
 {{- range $i, $e := $engines -}}
@@ -313,8 +318,11 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- with .root.Values.config.sla_classes }}{{ $_ := set $cfg "sla_classes" . }}{{ end -}}
 {{- with .root.Values.config.default_sla_class }}{{ $_ := set $cfg "default_sla_class" . }}{{ end -}}
 {{- if .root.Values.engineAuth.enabled -}}
-{{- /* the gateways' key; the metrics scope lets them scrape the engine's load from /metrics */ -}}
-{{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY" "scopes" (list "metrics")))) -}}
+{{- /* the gateways' key; the metrics scope lets them scrape the engine's load from /metrics, and
+       kv_transfer (prefill and decode pools) lets their hops' kv_transfer_params through */ -}}
+{{- $scopes := list "metrics" -}}
+{{- if ne $e.role "colocated" }}{{ $scopes = append $scopes "kv_transfer" }}{{ end -}}
+{{- $_ := set $cfg "auth" (dict "keys" (list (dict "name" "gateway" "key_env" "KVGATE_ENGINE_KEY" "scopes" $scopes))) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
