@@ -34,6 +34,7 @@ from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
 from native_backend.model.loader import load_model
 from native_backend.model.quantization.method import describe_weights, weights_format
+from native_backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
 
@@ -64,8 +65,9 @@ class InProcessExecutor:
     `allocate_cache`) once every rank has agreed on the number of blocks."""
 
     def __init__(self, config: EngineConfig, shard: ShardSpec = SINGLE, device: torch.device | None = None,
-                 *, allocate: bool = True):
+                 *, allocate: bool = True, tokenizer: Tokenizer | None = None):
         mc = config.model
+        self._tokenizer = tokenizer  # the process's (process.factory); None: loaded when first needed
         if mc.num_threads:
             torch.set_num_threads(mc.num_threads)
         self.config = config
@@ -76,7 +78,8 @@ class InProcessExecutor:
         self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf")  # GGUF Q4 linears kept int4
         self.model = load_model(mc.path, self.ctx)
         self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
-        self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx)  # None: no own-KV draft
+        self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx,
+                                                           self.tokenizer)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
@@ -111,12 +114,15 @@ class InProcessExecutor:
         return self.kv_dtype.scaling == "per_layer" and (
             mode == "calibrate" or (mode == "auto" and self.model.kv_scales_from_checkpoint() is None))
 
-    def calibration_ids(self) -> list[int]:
-        from native_backend.text.tokenizer import Tokenizer
+    def tokenizer(self) -> Tokenizer:
+        """The target model's tokenizer: the one the process passed in, else loaded once, here."""
+        if self._tokenizer is None:
+            mc = self.config.model
+            self._tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
+        return self._tokenizer
 
-        mc = self.config.model
-        tokenizer = Tokenizer.from_pretrained(mc.path, cache_dir=mc.tokenizer_cache_dir)
-        return kv_scales.calibration_ids(tokenizer, min(kv_scales.CALIBRATION_TOKENS, self.max_model_len))
+    def calibration_ids(self) -> list[int]:
+        return kv_scales.calibration_ids(self.tokenizer(), min(kv_scales.CALIBRATION_TOKENS, self.max_model_len))
 
     def kv_clamped(self) -> tuple[int, int]:
         """(K, V) values an fp8 cache clamped at its range since start (kv_scales.clamped_totals)."""

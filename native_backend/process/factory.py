@@ -4,7 +4,8 @@ the output processor that gives it text.
 The engine process imports this module by name (`native_backend.process.factory:make_engine_core`),
 inside itself, so the gateway's side never imports torch. The tokenizer is loaded here, once per
 engine process (a GGUF's is unpacked into the tokenizer cache, where the native plugin reads it):
-the output processor detokenizes with it, and the core gets its end-of-sequence ids and a grammar
+the executor takes it for the fp8 KV calibration text and the draft model's vocabulary check, the
+output processor detokenizes with it, and the core gets its end-of-sequence ids and a grammar
 compiler bound to it (structured outputs compile against its vocabulary).
 """
 
@@ -27,8 +28,8 @@ log = logging.getLogger("kvgate.engine")
 
 def make_engine_core(config: EngineConfig) -> OutputProcessor:
     started = time.monotonic()
-    executor = make_executor(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path, cache_dir=config.model.tokenizer_cache_dir)
+    executor = make_executor(config, tokenizer)  # its fp8 calibration and draft check use this one too
     # Bound before the engine starts, so a taken port fails start-up (and is reported) at once.
     publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
     core = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None,

@@ -137,3 +137,18 @@ def test_bad_drafts_are_refused_at_start(make_engine, tmp_path, speculative, mes
         speculative = {**speculative, "draft_model": str(tmp_path)}
     with pytest.raises(ValueError, match=message):
         make_engine(speculative)
+
+
+def test_the_engine_process_loads_the_target_tokenizer_once(make_engine, monkeypatch):
+    """fp8 KV calibration text and the draft model's vocabulary check take the tokenizer the engine
+    process loaded for its output processor (issue 25 item 4): two loads in all, the target's and
+    the draft's own (here the same file), not one more per user."""
+    from native_backend.text.tokenizer import Tokenizer
+
+    loads, load = [], Tokenizer._from_directory  # every load ends there (a GGUF's: its unpacked directory)
+    monkeypatch.setattr(Tokenizer, "_from_directory", lambda path: loads.append(path) or load(path))
+    engine = make_engine(dict(method="draft", draft_model=default_gguf_path(), num_speculative_tokens=2),
+                         kv_cache_dtype="fp8_e4m3", kv_scales="calibrate")
+    assert engine.core.executor.draft_model is not None and "fp8_e4m3" in engine.describe()
+    assert len(loads) == 2, loads
+    assert engine.core.executor.tokenizer() is engine.tokenizer

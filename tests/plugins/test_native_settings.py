@@ -6,6 +6,8 @@ engine would at start, without importing torch."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 import subprocess
 import sys
 
@@ -207,3 +209,67 @@ def test_check_config_refuses_bad_embedding_settings_naming_them(tmp_path, capsy
     code = cli.main(["check-config", str(path)])
     out = capsys.readouterr()
     assert code == 1 and f"settings.embeddings.{message}" in out.out + out.err, out.out + out.err
+
+
+def _gguf_header(fields: list[tuple[str, int, bytes]]) -> bytes:
+    """A GGUF file's header (no tensors): (key, value type, encoded value) per metadata entry."""
+    text = lambda s: struct.pack("<Q", len(s.encode())) + s.encode()  # noqa: E731
+    body = b"".join(text(key) + struct.pack("<I", kind) + value for key, kind, value in fields)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + body
+
+
+def test_the_architecture_is_read_from_a_model_file_without_reading_the_whole_file(tmp_path):
+    """The default GGUF names llama first; a header that names it after a string, a number and an
+    array of strings (the tokenizer's shape) is scanned to it; an HF directory's config.json."""
+    from native_backend.config.architectures import architecture_on_disk
+    from native_backend.config.default_model import default_gguf_path
+
+    assert architecture_on_disk(default_gguf_path()) == "llama"
+    s = lambda v: struct.pack("<Q", len(v)) + v.encode()  # noqa: E731
+    later = tmp_path / "later.gguf"
+    later.write_bytes(_gguf_header([("general.name", 8, s("x")), ("general.alignment", 4, struct.pack("<I", 32)),
+                                    ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + s("a") + s("bc")),
+                                    ("general.architecture", 8, s("qwen2"))]))
+    assert architecture_on_disk(str(later)) == "qwen2"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    assert architecture_on_disk(str(tmp_path / "hf")) == "mistral"
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        architecture_on_disk(str(tmp_path / "not.gguf"))
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_check_config_refuses_a_model_file_of_an_architecture_the_engine_does_not_run(tmp_path, capsys, kind):
+    """Refused by name with the list the model registry builds from (config.architectures), the
+    default model passes, and the check never imports torch."""
+    from gateway import cli
+    from native_backend.model.models import MODEL_CLASSES
+
+    if kind == "gguf":
+        model = tmp_path / "qwen.gguf"
+        model.write_bytes(_gguf_header([("general.architecture", 8, struct.pack("<Q", 5) + b"qwen2")]))
+    else:
+        model = tmp_path / "qwen"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+
+    def check(settings: str) -> tuple[int, str]:
+        path = tmp_path / "c.yaml"
+        path.write_text("models:\n  - name: m\n    deployments:\n      - name: d\n        backend: native\n"
+                        f"        settings: {settings}\n")
+        code = cli.main(["check-config", str(path)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, output = check(f"{{model: {model}}}")
+    assert code == 1 and "model architecture 'qwen2' is not supported; this engine runs llama, mistral" in output
+    assert "Traceback" not in output
+    assert list(MODEL_CLASSES) == ["llama", "mistral"]
+    assert check("{model: default}")[0] == 0
+    probe = ("import sys; from kvgate_native.backend import NativeSettings\n"
+             f"try: NativeSettings(model={str(model)!r})\nexcept ValueError as e: assert 'qwen2' in str(e)\n"
+             "else: raise SystemExit('accepted')\n"
+             "assert 'torch' not in sys.modules")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr + result.stdout

@@ -59,8 +59,9 @@ class _Worker:
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
+        self.tokenizer = tokenizer  # rank 0's calibration text (text.tokenizer.Tokenizer; None: loaded then)
         self.size = config.parallel.tensor_parallel_size
         check_supported(config)
         self.comm = CommStats()
@@ -95,7 +96,8 @@ class TensorParallelExecutor:
             process.start()
             theirs.close()
             self.workers.append(_Worker(rank, process, ours))
-        self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False)
+        self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False,
+                                      tokenizer=self.tokenizer)
         blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
         ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
         self._send_all(("plan", min(blocks), ids))

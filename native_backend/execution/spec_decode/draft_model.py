@@ -63,9 +63,10 @@ def check_same_tokenizer(draft_vocab: dict[str, int], target_vocab: dict[str, in
 # ------------------------------------------------------------------------------ executor wiring
 
 
-def load_separate_draft(config, target: nn.Module, ctx) -> nn.Module | None:
+def load_separate_draft(config, target: nn.Module, ctx, target_tokenizer) -> nn.Module | None:
     """A separate draft checkpoint built with the target's LayerContext and checked against the
-    target; None when speculation has no separate draft model."""
+    target (`target_tokenizer`: a callable giving the target's tokenizer, loaded by the process
+    once); None when speculation has no separate draft model."""
     spec = config.speculative
     if spec is None or spec.method != "draft" or spec.draft_model is None:
         return None
@@ -80,7 +81,7 @@ def load_separate_draft(config, target: nn.Module, ctx) -> nn.Module | None:
     except FileNotFoundError:
         raise ValueError(f"speculative.draft_model: {spec.draft_model} has no tokenizer to compare with the "
                          "target's") from None
-    check_same_tokenizer(draft_vocab, Tokenizer.from_pretrained(config.model.path, cache_dir=cache_dir).backend.get_vocab())
+    check_same_tokenizer(draft_vocab, target_tokenizer().backend.get_vocab())
     return draft
 
 

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+from native_backend.config.architectures import ARCHITECTURES, check_architecture
 from native_backend.model.models.llama import LlamaForCausalLM
 
-# GGUF `general.architecture` and HF `model_type` (ModelConfig.architecture) -> class. Qwen2 needs
-# q/k/v biases only (see `ModelConfig.attention_bias`), which the Llama class would have to grow first.
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM}
+# config.architectures' implementation names -> class; which checkpoint architecture runs on which
+# implementation is that module's list (the one the settings check reads without torch).
+IMPLEMENTATIONS = {"llama": LlamaForCausalLM}
+MODEL_CLASSES = {architecture: IMPLEMENTATIONS[impl] for architecture, impl in ARCHITECTURES.items()}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The class that runs checkpoints of `architecture`; an unknown one is an error naming it and
     the architectures this engine runs."""
     try:
-        return MODEL_CLASSES[architecture]
-    except KeyError:
-        raise NotImplementedError(f"model architecture {architecture or '(none named)'!r} is not supported; "
-                                  f"this engine runs {', '.join(MODEL_CLASSES)}") from None
+        check_architecture(architecture)
+    except ValueError as exc:
+        raise NotImplementedError(str(exc)) from None
+    return MODEL_CLASSES[architecture]
 
 
 __all__ = ["LlamaForCausalLM", "MODEL_CLASSES", "model_class"]

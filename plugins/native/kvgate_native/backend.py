@@ -34,6 +34,7 @@ from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request,
 from kvgate_native.engine_errors import api_error
 from kvgate_native.tools import HermesParser, chat_prompt_ids, tool_grammar, uses_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
+from native_backend.config.architectures import architecture_on_disk, check_architecture
 from native_backend.config.cache_dir import tokenizer_cache_dir
 from native_backend.config.engine import (
     SPECULATIVE_METHODS, EngineConfig, GrammarOptions, KVEventsOptions, SpeculativeOptions)
@@ -169,9 +170,11 @@ class NativeSettings(BaseModel):
     @model_validator(mode="after")
     def _valid_for_the_engine(self):
         """The engine's own checks, once (EngineConfig's parts), as a settings error; then what
-        only the model on disk can tell: whether tensor parallelism splits it."""
+        only the model on disk can tell: whether the engine runs its architecture, and whether
+        tensor parallelism splits it."""
         self.engine_config()
         check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None)
+        self._check_the_architecture()
         if self.tensor_parallel_size > 1:
             self._check_the_split()
         return self
@@ -179,6 +182,16 @@ class NativeSettings(BaseModel):
     @property
     def model_path(self) -> str:
         return default_gguf_path() if self.model == "default" else self.model
+
+    def _check_the_architecture(self) -> None:
+        """A model file of an architecture the engine does not build is refused here, naming the
+        ones it does (config.architectures: its first metadata entries, no torch). A model that is
+        not there (yet) is start()'s error, one that cannot be read the engine's."""
+        try:
+            architecture = architecture_on_disk(self.model_path)
+        except (OSError, ValueError):
+            return
+        check_architecture(architecture)
 
     def _check_the_split(self) -> None:
         """The engine's own rule for the model as it is on disk (heads, KV heads, MLP, vocabulary;
