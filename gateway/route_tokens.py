@@ -38,6 +38,10 @@ log = logging.getLogger("kvgate.routing")
 INLINE_CHARS = 1024
 THREADS = 2  # tokenizing threads per model: a burst of long prompts queues here, not on the loop
 FAILURE_BACKOFF_S = 30.0
+# A request's vendor fields that change what its prompt renders to (vLLM's chat request and
+# /tokenize take them both): sent along to /tokenize, and part of the prompt's key.
+TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message")
 TOKENIZE = Needs("tokenize")
 
 
@@ -46,14 +50,20 @@ def prompt_key(request) -> bytes | None:
     None for a token-id prompt or a request that has no prompt."""
     messages = getattr(request, "messages", None)
     prompt = getattr(request, "prompt", None)
+    template = _template_fields(request)
     if messages is not None:
-        material = json.dumps([messages, getattr(request, "tools", None), getattr(request, "tool_choice", None)],
-                              sort_keys=True, default=str)
+        material = json.dumps([messages, getattr(request, "tools", None), getattr(request, "tool_choice", None),
+                               template], sort_keys=True, default=str)
     elif isinstance(prompt, str):
-        material = prompt
+        material = json.dumps(template, sort_keys=True, default=str) + prompt if template else prompt
     else:
         return None
     return hashlib.blake2b(material.encode(), digest_size=16).digest()
+
+
+def _template_fields(request) -> dict:
+    extra = getattr(request, "extra", None) or {}
+    return {k: extra[k] for k in TEMPLATE_FIELDS if k in extra}
 
 
 def _token_id_prompt(request) -> list[int] | None:
@@ -101,7 +111,7 @@ class PromptTokens:
         chars = prompt_chars(request)
         if chars > self.max_chars:
             return
-        ids = await self._tokenized(request, deployments, chars > INLINE_CHARS)
+        ids = await self._tokenized(request, deployments, chars > INLINE_CHARS, key)
         if ids:
             self._keep(key, ids)
 
@@ -127,16 +137,17 @@ class PromptTokens:
         except Exception:  # noqa: BLE001 - advisory
             return None
 
-    async def _tokenized(self, request, deployments, long: bool) -> list[int] | None:
+    async def _tokenized(self, request, deployments, long: bool, key: bytes) -> list[int] | None:
         local = next((d for d in deployments if getattr(d.backend, "prompt_token_ids", None) is not None), None)
         if local is not None:
             if not long:
                 return self._local_now(request, [local], None)
             return await self._on_thread(local.backend.prompt_token_ids, request)
         now = time.monotonic()
-        remote = next((d for d in deployments if d.capabilities.serves(TOKENIZE)
-                       and self._backoff.get(d.name, 0.0) <= now), None)
-        return await self._asked(remote, request) if remote is not None else None
+        remote = [d for d in deployments if d.capabilities.serves(TOKENIZE) and self._backoff.get(d.name, 0.0) <= now]
+        if not remote:
+            return None
+        return await self._asked(remote[int.from_bytes(key[:4], "big") % len(remote)], request)  # spread by prompt
 
     async def _on_thread(self, tokenize, request) -> list[int] | None:
         if self._threads is None:
@@ -148,10 +159,14 @@ class PromptTokens:
 
     async def _asked(self, d, request) -> list[int] | None:
         """The prompt's ids from the deployment's server (/tokenize), or None (and a back-off)."""
+        template = _template_fields(request)
         ask = TokenizeRequest(request_id=f"{request.request_id}-route", model=d.upstream_model,
                               prompt=request.prompt if request.messages is None else None,
                               messages=request.messages, tools=request.tools,
-                              trace_context=dict(request.trace_context))
+                              add_special_tokens=template.pop("add_special_tokens", None),
+                              add_generation_prompt=template.pop("add_generation_prompt", True),
+                              continue_final_message=template.pop("continue_final_message", False),
+                              trace_context=dict(request.trace_context), extra=template)
         try:
             answer = await asyncio.wait_for(d.backend.tokenize(ask), self.timeout_s)
             ids = answer.tokens

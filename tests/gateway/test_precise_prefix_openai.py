@@ -66,6 +66,7 @@ class CachingUpstream(ScriptedUpstream):
         return await super().chat(request)
 
     async def tokenize(self, request: Request):
+        await request.json()  # read (and kept for the answer) before the client may give up
         await asyncio.sleep(self.tokenize_delay_s)
         return await super().tokenize(request)
 
@@ -127,16 +128,21 @@ def gw(upstreams, exporter):
         yield server
 
 
-def chat(gw, user: str, system: str = SYSTEM) -> httpx.Response:
+def chat(gw, user: str, system: str = SYSTEM, **extra) -> httpx.Response:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    r = httpx.post(gw.base_url + "/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 5},
-                   timeout=30)
+    r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,
+                   json={"model": "m", "messages": messages, "max_tokens": 5, **extra})
     assert r.status_code == 200, r.text
     return r
 
 
 def route_of(exporter) -> dict:
     return dict(next(s for s in exporter.get_finished_spans() if s.name == "kvgate.route").attributes)
+
+
+def tokenized_since(upstreams, counts: list[int]) -> list[dict]:
+    """The /tokenize bodies the upstreams received since they had received `counts`."""
+    return [b for up, n in zip(upstreams, counts) for b in up.bodies("/tokenize")[n:]]
 
 
 def wait_indexed(gw, name: str, blocks: int) -> None:
@@ -153,36 +159,43 @@ def test_chat_prompts_are_tokenized_by_the_backend_and_follow_their_cached_prefi
     home = route_of(exporter)["kvgate.deployment"]
     holder = upstreams[int(home[-1])]
     wait_indexed(gw, home, len(holder.cached))
-    asked = sum(len(up.bodies("/tokenize")) for up in upstreams)
+    asked = [len(up.bodies("/tokenize")) for up in upstreams]
     for question in ("how deep is the sea", "why is it salty", "what eats krill"):
         exporter.clear()
         chat(gw, question)
         route = route_of(exporter)
         assert route["kvgate.deployment"] == home
         assert route["kvgate.kv_prefix_matched_tokens"] >= len(SYSTEM.split()) // BLOCK * BLOCK
-    sent = [b for up in upstreams for b in up.bodies("/tokenize")][asked:]
+    sent = tokenized_since(upstreams, asked)
     assert len(sent) == 3  # one /tokenize per new prompt
     assert all(b["messages"][0]["content"] == SYSTEM and "prompt" not in b for b in sent)  # the chat form
+    # what changes the rendered prompt goes along, and makes it another prompt
+    chat(gw, "what eats krill", chat_template_kwargs={"enable_thinking": False})
+    sent = tokenized_since(upstreams, asked)
+    assert len(sent) == 4 and any(b.get("chat_template_kwargs") == {"enable_thinking": False} for b in sent)
 
 
 def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at_once(gw, upstreams, exporter, caplog):
     policy = gw.state.registry.pools[0].policy
     for up in upstreams:
         up.tokenize_delay_s = 2.0  # past tokenize_timeout_s
+    failures = policy.kv_feed.tokens.remote_failures
     try:
         with caplog.at_level(logging.WARNING, logger="kvgate.routing"):
-            started = time.monotonic()
-            exporter.clear()
-            chat(gw, "a question the index has never seen", system="another system prompt entirely")
-            assert time.monotonic() - started < 1.5  # bounded by the timeout, not the slow upstream
-            assert route_of(exporter).get("kvgate.kv_prefix_matched_tokens") is None  # by affinity
+            for question in ("a question the index has never seen", "and another one", "and a third"):
+                started = time.monotonic()
+                exporter.clear()
+                chat(gw, question, system="another system prompt entirely")
+                assert time.monotonic() - started < 1.5  # bounded by the timeout, not the slow upstream
+                assert route_of(exporter).get("kvgate.kv_prefix_matched_tokens") is None  # by affinity
             assert any("/tokenize on deployment vllm-" in r.getMessage() and "no answer in time" in r.getMessage()
                        for r in caplog.records)
-            failures = policy.kv_feed.tokens.remote_failures
-            chat(gw, "and another one", system="another system prompt entirely")
-            assert policy.kv_feed.tokens.remote_failures <= failures + 1  # each deployment backs off
+            # each deployment asked (a live one) failed once, then was left alone
+            live = sum(policy.kv_feed.live(name) for name in ("vllm-0", "vllm-1"))
+            assert policy.kv_feed.tokens.remote_failures == failures + live
             metrics = httpx.get(gw.base_url + "/metrics").text
             assert f'kvgate_kv_route_tokenize_failures_total{{model="m"}} {float(policy.kv_feed.tokens.remote_failures)}' in metrics
     finally:
         for up in upstreams:
             up.tokenize_delay_s = 0.0
+        policy.kv_feed.tokens._backoff.clear()  # the module's other tests ask them again
