@@ -29,7 +29,9 @@ from collections import OrderedDict
 
 from gateway.backend import TokenizeRequest
 from gateway.capabilities import Needs
+from gateway.choices import request_fault
 from gateway.disagg import prompt_chars
+from gateway.errors import APIError
 
 log = logging.getLogger("kvgate.routing")
 
@@ -174,6 +176,8 @@ class PromptTokens:
                 raise ValueError("the answer is not a list of token ids")
             return ids
         except Exception as exc:  # noqa: BLE001 - advisory: any failure routes by affinity
+            if isinstance(exc, APIError) and request_fault(exc):
+                return None  # the prompt itself was refused (its generation will say why): not the server's fault
             self.remote_failures += 1
             self._backoff[d.name] = time.monotonic() + FAILURE_BACKOFF_S
             log.warning("precise_prefix: /tokenize on deployment %s failed (%s); routing by prefix affinity "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 
@@ -20,6 +21,7 @@ import pytest
 import zmq
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from tests.support.fakes.scripted_upstream import ScriptedUpstream
 from tests.support.servers.loopback import GatewayServer
@@ -66,7 +68,10 @@ class CachingUpstream(ScriptedUpstream):
         return await super().chat(request)
 
     async def tokenize(self, request: Request):
-        await request.json()  # read (and kept for the answer) before the client may give up
+        body = await request.json()  # read (and kept for the answer) before the client may give up
+        if "untokenizable" in json.dumps(body):
+            self.seen.append((request.url.path, body))
+            return JSONResponse({"error": {"message": "no", "type": "BadRequestError", "code": 400}}, status_code=400)
         await asyncio.sleep(self.tokenize_delay_s)
         return await super().tokenize(request)
 
@@ -173,6 +178,14 @@ def test_chat_prompts_are_tokenized_by_the_backend_and_follow_their_cached_prefi
     chat(gw, "what eats krill", chat_template_kwargs={"enable_thinking": False})
     sent = tokenized_since(upstreams, asked)
     assert len(sent) == 4 and any(b.get("chat_template_kwargs") == {"enable_thinking": False} for b in sent)
+
+
+def test_a_prompt_the_tokenizer_refuses_is_not_held_against_the_server(gw, upstreams):
+    tokens = gw.state.registry.pools[0].policy.kv_feed.tokens
+    failures, asked = tokens.remote_failures, [len(up.bodies("/tokenize")) for up in upstreams]
+    chat(gw, "an untokenizable question")  # its /tokenize answers 400; the request is served all the same
+    chat(gw, "a fine question")
+    assert len(tokenized_since(upstreams, asked)) == 2 and tokens.remote_failures == failures  # no back-off
 
 
 def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at_once(gw, upstreams, exporter, caplog):
