@@ -83,6 +83,7 @@ class PromptTokens:
         self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
         self._backoff: dict[str, float] = {}  # deployment -> monotonic time its /tokenize may be asked again
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False  # a reload replaced the policy: late requests get no threads
         self.remote_failures = 0
 
     def ids(self, request, deployments) -> list[int] | None:
@@ -118,6 +119,8 @@ class PromptTokens:
             self._keep(key, ids)
 
     def close(self) -> None:
+        """Stop the threads; prompts queued for them get no ids (their requests go on)."""
+        self._closed = True
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
@@ -152,10 +155,17 @@ class PromptTokens:
         return await self._asked(remote[int.from_bytes(key[:4], "big") % len(remote)], request)  # spread by prompt
 
     async def _on_thread(self, tokenize, request) -> list[int] | None:
+        if self._closed:
+            return None
         if self._threads is None:
             self._threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kvgate-route-tokenize")
+        job = self._threads.submit(tokenize, request)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._threads, tokenize, request)
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancelled() and not asyncio.current_task().cancelling():
+                return None  # `close` dropped it from the queue: this request itself goes on
+            raise
         except Exception:  # noqa: BLE001 - advisory
             return None
 
