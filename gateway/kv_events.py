@@ -134,7 +134,14 @@ class EventStream:
         self._sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = self._sub.get_monitor_socket(_CONNECTION_EVENTS)
-        (self._sub.bind if self.source.bind else self._sub.connect)(self.source.endpoint)
+        try:
+            (self._sub.bind if self.source.bind else self._sub.connect)(self.source.endpoint)
+        except zmq.ZMQError:  # a bad or taken address: the caller routes without these events
+            self._sub.disable_monitor()
+            monitor.close(linger=0)
+            self._sub.close(linger=0)
+            self._sub = None
+            raise
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run(), name=f"kv-events-{self.deployment}")
         self._watch = loop.create_task(self._watch_connection(monitor), name=f"kv-events-watch-{self.deployment}")

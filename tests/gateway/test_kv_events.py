@@ -286,3 +286,20 @@ def test_the_engines_publisher_feeds_the_index_and_a_late_subscriber_catches_up_
             context.term()
             publisher.close()
     asyncio.run(main())
+
+
+def test_an_address_that_cannot_be_bound_leaves_no_socket_open():
+    async def scenario():
+        context = zmq.asyncio.Context()
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        taken = context.socket(zmq.PUB)
+        taken.bind(endpoint)
+        stream = EventStream("engine-a", KVEventsSource(endpoint, bind=True), KVIndex(), context)
+        with pytest.raises(zmq.ZMQError):
+            stream.start()
+        assert len(context._sockets) == 1  # only `taken`: the subscriber and its monitor were closed
+        await stream.close()  # closing what never started is harmless
+        taken.close(linger=0)
+        context.destroy(linger=0)
+
+    asyncio.run(scenario())
