@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
 import cbor2
@@ -31,11 +32,16 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, seed: str) -> lis
     """The published hashes of the prompt's full blocks, in order: hash_i = sha256(canonical CBOR
     [hash_{i-1}, block_i tokens, null]), the first parent sha256(CBOR(seed)), each published as
     its last 8 bytes read big-endian (vLLM's int block hashes)."""
-    parent, out = _root(seed), []
+    return list(iter_block_hashes(token_ids, block_size, seed))
+
+
+def iter_block_hashes(token_ids: list[int], block_size: int, seed: str) -> Iterator[int]:
+    """`prefix_block_hashes` one at a time: routing (on the event loop) stops hashing at the first
+    block nobody holds, ~80 us a block (an 8k-token prompt whole: ~40 ms)."""
+    parent = _root(seed)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = _sha256_cbor((parent, tuple(token_ids[start:start + block_size]), None))
-        out.append(int.from_bytes(parent[-8:], "big"))
-    return out
+        yield int.from_bytes(parent[-8:], "big")
 
 
 class KVIndex:
@@ -91,8 +97,9 @@ class KVIndex:
                 if not holders:
                     del self._holders[h]
 
-    def longest_prefix(self, hashes: list[int], deployments) -> dict[str, int]:
-        """For each of `deployments`, how many of the leading `hashes` it holds without a break."""
+    def longest_prefix(self, hashes: Iterable[int], deployments) -> dict[str, int]:
+        """For each of `deployments`, how many of the leading `hashes` it holds without a break
+        (read no further than the first hash none of them holds)."""
         matched = dict.fromkeys(deployments, 0)
         alive = set(matched)
         for i, h in enumerate(hashes):

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import zmq.asyncio
 
 from gateway.kv_events import EventStream
-from gateway.kv_index import KVIndex, prefix_block_hashes
+from gateway.kv_index import KVIndex, iter_block_hashes
 from gateway.route_tokens import PromptTokens
 from gateway.routing import PrefixAffinity, load_score
 
@@ -197,7 +197,7 @@ class PrecisePrefix:
             by_scheme.setdefault((source.block_size, source.hash_seed), []).append(d.name)
         cached: dict[str, int] = {}
         for (block_size, seed), names in by_scheme.items():
-            hashes = prefix_block_hashes(tokens, block_size, seed)
+            hashes = iter_block_hashes(tokens, block_size, seed)  # hashed as far as the index matches
             for name, blocks in self.kv_feed.index.longest_prefix(hashes, names).items():
                 cached[name] = blocks * block_size
         return cached
