@@ -20,6 +20,11 @@ calibration text), their logits from the int8 copy of the head as the engine run
 - llama.cpp's own batch-1 decode of the same GGUF, the anchor, interleaved with the engines'
   (bench/llamacpp_b1.py in the venv `bash bench/llamacpp_server.sh install` builds, ~6 minutes
   once); left out, with a note, when that venv is not built or with --no-llamacpp.
+- speed-only rows of the Q4_1 engine with one setting changed: `lm_head: float` (logits from the
+  float head instead of its int8 copy: what the copy buys) and `prefill_matmul: fp32` (what bf16
+  prefill buys, where the CPU has it);
+- with --ttft, time to the first token of 128 / 1,024 / 4,096-token prompts on every speed row and
+  llama.cpp (bench/awq_speed.py).
 
     .venv/bin/python bench/awq.py                      # quantizes (cached), then the table
     .venv/bin/python bench/awq.py --skip-speed --eval-tokens 4096
@@ -41,6 +46,8 @@ FP32_HEAD = " (fp32 head)"  # a row of the AWQ model whose logits come from the 
 Q4_1 = "gguf q4_1"  # the default GGUF with quantization gguf: its Q4_1 linears run as stored (int4)
 ROWS = ["fp32", Q4_1, "rtn", "awq", "awq" + FP32_HEAD]
 SPEED_ROWS = ["fp32", Q4_1, "awq"]  # rtn has awq's format, bytes and kernels: the same speed
+# The Q4_1 engine with one setting changed, speed only: what the int8 head copy and bf16 prefill buy.
+SETTING_ROWS = {Q4_1 + " (float head)": {"lm_head": "float"}, Q4_1 + " (fp32 prefill)": {"prefill_matmul": "fp32"}}
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -180,6 +187,10 @@ def main() -> None:
     parser.add_argument("--b1-repeats", type=int, default=3, help="batch-1 prompts (each on every model)")
     parser.add_argument("--b1-new", type=int, default=128, help="batch-1 new tokens")
     parser.add_argument("--c2-repeats", type=int, default=1, help="C2 rounds (each on every model)")
+    parser.add_argument("--ttft", action="store_true", help="also time to first token at 128 / 1k / 4k tokens")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT rounds (each on every model)")
+    parser.add_argument("--no-setting-rows", action="store_true",
+                        help="leave out the Q4_1 engine's float-head and fp32-prefill speed rows")
     parser.add_argument("--kv-mib", type=int, default=1024, help="every speed engine's KV-cache budget")
     parser.add_argument("--workdir", default="/tmp/kvgate-awq-bench")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq.json"))
@@ -195,7 +206,11 @@ def main() -> None:
     if not args.skip_speed:
         from awq_speed import llama_cpp_python, measure  # bench/awq_speed.py
 
-        models = {name: (paths[name], "gguf" if name == Q4_1 else "none") for name in SPEED_ROWS if name in paths}
+        models = {name: (paths[name], {"quantization": "gguf" if name == Q4_1 else "none"})
+                  for name in SPEED_ROWS if name in paths}
+        if Q4_1 in paths and not args.no_setting_rows:
+            models.update({name: (paths[Q4_1], {"quantization": "gguf", **settings})
+                           for name, settings in SETTING_ROWS.items()})
         llama = None if args.no_llamacpp else llama_cpp_python()
         if not llama and not args.no_llamacpp:
             print("llama.cpp anchor left out: run `bash bench/llamacpp_server.sh install` first", file=sys.stderr)
@@ -217,21 +232,25 @@ def main() -> None:
 
 def print_table(rows: dict[str, dict]) -> None:
     fp = rows.get("fp32")
-    if not fp or "perplexity" not in fp:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'':17} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12} "
-          f"{'b1 tok/s':>9} {'C2 tok/s':>12}")
+    if fp and "perplexity" in fp:
+        print_accuracy(rows, fp)
     for name, r in rows.items():
-        b1, tp = r.get("b1_decode_tok_s"), r.get("c2_out_tok_s")
+        if r.get("b1_decode_tok_s"):
+            c2 = f", C2 {r['c2_out_tok_s']:.1f} tok/s" if r.get("c2_out_tok_s") else ""
+            print(f"{name:24} batch-1 decode {r['b1_decode_tok_s']:.1f} tok/s{c2}")
+    for name, r in rows.items():
+        if r.get("ttft_s"):
+            print(f"{name:24} TTFT " + ", ".join(f"{n} tokens {t:.3f} s" for n, t in r["ttft_s"].items()))
+
+
+def print_accuracy(rows: dict[str, dict], fp: dict) -> None:
+    print(f"{'':17} {'ppl':>8} {'vs fp32':>8} {'top-1 agree':>12} {'weights MiB':>12} {'linears MiB':>12}")
+    for name, r in rows.items():
         if "perplexity" not in r:
             continue
         print(f"{name:17} {r['perplexity']:8.3f} {100 * (r['perplexity'] / fp['perplexity'] - 1):+7.1f}% "
               f"{100 * r['top1_agreement_with_fp32']:11.1f}% {r['weight_bytes'] / 2**20:12.1f} "
-              f"{r['linear_weight_bytes'] / 2**20:12.1f} {b1 or float('nan'):9.1f} {tp or float('nan'):12.1f}")
-    for name, r in rows.items():
-        if "perplexity" not in r and r.get("b1_decode_tok_s"):  # the llama.cpp anchor: speed only
-            print(f"{name:17} batch-1 decode {r['b1_decode_tok_s']:.1f} tok/s")
+              f"{r['linear_weight_bytes'] / 2**20:12.1f}")
     rtn, awq = rows.get("rtn"), rows.get("awq")
     if rtn and awq and rtn["perplexity"] > fp["perplexity"]:
         closed = (rtn["perplexity"] - awq["perplexity"]) / (rtn["perplexity"] - fp["perplexity"])

@@ -347,6 +347,9 @@ def _hf_model(spec):
         torch.save(model.state_dict(), cache / "weights.pt.tmp")
         os.replace(cache / "weights.pt.tmp", cache / "weights.pt")
         source = "GGUF via transformers"
+    if spec.get("hf_dtype", "float32") == "bfloat16":  # what a user with bf16 matrix units would run
+        model.to(torch.bfloat16)
+        source += ", cast to bfloat16"
     model.eval()
     return model, time.perf_counter() - started, source
 
@@ -470,19 +473,115 @@ def hf_batch1(spec) -> dict:
             "rss_after_load_mib": rss_loaded, "measure_peak_rss_mib": measure_peak}
 
 
+# ---------------------------------------------------------------------------------------- TTFT
+
+# kvgate rows of the TTFT phase: engine settings on top of the defaults (--model's file)
+TTFT_ENGINES = {
+    "kvgate fp32 (engine defaults)": {},
+    "kvgate int4 (make serve: quantization gguf)": {"quantization": "gguf"},
+    "kvgate int4, prefill_matmul fp32": {"quantization": "gguf", "prefill_matmul": "fp32"},
+}
+HF_TTFT = {"transformers fp32": "float32", "transformers bf16": "bfloat16"}
+
+
+def hf_ttft_worker(conn, spec: dict) -> None:
+    """transformers' forward pass of a prompt and its first token (greedy), in fp32 and in bf16:
+    answers ("ttft", prompt, dtype) with {"ttft_s", "prompt_tokens"} until ("stop",)."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    model, _, _ = _hf_model(spec)
+    models = {"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
+    conn.send({"ready": True})
+    while (cmd := conn.recv())[0] != "stop":
+        ids = torch.tensor([cmd[1]], dtype=torch.long)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            int(models[cmd[2]](input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
+        conn.send({"ttft_s": time.perf_counter() - started, "prompt_tokens": len(cmd[1])})
+
+
+class _DtypeConn:
+    """One transformers dtype as a TTFT row: its commands carry the dtype to the shared worker."""
+
+    def __init__(self, conn, dtype: str):
+        self.conn, self.dtype = conn, dtype
+
+    def send(self, cmd) -> None:
+        self.conn.send((*cmd, self.dtype) if cmd[0] == "ttft" else cmd)
+
+    def recv(self):
+        return self.conn.recv()
+
+
+def ttft_phase(args, spec: dict, workdir: Path) -> dict:
+    """Time to first token of one 128 / 1,024 / 4,096-token prompt on every system, interleaved
+    (bench/awq_speed.py's rounds): kvgate's engines (TTFT_ENGINES, one worker process each),
+    transformers fp32 and bf16 (one worker), llama.cpp on the same GGUF when its venv is built."""
+    import multiprocessing
+
+    from awq_speed import TTFT_LENGTHS, _LlamaCpp, _ttft_prompts, _ttft_rounds, _worker, llama_cpp_python
+
+    ctx = multiprocessing.get_context("spawn")
+    workers, procs = {}, []
+    kv_bytes = max(TTFT_LENGTHS) * 2 * 46080  # two longest prompts of the default model's float32 KV
+    for name, settings in TTFT_ENGINES.items():
+        parent, child = ctx.Pipe()
+        procs.append(ctx.Process(target=_worker, args=(child, spec["model"], settings, spec["threads"], kv_bytes)))
+        workers[name] = (parent, procs[-1])
+    hf_parent, hf_child = ctx.Pipe()
+    hf_spec = {**spec, "hf_cache_dir": str(workdir / "hf-model")}
+    procs.append(ctx.Process(target=hf_ttft_worker, args=(hf_child, hf_spec)))
+    for p in procs:
+        p.start()
+    rows = {name: {"engine": conn.recv()} for name, (conn, _) in workers.items()}
+    hf_parent.recv()
+    for name, dtype in HF_TTFT.items():
+        workers[name] = (_DtypeConn(hf_parent, dtype), None)
+        rows[name] = {"engine": f"transformers {dtype}"}
+    llama = llama_cpp_python()
+    if llama:
+        anchor = _LlamaCpp(llama, spec["model"], spec["threads"])
+        workers["llama.cpp (same GGUF)"] = (anchor, anchor)
+        rows["llama.cpp (same GGUF)"] = {"engine": anchor.ready}
+    try:
+        _ttft_rounds(rows, workers, list(workers), _ttft_prompts(spec["workload"], args.ttft_repeats + 1))
+    finally:
+        for conn in [workers[name][0] for name in TTFT_ENGINES] + [hf_parent] + ([anchor] if llama else []):
+            conn.send(("stop",))
+        for p in procs:
+            p.join(60)
+        if llama:
+            anchor.join(60)
+    for row in rows.values():
+        row["ttft_s"] = {str(n): statistics.median(r["ttft_s"] for r in row.get("ttft_runs", [])
+                                                   if r["prompt_tokens"] == n) for n in TTFT_LENGTHS}
+    return rows
+
+
+def print_ttft(ttft: dict) -> None:
+    print("\ntime to first token, s (median; one prompt, nothing cached)")
+    lengths = list(next(iter(ttft.values()))["ttft_s"])
+    print(f"{'system':<46}" + "".join(f"{n + ' tokens':>14}" for n in lengths))
+    for name, row in ttft.items():
+        print(f"{name:<46}" + "".join(f"{row['ttft_s'][n]:>14.3f}" for n in lengths))
+
+
 # ---------------------------------------------------------------------------------------- parent
 
 
-def run_child(name: str, spec: dict, workdir: Path) -> dict:
-    spec_path = workdir / "spec.json"
-    if not spec_path.exists():
-        spec_path.write_text(json.dumps(spec))
-    result_path = workdir / f"{name}.result.json"
+def run_child(name: str, spec: dict, workdir: Path, tag: str | None = None) -> dict:
+    """Child `name` (a function of child_main) on `spec`; `tag` names a variant's files (hf in bf16)."""
+    spec_path = workdir / f"{tag or name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path = workdir / f"{tag or name}.result.json"
     result_path.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
            "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {tag or name} ...", flush=True)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", name, "--spec", str(spec_path),
                            "--result", str(result_path)], env=env, cwd=ROOT)
@@ -491,7 +590,7 @@ def run_child(name: str, spec: dict, workdir: Path) -> dict:
     result = json.loads(result_path.read_text())
     result["child_wall_s"] = time.perf_counter() - started
     summary = {k: round(v, 2) for k, v in result.items() if k in ("out_tok_s", "decode_tok_s", "wall_s", "load_s")}
-    print(f"[{time.strftime('%H:%M:%S')}] {name} done in {result['child_wall_s']:.0f} s: {summary}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {tag or name} done in {result['child_wall_s']:.0f} s: {summary}", flush=True)
     return result
 
 
@@ -515,6 +614,11 @@ def main() -> None:
     parser.add_argument("--skip-sequential", action="store_true", help="skip hf_sequential (slow: ~10 min for 64)")
     parser.add_argument("--skip-hf", action="store_true", help="kvgate only (no ratios, no cross-check)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--skip-hf-bf16", action="store_true",
+                        help="skip transformers in bfloat16 (static batches and batch-1; fp32 always runs)")
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT rows (128 / 1k / 4k-token prompts)")
+    parser.add_argument("--ttft-only", action="store_true", help="only the TTFT rows")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT rounds, each on every system; median")
     parser.add_argument("--check", type=int, default=4,
                         help="requests cross-checked one at a time by transformers when hf_sequential is skipped")
     parser.add_argument("--b1-prompt", type=int, default=128)
@@ -565,16 +669,32 @@ def main() -> None:
                 "hf_cache_dir": str(workdir / "hf-model")}
         print(f"workload {workload['sha256']}: {n} requests, prompts {sum(map(len, workload['prompts']))} tokens, "
               f"outputs {sum(workload['output_lens'])} tokens; load average {load1:.2f}", flush=True)
+        ttft = None if args.skip_ttft else ttft_phase(args, spec, workdir)
+        if args.ttft_only:
+            report = {"ttft": ttft, "git": git_info(), "machine": machine(load1), "versions": package_versions()}
+            out_path = Path(args.out or ROOT / "bench/results/engine_throughput_ttft.json")
+            print_ttft(ttft)
+            out_path.write_text(json.dumps(report, indent=2))
+            print(f"wrote {out_path}")
+            return
         runs: dict[str, list[dict]] = {"kvgate": [run_child("kvgate", spec, workdir) for _ in range(args.repeats)]}
         runs["kvgate_batch1"] = [run_child("kvgate_batch1", spec, workdir)]
         if not args.skip_hf:
             runs["hf_static16"] = [run_child("hf_static", spec, workdir) for _ in range(args.repeats)]
             runs["hf_batch1"] = [run_child("hf_batch1", spec, workdir)]
+            if not args.skip_hf_bf16:
+                bf16 = {**spec, "hf_dtype": "bfloat16", "check_indices": []}
+                runs["hf_static16_bf16"] = [run_child("hf_static", bf16, workdir, "hf_static_bf16")
+                                            for _ in range(args.repeats)]
+                runs["hf_batch1_bf16"] = [run_child("hf_batch1", bf16, workdir, "hf_batch1_bf16")]
             if not args.skip_sequential:
                 runs["hf_sequential"] = [run_child("hf_sequential", spec, workdir) for _ in range(args.repeats)]
 
     report = summarize(args, workload, model_path, overrides, runs, check_indices, load1)
+    report["ttft"] = ttft
     print_table(report)
+    if ttft:
+        print_ttft(ttft)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
     print(f"wrote {out_path}")
@@ -611,9 +731,12 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
         "hf_static16_out_tok_s": st,
         "hf_sequential_out_tok_s": seq,
         "ratio_vs_hf_static16": ratio(kv, st),
+        "hf_static16_bf16_out_tok_s": med("hf_static16_bf16"),
+        "ratio_vs_hf_static16_bf16": ratio(kv, med("hf_static16_bf16")),
         "ratio_vs_hf_sequential": ratio(kv, seq),
         "hf_static16_computed_tok_s": med("hf_static16", "computed_tok_s"),
-        "wall_s": {s: med(s, "wall_s") for s in ("kvgate", "hf_static16", "hf_sequential") if s in runs},
+        "wall_s": {s: med(s, "wall_s") for s in ("kvgate", "hf_static16", "hf_static16_bf16", "hf_sequential")
+                   if s in runs},
         # kvgate's median run (by output tok/s) under `vllm bench serve --save-result`'s keys.
         "kvgate_vllm_bench_serve": sorted(runs["kvgate"], key=lambda r: r["out_tok_s"])[len(runs["kvgate"]) // 2][
             "vllm_bench_serve"],
@@ -628,6 +751,8 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
             "hf_total_tok_s": med("hf_batch1", "total_tok_s"),
             "kvgate_ttft_s": med("kvgate_batch1", "ttft_s"),
             "hf_ttft_s": med("hf_batch1", "ttft_s"),
+            "hf_bf16_decode_tok_s": med("hf_batch1_bf16", "decode_tok_s"),
+            "hf_bf16_ttft_s": med("hf_batch1_bf16", "ttft_s"),
         },
         "peak_rss_note": "each system in its own process; measurement_phase = peak RSS after load and warm-up "
                          "(VmHWM reset), whole_child includes loading (hf: the first hf child converts the GGUF, the "
@@ -651,11 +776,18 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
                      "prompt_lens": [len(p) for p in workload["prompts"]], "output_lens": workload["output_lens"],
                      "offsets": workload["offsets"], "check_indices": check_indices},
         "git": git_info(),
-        "machine": {"cpus": os.cpu_count(), "load_average_at_start": load1, "load_average_at_end": os.getloadavg()[0]},
+        "machine": machine(load1),
         "python": sys.version.split()[0],
         "versions": package_versions(),
         "runs": {s: [strip_tokens(r) for r in rs] for s, rs in runs.items()},
     }
+
+
+def machine(load1: float) -> dict:
+    from native_backend.model.layers.prefill_matmul import bf16_unit
+
+    return {"cpus": os.cpu_count(), "bf16_matrix_unit": bf16_unit(), "load_average_at_start": load1,
+            "load_average_at_end": os.getloadavg()[0]}
 
 
 def package_versions() -> dict:
@@ -685,6 +817,7 @@ def print_table(r: dict) -> None:
           f"outputs {c['output_len']}; tok/s = OUTPUT tokens per second (warm-up excluded)")
     print(f"{'system':<16}{'out tok/s':>11}{'wall s':>9}{'kvgate x':>10}   peak RSS MiB (measure / whole child)")
     rows = [("kvgate", r["kvgate_out_tok_s"], None), ("hf_static16", r["hf_static16_out_tok_s"], r["ratio_vs_hf_static16"]),
+            ("hf_static16_bf16", r["hf_static16_bf16_out_tok_s"], r["ratio_vs_hf_static16_bf16"]),
             ("hf_sequential", r["hf_sequential_out_tok_s"], r["ratio_vs_hf_sequential"])]
     for name, tps, ratio in rows:
         print(f"{name:<16}{f(tps):>11}{f(r['wall_s'].get(name)):>9}{f(ratio, '.2f'):>10}   {peak(name)}")
@@ -693,6 +826,8 @@ def print_table(r: dict) -> None:
           f"transformers {f(b['hf_decode_tok_s'])} tok/s, ratio {f(b['ratio_decode'], '.2f')}; "
           f"TTFT {f(b['kvgate_ttft_s'], '.3f')} s vs {f(b['hf_ttft_s'], '.3f')} s; "
           f"peak RSS kvgate {peak('kvgate_batch1')}, hf {peak('hf_batch1')}")
+    if b["hf_bf16_decode_tok_s"]:
+        print(f"transformers bf16 batch-1: {f(b['hf_bf16_decode_tok_s'])} tok/s, TTFT {f(b['hf_bf16_ttft_s'], '.3f')} s")
     if r["hf_static16_computed_tok_s"]:
         print(f"hf_static16 including the padding tail: {f(r['hf_static16_computed_tok_s'])} tok/s generated")
     for name, res in r["correctness"].items():

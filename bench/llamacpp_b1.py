@@ -5,6 +5,7 @@
 
 Reads one JSON command per line on stdin, answers one JSON line on stdout:
   {"cmd": "b1", "prompt": [token ids], "new": N} -> {"new_tokens": N, "decode_tok_s": rate}
+  {"cmd": "ttft", "prompt": [token ids]}          -> {"ttft_s": seconds to the first token, "prompt_tokens": n}
   {"cmd": "stop"}                                 -> exits
 The prompt's token ids are the same ones the engines get (the model's own tokenizer, read from the
 GGUF by both). Greedy (top_k 1), EOS not honoured: N tokens are generated. The rate is taken as the
@@ -28,15 +29,24 @@ def decode_rate(llm: Llama, prompt: list[int], new: int) -> dict:
     return {"new_tokens": len(times), "decode_tok_s": rate}
 
 
+def ttft(llm: Llama, prompt: list[int]) -> dict:
+    started = time.perf_counter()
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # the prompt's evaluation, then one token
+        break
+    return {"ttft_s": time.perf_counter() - started, "prompt_tokens": len(prompt)}
+
+
 def main() -> None:
     path, threads = sys.argv[1], int(sys.argv[2])
-    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    # n_ctx: a 4,096-token TTFT prompt and its first token
+    llm = Llama(model_path=path, n_ctx=8192, n_threads=threads, n_threads_batch=threads, verbose=False)
     print(json.dumps({"ready": True, "threads": threads}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "stop":
             return
-        print(json.dumps(decode_rate(llm, cmd["prompt"], cmd["new"])), flush=True)
+        answer = ttft(llm, cmd["prompt"]) if cmd["cmd"] == "ttft" else decode_rate(llm, cmd["prompt"], cmd["new"])
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_QUANTIZATIONS = ("none", "awq", "gguf")  # float (or AWQ detected) | AWQ int4 required | GGUF Q4 kept int4
+# Prefill chunks' matrix products: auto (bf16 for int4 linears where the CPU has AMX / AVX512_BF16
+# and it measures faster) | fp32 | bf16 (model/layers/prefill_matmul.py).
+PREFILL_MATMULS = ("auto", "fp32", "bf16")
+# An int4 model's LM head on the CPU: auto (int8 where it measurably helps) | int8 (a copy, a scale per
+# vocabulary row) | float (the head as stored).
+LM_HEADS = ("auto", "int8", "float")
 KV_SCALES = ("auto", "calibrate", "unit")  # fp8's per-layer K/V scales: checkpoint else calibration | always calibrate | 1.0
 
 

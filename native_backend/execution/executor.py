@@ -75,7 +75,8 @@ class InProcessExecutor:
         self.device = torch.device(device or mc.device)
         self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels,
                                            shard=shard)
-        self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf")  # GGUF Q4 linears kept int4
+        self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf",  # GGUF Q4 linears kept int4
+                                       int8_head=mc.lm_head != "float").with_prefill_matmul(mc.prefill_matmul)
         self.model = load_model(mc.path, self.ctx)
         self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
         self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx,
@@ -158,7 +159,9 @@ class InProcessExecutor:
         p, mc = self.plan, self.config.model
         fp32_per_token = self.plan.bytes_per_token if self.kv_dtype.name == "float32" else (
             2 * self.model_config.num_layers * self.model_config.num_kv_heads * self.model_config.head_dim * 4)
-        return (f"{mc.path} on {self.device} ({mc.dtype}, {self.model.ctx.kernels}); {describe_weights(self.model)}; "
+        prefill = f"; {self.model.ctx.prefill_note}" if self.model.ctx.prefill_note else ""
+        return (f"{mc.path} on {self.device} ({mc.dtype}, {self.model.ctx.kernels}{prefill}); "
+                f"{describe_weights(self.model)}; "
                 f"KV cache {self.kv_dtype.name} {p.kv_cache_bytes / 2**20:.0f} MiB = "
                 f"{p.num_blocks} blocks x {p.block_size} tokens ({p.bytes_per_token} B/token, "
                 f"{fp32_per_token / p.bytes_per_token:.2f}x the tokens of float32), "

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from native_backend.config.engine import CUDA_RESERVE_BYTES
-from native_backend.config.formats import KV_FORMATS, WEIGHT_FORMATS, KVFormat, WeightFormat
+from native_backend.config.formats import KV_FORMATS, PREFILL_MATMULS, WEIGHT_FORMATS, KVFormat, WeightFormat
 from native_backend.config.model import ModelConfig
 from native_backend.execution.parallel.validate import kv_heads_per_rank, split_problems, valid_tp_sizes
 
@@ -136,6 +136,17 @@ def activation_bytes(config: ModelConfig, fmt: WeightFormat, *, tp: int, tokens:
     return tokens * per_token * fmt.activation_bytes + min(seqs, tokens) * c.vocab_size * LOGITS_BYTES
 
 
+def prefill_copy_bytes(config: ModelConfig, tp: int) -> int:
+    """`prefill_matmul: bf16`'s resident bf16 copy of every decoder linear on one rank
+    (model/layers/prefill_matmul.py): 2 bytes a weight, whatever the weights are stored in."""
+    return 2 * linear_params_per_rank(config, tp)
+
+
+def counts_bf16_prefill(inputs, fmt: WeightFormat) -> bool:
+    """bf16 prefill asked for, or `auto` with int4 weights (where the engine may choose it)."""
+    return inputs.prefill_matmul == "bf16" or (inputs.prefill_matmul == "auto" and fmt.group_size is not None)
+
+
 # ------------------------------------------------------------------------------ the plan
 
 
@@ -156,6 +167,7 @@ class PlanInputs:
     max_num_batched_tokens: int = 512  # the native engine's defaults
     max_num_seqs: int = 32
     gqa: bool = True
+    prefill_matmul: str = "fp32"  # the engine's setting: bf16 (or auto with int4 weights) adds its bf16 copy
 
 
 @dataclass(frozen=True)
@@ -174,7 +186,8 @@ class MemoryPlan:
     kv_heads_per_rank: int
     gpu_memory_bytes: int | None  # None when an explicit KV budget was given
     usable_bytes: int | None
-    weights_bytes: int  # per rank
+    weights_bytes: int  # per rank, bf16 prefill's copy included
+    prefill_copy_bytes: int  # of which bf16 prefill's copy of the linears (0 with fp32 prefill)
     activation_bytes: int
     reserve_bytes: int
     kv_budget_bytes: int
@@ -200,7 +213,8 @@ def make_plan(inputs: PlanInputs, config: ModelConfig) -> MemoryPlan:
                 "KV cache dtype")
     _check_numbers(inputs)
     check_tp(config, inputs.tp, inputs.model, fmt.group_size)
-    weights = weights_bytes_per_rank(config, fmt, inputs.tp)
+    copy = prefill_copy_bytes(config, inputs.tp) if counts_bf16_prefill(inputs, fmt) else 0
+    weights = weights_bytes_per_rank(config, fmt, inputs.tp) + copy
     memory = _gpu_memory(inputs)
     activations = activation_bytes(config, fmt, tp=inputs.tp, tokens=inputs.max_num_batched_tokens,
                                    seqs=inputs.max_num_seqs) if memory else 0
@@ -216,8 +230,8 @@ def make_plan(inputs: PlanInputs, config: ModelConfig) -> MemoryPlan:
     return MemoryPlan(
         inputs=inputs, model=config, weights_format=fmt.name, kv_cache_dtype=kv.name,
         kv_heads_per_rank=kv_heads_per_rank(config.num_kv_heads if inputs.gqa else config.num_heads, inputs.tp),
-        gpu_memory_bytes=memory, usable_bytes=usable, weights_bytes=weights, activation_bytes=activations,
-        reserve_bytes=reserve, kv_budget_bytes=budget, kv_bytes_per_token=per_token,
+        gpu_memory_bytes=memory, usable_bytes=usable, weights_bytes=weights, prefill_copy_bytes=copy,
+        activation_bytes=activations, reserve_bytes=reserve, kv_budget_bytes=budget, kv_bytes_per_token=per_token,
         textbook_kv_bytes_per_token=kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=False),
         real_kv_bytes_per_token=real_per_token, block_size=inputs.block_size, bytes_per_block=per_block,
         num_blocks=budget // per_block, max_model_len=max_len,
@@ -234,6 +248,8 @@ def _check_numbers(inputs: PlanInputs) -> None:
             raise PlanError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not 0 < inputs.memory_fraction <= 1:
         raise PlanError(f"--memory-fraction must be in (0, 1], got {inputs.memory_fraction}")
+    if inputs.prefill_matmul not in PREFILL_MATMULS:
+        raise PlanError(f"--prefill-matmul: {inputs.prefill_matmul!r} is not one of {', '.join(PREFILL_MATMULS)}")
 
 
 def _gpu_memory(inputs: PlanInputs) -> int | None:

@@ -143,6 +143,22 @@ def test_memory_gib_is_the_same_as_a_gpu_of_that_size():
     assert by_size.num_blocks == by_name.num_blocks
 
 
+def test_bf16_prefill_counts_its_copy_of_the_linears_in_the_weights():
+    """2 bytes a decoder-linear weight on each rank: what the engine's prefill_matmul keeps
+    (SmolLM2: 202.5 MiB, the figure the engine's start-up line reports for its copies)."""
+    smol = KNOWN_MODELS["SmolLM2-135M"]
+    base, bf16 = plan("SmolLM2-135M", memory_gib=4, weights="fp32"), \
+        plan("SmolLM2-135M", memory_gib=4, weights="fp32", prefill_matmul="bf16")
+    assert bf16.prefill_copy_bytes == 2 * linear_params_per_rank(smol, 1) == bf16.weights_bytes - base.weights_bytes
+    assert round(bf16.prefill_copy_bytes / MiB, 1) == 202.5 and base.prefill_copy_bytes == 0
+    assert bf16.kv_budget_bytes == base.kv_budget_bytes - bf16.prefill_copy_bytes
+    # auto: counted where the engine may choose bf16 (int4 weights), not for a float model
+    assert plan("Llama-2-7B", gpu="L4", weights="awq-int4", prefill_matmul="auto").prefill_copy_bytes > 0
+    assert plan("Llama-2-7B", gpu="L4", weights="fp16", prefill_matmul="auto").prefill_copy_bytes == 0
+    with pytest.raises(PlanError, match="--prefill-matmul: 'fp16' is not one of auto, fp32, bf16"):
+        plan("Llama-2-7B", gpu="L4", prefill_matmul="fp16")
+
+
 def test_a_model_that_does_not_fit_says_which_tp_would():
     with pytest.raises(PlanError, match="does not fit.*--tp 2 fits"):
         plan(gpu="H100-80G")

@@ -8,7 +8,9 @@ greedy generations, from a cached prefix, and preempted mid-prompt.
 Tolerance: float32 weights (the GGUF dequantized, as transformers does) agree to ~3e-7 per
 component of the unit vector (measured); TOLERANCE leaves room for other CPUs' kernels. The
 default config's int4 linears (quantization: gguf) run the same Q4_1 values in float32
-arithmetic of their own: within 1e-6 (measured), held to the same TOLERANCE.
+arithmetic of their own: within 1e-6 (measured), held to the same TOLERANCE, with prefill in
+float32 (`prefill_matmul: fp32`; where the CPU has bf16 matrix units the default config runs
+prompt chunks in bf16: docs/engine/prefill.md).
 """
 
 import pydoc_data.topics
@@ -135,7 +137,7 @@ def test_mean_pooling_preempted_mid_prompt_starts_over_and_is_right(engine_facto
 
 def test_int4_linears_pool_close_to_the_dequantized_reference(engine_factory, prompts, hidden_states):
     """The default config's engine (quantization: gguf): the same vectors, to int4 arithmetic."""
-    int4 = engine_factory(quantization="gguf")
+    int4 = engine_factory(quantization="gguf", prefill_matmul="fp32")
     done = run_all(int4, [EngineRequest(f"{p}{i}", prompt, pooling=p) for i, prompt in enumerate(prompts)
                           for p in ("last", "mean")])
     for i in range(len(prompts)):

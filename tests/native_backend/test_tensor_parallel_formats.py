@@ -59,8 +59,10 @@ def test_awq_int4_checkpoint_on_three_ranks_gives_one_ranks_greedy_tokens(tmp_pa
     prompts = smollm2_prompts(Tokenizer.from_pretrained(awq, cache_dir=tmp_path))
 
     def engine(tp: int) -> OutputProcessor:
+        # fp32 prefill: bf16's would round each rank's partial sums before the all-reduce (prefill_matmul)
         return make_engine_core(EngineConfig.build(path=awq, tokenizer_cache_dir=str(tmp_path), num_threads=1,
-                                            tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8))
+                                            tensor_parallel_size=tp, kv_cache_bytes=64 << 20, max_num_seqs=8,
+                                            prefill_matmul="fp32"))
 
     one = engine(1)
     expected = greedy_tokens(one, prompts, 32)

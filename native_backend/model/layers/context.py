@@ -6,6 +6,8 @@
     LayerContext.for_device("cuda", torch.bfloat16)          dense linears, Triton attention
     ctx.with_quantization(QuantConfig(group_size=64))        int4 AWQ linears (an AWQ checkpoint)
     dataclasses.replace(ctx, gguf_q4=True)                   a GGUF's Q4_0 / Q4_1 linears kept int4
+    ctx.with_prefill_matmul("auto")                          prefill chunks in bf16 where it pays
+                                                             (layers/prefill_matmul.py)
 
 Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
 after loading.
@@ -20,7 +22,8 @@ import torch
 
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import AttentionBackend, get_attention_backend
-from native_backend.model.layers.linear import C_KERNEL, DENSE, LinearMethod
+from native_backend.model.layers import prefill_matmul
+from native_backend.model.layers.linear import C_KERNEL, DENSE, CKernelMethod, LinearMethod, with_bf16_prefill
 from native_backend.model.layers.ops import TORCH_OPS, TorchOps
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
 from native_backend.model.quantization.format import QuantConfig
@@ -39,6 +42,8 @@ class LayerContext:
     head_method: LinearMethod | None = None  # the LM head's, when not linear_method (int4 models)
     int8_head: bool = True  # int4 models with the C kernels: logits from an int8 copy of the head
     gguf_q4: bool = False  # a GGUF's Q4_0 / Q4_1 linears run packed by the int4 method (else made float)
+    prefill_matmul: str = "fp32"  # the setting (auto | fp32 | bf16); resolved for float and int4 linears
+    prefill_note: str = ""  # what it resolved to, for the start-up line
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -54,6 +59,17 @@ class LayerContext:
             return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)")
         return _cpu_context(device, dtype, attention, shard)
 
+    def with_prefill_matmul(self, setting: str) -> LayerContext:
+        """This context with prefill's matrix products as `setting` says (prefill_matmul.resolve):
+        float linears decided here (their twin that runs prefill chunks in bf16, the LM head kept
+        on the float32 path), int4 ones by with_quantization once the checkpoint's format is known."""
+        bf16, note = prefill_matmul.resolve(setting, device=self.device, dtype=self.dtype, int4=False)
+        ctx = dataclasses.replace(self, prefill_matmul=setting, prefill_note=note)
+        if not bf16:
+            return ctx
+        return dataclasses.replace(ctx, linear_method=with_bf16_prefill(self.linear_method),
+                                   head_method=self.head_method or self.linear_method)
+
     def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
         """This context for a checkpoint quantized as `quant` (None: float, unchanged): the decoder's
         linears int4 AWQ (the C kernel where this context runs C-kernel linears), the LM head kept
@@ -64,13 +80,14 @@ class LayerContext:
             return self
         from native_backend.model.quantization.method import Int8HeadMethod, int4_method  # imports layers.linear
 
-        kernel = self.linear_method is C_KERNEL and cpu_kernels.int4_available()
-        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda")
+        kernel = isinstance(self.linear_method, CKernelMethod) and cpu_kernels.int4_available()
+        bf16, note = prefill_matmul.resolve(self.prefill_matmul, device=self.device, dtype=self.dtype, int4=True)
+        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda", prefill_bf16=bf16)
         int8_head = self.int8_head and self.device.type == "cpu" and self.dtype == torch.float32
-        head = Int8HeadMethod(kernel=kernel) if int8_head else self.linear_method
+        head = Int8HeadMethod(kernel=kernel) if int8_head else self.head_method or self.linear_method
         fuse = self.fuse_decode and kernel
         kernels = self.kernels if fuse else self.kernels.replace(", one-call decode steps", "")
-        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse,
+        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse, prefill_note=note,
                                    kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
 
 

@@ -3,6 +3,8 @@ a *shard spec* says which part of the full matrix this rank holds.
 
     method (how):   DenseMethod   F.linear (MKL on the CPU, cuBLAS on CUDA)
                     CKernelMethod kvgate's C kernel for a few rows (decode), F.linear beyond
+                    either with prefill_bf16: prefill-sized chunks in bf16 from a bf16 copy of the
+                    weight (layers/prefill_matmul.py)
                     AWQLinearMethod (quantization/method.py): packed int4 qweight/qzeros/scales
     shard (which):  ColumnParallelLinear  output rows split:  W[rank*n/size : (rank+1)*n/size, :]
                     RowParallelLinear     input columns split: W[:, rank*k/size : (rank+1)*k/size],
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from native_backend.kernels import cpu_kernels
+from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.sharding import ShardSpec, default_weight_loader
 
 # Rows up to which the C kernel beats MKL on the 2-core AVX2 box we measure on: 1.4-3x at 1-64
@@ -45,9 +48,13 @@ class LinearMethod:
 
 
 class DenseMethod(LinearMethod):
-    """A float weight (out, in) in the model's dtype, applied with F.linear."""
+    """A float weight (out, in) in the model's dtype, applied with F.linear; with `prefill_bf16`,
+    prefill-sized chunks multiply a bf16 copy of it (made once after loading: 2 bytes a weight)."""
 
     name = "dense"
+
+    def __init__(self, *, prefill_bf16: bool = False):
+        self.prefill_bf16 = prefill_bf16
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         layer.register_parameter("weight", nn.Parameter(
@@ -55,8 +62,14 @@ class DenseMethod(LinearMethod):
         layer.register_parameter("bias", nn.Parameter(
             torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None)
 
+    def process_weights_after_loading(self, layer):
+        if self.prefill_bf16:
+            prefill_matmul.keep_bf16_copy(layer, layer._parameters["weight"])
+
     def apply(self, layer, x):
         params = layer._parameters  # one dict read; `layer.weight` goes through nn.Module.__getattr__
+        if self.prefill_bf16 and prefill_matmul.takes(x):
+            return prefill_matmul.linear(x, layer, params["bias"])
         return F.linear(x, params["weight"], params["bias"])
 
 
@@ -72,6 +85,8 @@ class CKernelMethod(DenseMethod):
     def apply(self, layer, x):
         params = layer._parameters
         w, b = params["weight"], params["bias"]
+        if self.prefill_bf16 and prefill_matmul.takes(x):  # before the kernel: bf16 wins from its rows on
+            return prefill_matmul.linear(x, layer, b)
         if _kernel_fits(x, w, b):
             return cpu_kernels.linear_unchecked(x, w, b)
         return F.linear(x, w, b)
@@ -87,6 +102,13 @@ def _kernel_fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bo
 
 DENSE = DenseMethod()
 C_KERNEL = CKernelMethod()
+DENSE_BF16_PREFILL = DenseMethod(prefill_bf16=True)
+C_KERNEL_BF16_PREFILL = CKernelMethod(prefill_bf16=True)
+
+
+def with_bf16_prefill(method: LinearMethod) -> LinearMethod:
+    """The float method that runs prefill-sized chunks in bf16 (a DENSE or C_KERNEL in, its twin out)."""
+    return C_KERNEL_BF16_PREFILL if isinstance(method, CKernelMethod) else DENSE_BF16_PREFILL
 
 
 class LinearBase(nn.Module):

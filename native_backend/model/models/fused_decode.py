@@ -27,7 +27,7 @@ import torch
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import cpu as cpu_attention
 from native_backend.model.layers.cpu_ops import check_positions
-from native_backend.model.layers.linear import C_KERNEL, KERNEL_MAX_ROWS
+from native_backend.model.layers.linear import KERNEL_MAX_ROWS, CKernelMethod
 from native_backend.model.quantization.method import AWQLinearMethod
 
 _f32p, _i64p, _i64, _f32 = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -44,7 +44,7 @@ class _Linear(ctypes.Structure):
     @classmethod
     def of(cls, proj) -> _Linear:
         b = proj.bias.data_ptr() if proj.bias is not None else None
-        if proj.method is C_KERNEL:
+        if isinstance(proj.method, CKernelMethod):
             return cls(proj.weight.data_ptr(), b, proj.out_features, proj.in_features)
         p = proj._parameters  # int4: qzeros (AWQ) or offsets (GGUF Q4), checked by _fits
         ptr = lambda name: p[name].data_ptr() if name in p else None  # noqa: E731
@@ -143,7 +143,7 @@ def _tensors(model, layers) -> list[torch.Tensor | None]:
         if not kv.dtype.quantized:  # float32 caches are read as floats; quantized ones are checked on their own
             tensors += [kv.key, kv.value]
         for proj in _projections(layer):
-            tensors += [proj.bias] + ([proj.weight] if proj.method is C_KERNEL else [])
+            tensors += [proj.bias] + ([proj.weight] if isinstance(proj.method, CKernelMethod) else [])
     return tensors
 
 
@@ -162,8 +162,9 @@ def _fits(model, layers, tensors) -> bool:
                                           for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     projections = [proj for layer in layers for proj in _projections(layer)]
     rotary = model.model.rotary_emb
-    return (len(norms_eps) == 1 and all(p.in_features % 8 == 0 and (p.method is C_KERNEL or _int4_fits(p))
-                                        for p in projections)
+    return (len(norms_eps) == 1
+            and all(p.in_features % 8 == 0 and (isinstance(p.method, CKernelMethod) or _int4_fits(p))
+                    for p in projections)
             and cpu_kernels.readable(*tensors, rotary.cos, rotary.sin, dtype=torch.float32))
 
 

@@ -9,7 +9,10 @@ float copy of the weight.
                      the CPU; the Triton kernel (triton_int4.py, both variants) on CUDA (not yet run
                      on a GPU: tested under TRITON_INTERPRET=1); otherwise the reference: dequantize
                      then matmul. Like vLLM's AWQ path, a long prefill chunk pays for one transient
-                     dequantized matrix and gets a BLAS GEMM for it.
+                     dequantized matrix and gets a BLAS GEMM for it. With `prefill_bf16`, a
+                     prefill-sized chunk goes first to a bf16 GEMM over a bf16 copy of the
+                     dequantized weight, made once after loading (layers/prefill_matmul.py: 2 bytes
+                     a weight resident, beside the packed 0.5-0.6)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from native_backend.kernels import cpu_kernels
+from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.linear import DenseMethod, LinearMethod
 from native_backend.model.quantization import reference
 from native_backend.model.quantization.format import PACK, valid_group_sizes
@@ -33,10 +37,11 @@ class AWQLinearMethod(LinearMethod):
 
     label = "int4 AWQ"  # the format, in names and load errors
 
-    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False):
+    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, prefill_bf16: bool = False):
         self.group_size = group_size
         self.kernel = kernel  # the C kernel for few rows (CPU, where it builds)
         self.triton = triton  # the Triton kernel (CUDA)
+        self.prefill_bf16 = prefill_bf16  # prefill-sized chunks: a bf16 GEMM over a bf16 copy of the weight
         how = "Triton" if triton else "C kernel" if kernel else "torch reference"
         self.name = f"{self.label} g{group_size} ({how})"
 
@@ -65,12 +70,21 @@ class AWQLinearMethod(LinearMethod):
         if not torch.isfinite(scales).all():
             raise ValueError(f"int4 AWQ: a layer of {layer.full_in_features} -> {layer.full_out_features} "
                              "has non-finite scales")
+        if self.prefill_bf16:
+            prefill_matmul.keep_bf16_copy(layer, self.dequantized(layer).t())  # (out, in)
+
+    def dequantized(self, layer) -> torch.Tensor:
+        """(in, out) float32: the reference's reading of the packed weight."""
+        p = layer._parameters
+        return reference.dequantize(p["qweight"], p["qzeros"], p["scales"])
 
     def apply(self, layer, x):
         p = layer._parameters
         qweight, qzeros, scales, bias = p["qweight"], p["qzeros"], p["scales"], p["bias"]
         rows = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        if self.kernel and _kernel_fits(rows, bias):
+        if self.prefill_bf16 and prefill_matmul.takes(rows):
+            y = prefill_matmul.linear(rows, layer, bias)
+        elif self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_unchecked(rows, qweight, qzeros, scales, bias)
         elif self.triton and rows.is_cuda:
             from native_backend.model.quantization import triton_int4  # imports triton: CUDA only
@@ -93,9 +107,10 @@ class Int4OffsetMethod(AWQLinearMethod):
     Applied as the zero-point method is: the C kernel (kvgate_int4_linear_off_f32) on the CPU, the
     Triton kernel's offset variant (triton_int4.int4_linear_offset) on CUDA, else the reference."""
 
-    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, source: str = "GGUF Q4"):
+    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, prefill_bf16: bool = False,
+                 source: str = "GGUF Q4"):
         self.label = f"int4 {source}"
-        super().__init__(group_size, kernel=kernel, triton=triton)
+        super().__init__(group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16)
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         super().create_weights(layer, out_features, in_features, bias, dtype, device)
@@ -105,16 +120,22 @@ class Int4OffsetMethod(AWQLinearMethod):
         layer.register_parameter("offsets", offsets)
 
     def process_weights_after_loading(self, layer):
-        super().process_weights_after_loading(layer)
         if not torch.isfinite(layer._parameters["offsets"]).all():
             raise ValueError(f"int4 GGUF: a layer of {layer.full_in_features} -> {layer.full_out_features} "
                              "has non-finite offsets")
+        super().process_weights_after_loading(layer)
+
+    def dequantized(self, layer) -> torch.Tensor:
+        p = layer._parameters
+        return reference.dequantize_offset(p["qweight"], p["offsets"], p["scales"])
 
     def apply(self, layer, x):
         p = layer._parameters
         qweight, offsets, scales, bias = p["qweight"], p["offsets"], p["scales"], p["bias"]
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernel and _kernel_fits(rows, bias):
+        if self.prefill_bf16 and prefill_matmul.takes(rows):
+            y = prefill_matmul.linear(rows, layer, bias)
+        elif self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_off_unchecked(rows, qweight, offsets, scales, bias)
         elif self.triton and rows.is_cuda:
             from native_backend.model.quantization import triton_int4  # imports triton: CUDA only
@@ -125,12 +146,12 @@ class Int4OffsetMethod(AWQLinearMethod):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def int4_method(quant, *, kernel: bool, triton: bool) -> AWQLinearMethod:
+def int4_method(quant, *, kernel: bool, triton: bool, prefill_bf16: bool = False) -> AWQLinearMethod:
     """The int4 method of a QuantConfig: AWQ's zero points, or GGUF Q4's offsets ("gguf Q4_1")."""
     if quant.quant_method.startswith("gguf"):
-        return Int4OffsetMethod(quant.group_size, kernel=kernel, triton=triton,
+        return Int4OffsetMethod(quant.group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16,
                                 source=quant.quant_method.replace("gguf", "GGUF"))
-    return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton)
+    return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16)
 
 
 def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -142,14 +163,25 @@ def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def describe_weights(model) -> str:
     """The start-up line's weights: resident bytes, and the linears' format when int4."""
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *_weight_buffers(model)))
+    copies = _copies_mib(model)
     awq = [m for m in model.modules() if isinstance(getattr(m, "method", None), AWQLinearMethod)]
     if not awq:
-        return f"weights {total / 2**20:.0f} MiB"
+        return f"weights {total / 2**20:.0f} MiB" + (f" ({copies.lstrip(', ')})" if copies else "")
     packed = sum(p.numel() * p.element_size() for m in awq for p in m.parameters())
-    head = f", the head's int8 copy {sum(b.numel() for b in _weight_buffers(model)) / 2**20:.0f} MiB" \
-        if _weight_buffers(model) else ""
     return (f"weights {total / 2**20:.0f} MiB ({len(awq)} linears {awq[0].method.name}: {packed / 2**20:.0f} MiB; "
-            f"embedding, norms and head in {model.ctx.dtype}{head})".replace("torch.", ""))
+            f"embedding, norms and head in {model.ctx.dtype}{copies})".replace("torch.", ""))
+
+
+def _copies_mib(model) -> str:
+    """", the head's int8 copy 27 MiB, bf16 prefill copies of the linears 202 MiB" (those present)."""
+    named = {"weight_int8": "the head's int8 copy", "weight_scale": "the head's int8 copy",
+             "weight_bf16": "bf16 prefill copies of the linears"}
+    sizes: dict[str, int] = {}
+    for name, b in model.named_buffers():
+        label = named.get(name.rsplit(".", 1)[-1])
+        if label:
+            sizes[label] = sizes.get(label, 0) + b.numel() * b.element_size()
+    return "".join(f", {label} {n / 2**20:.0f} MiB" for label, n in sizes.items())
 
 
 def weights_format(model) -> str:
@@ -162,9 +194,9 @@ def weights_format(model) -> str:
 
 
 def _weight_buffers(model) -> list[torch.Tensor]:
-    """Weights held as buffers (the int8 copy of an int4 model's head); a tied head's float weight
-    is the embedding's and counted once with the parameters."""
-    return [b for name, b in model.named_buffers() if name.endswith(("weight_int8", "weight_scale"))]
+    """Weights held as buffers (the int8 copy of an int4 model's head, bf16 prefill's copies of the
+    linears); a tied head's float weight is the embedding's and counted once with the parameters."""
+    return [b for name, b in model.named_buffers() if name.endswith(("weight_int8", "weight_scale", "weight_bf16"))]
 
 
 class Int8HeadMethod(DenseMethod):

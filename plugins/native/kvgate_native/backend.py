@@ -22,12 +22,10 @@ import json
 import logging
 import os
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import (
-    TRANSFER_PARAMS, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
+    Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
     LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import BackendError, InvalidRequestError, Overloaded
@@ -156,26 +154,19 @@ class NativeSettings(BaseModel):
                               "stored; an AWQ checkpoint is detected from its config.json, a GGUF is dequantized "
                               "to dtype), awq (an AWQ int4 directory is required, e.g. from `kvgate quantize`) or "
                               "gguf (a GGUF whose decoder linears are Q4_0 / Q4_1 runs them as stored, int4).")
+    prefill_matmul: str = Field("auto", description="CPU: the matrix products of prompt chunks (64 rows or more) "
+                                "in bf16 from a bf16 copy of each linear (2 bytes a weight), fp32 accumulation, "
+                                "or in fp32; auto: bf16 for int4 linears on a CPU with AMX or AVX512_BF16 where a "
+                                "start-up probe measures it faster (auto | fp32 | bf16). Decode keeps its kernels.")
+    lm_head: str = Field("auto", description="CPU, int4 models: logits from an int8 copy of the LM head (a scale "
+                         "per vocabulary row) or from the float head; auto: int8 where it measurably helps "
+                         "(auto | int8 | float).")
     speculative: SpeculativeSettings | None = Field(None, description="Speculative decoding; off when absent.")
     prefix_hash_seed: str = Field("0", description="Seed of the prefix cache's chained block hashes (vLLM's "
                                   "sha256_cbor with PYTHONHASHSEED=this): equal prefixes get equal hashes on "
                                   "every engine with the same seed and block_size.")
     kv_events: KVEventsSettings | None = Field(None, description="Publish KV events (blocks stored/evicted) "
                                                "in vLLM's format over ZMQ; off when absent.")
-    kv_role: Literal["producer", "consumer", "both"] | None = Field(
-        None, description="Prefill/decode disaggregation (vLLM's kv_role): producer computes prompts and serves "
-        "their KV blocks to decode engines over TCP; consumer reads them before decoding; both: either, per "
-        "request. Off when absent. Not with tensor_parallel_size > 1.")
-    kv_transfer_host: str = Field("127.0.0.1", description="Producer: the address its KV block server binds "
-                                  "(0.0.0.0 or :: for every interface).")
-    kv_transfer_port: int = Field(0, description="Producer: the KV block server's port; 0: one the system picks.")
-    kv_transfer_advertise_host: str | None = Field(
-        None, description="Producer: the host decode engines are told to read from (remote_host); default: "
-        "kv_transfer_host, or loopback when that is a wildcard.")
-    kv_transfer_timeout_s: float = Field(30.0, description="Consumer: seconds a read of a prompt's blocks may go "
-                                         "without progress; then the prompt is recomputed (counted).")
-    kv_hold_timeout_s: float = Field(120.0, description="Producer: seconds a finished prefill's blocks wait for "
-                                     "a decode engine to read them before they are freed.")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -322,7 +313,6 @@ class NativeBackend:
             priority=request.priority,
             trace_context=dict(request.trace_context),
             grammar=_constraint(request),
-            kv_transfer_params=request.extra.get(TRANSFER_PARAMS),
         )
         want_logprobs = request.sampling.logprobs is not None
         parser = None
@@ -538,7 +528,6 @@ def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = Fa
     return TokenEvent(
         text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=logprobs,
         finish_reason=out.finish_reason, usage=usage, timings=out.timings,
-        kv_transfer_params=out.kv_transfer_params,
     )
 
 

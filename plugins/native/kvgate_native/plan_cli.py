@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of GPU memory the engine may use")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens one step computes")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences one step samples")
+    parser.add_argument("--prefill-matmul", default="fp32", choices=mp.PREFILL_MATMULS,
+                        help="the engine's prefill_matmul: bf16 (or auto with int4 weights) counts its bf16 copy "
+                             "of the decoder's linears in the weights")
     parser.add_argument("--no-gqa", action="store_true",
                         help="the textbook 2 x layers x hidden x bytes per token: every query head its own K/V")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -65,7 +68,8 @@ def _inputs(args: argparse.Namespace) -> mp.PlanInputs:
         model=args.model, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, gpu=args.gpu,
         memory_gib=args.memory_gib, kv_cache_gib=args.kv_cache_gib, tp=args.tp,
         max_model_len=args.max_model_len, block_size=args.block_size, memory_fraction=args.memory_fraction,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, gqa=not args.no_gqa)
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, gqa=not args.no_gqa,
+        prefill_matmul=args.prefill_matmul)
 
 
 # ------------------------------------------------------------------------------ the text table
@@ -86,8 +90,9 @@ def _model_line(plan: mp.MemoryPlan) -> str:
 
 def _budget_lines(plan: mp.MemoryPlan) -> list[str]:
     p, rank = plan, " per rank" if plan.inputs.tp > 1 else ""
+    copy = f", of which the bf16 prefill copy {B(p.prefill_copy_bytes)}" if p.prefill_copy_bytes else ""
     lines = [_row("weights", p.weights_format, f"{B(p.weights_bytes)} ({p.weights_bytes / 1e9:.1f} GB){rank}"
-                  + (f", tp {p.inputs.tp}" if rank else "")),
+                  + (f", tp {p.inputs.tp}" if rank else "") + copy),
              _row("KV cache", p.kv_cache_dtype, f"{B(p.kv_bytes_per_token)}/token{rank} = {_kv_formula(p)}")]
     if p.usable_bytes is not None:
         gpu = p.inputs.gpu or f"{p.inputs.memory_gib:g} GiB"
