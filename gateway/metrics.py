@@ -15,7 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -130,6 +130,7 @@ class _LiveCollector:
         yield from _deployment_gauges(state.registry)
         yield from _engine_metrics(state.registry)
         yield from _spec_decode_metrics(state.registry)
+        yield from _kv_transfer_metrics(state.registry)
         yield from _cache_config_info(state.registry)
         yield from _restart_counters(state.registry)
         yield from _kv_index_metrics(state.registry)
@@ -316,6 +317,67 @@ SPEC_DECODE_SERIES = (
      "Draft tokens accepted (not counting the token the target adds).", "spec_decode_num_accepted_tokens"),
 )
 SPEC_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos_pos_"  # + j, flattened by the native plugin
+
+
+# Prefill/decode disaggregation in the engines (kv_role): (our name, help, kind, key in extra)
+KV_TRANSFER_SERIES = (
+    ("kvgate_engine_kv_transfers", "Consumer: reads of a producer's KV blocks completed.", "counter", "kv_transfers"),
+    ("kvgate_engine_kv_transfer_failures", "Consumer: reads of a producer's KV blocks that failed (refused, timed "
+     "out, producer gone): the prompt was recomputed.", "counter", "kv_transfer_failures"),
+    ("kvgate_engine_kv_transfer_tokens", "Consumer: prompt tokens whose KV was read from producers.", "counter",
+     "kv_transfer_tokens"),
+    ("kvgate_engine_requests_waiting_for_remote_kv", "Consumer: requests admitted and reading their prompt's KV.",
+     "gauge", "num_waiting_for_remote_kv"),
+    ("kvgate_engine_kv_blocks_held", "Producer: KV blocks of finished prefills held for decode engines.", "gauge",
+     "kv_blocks_held"),
+    ("kvgate_engine_kv_transfers_served", "Producer: reads of held blocks served.", "counter", "kv_transfers_served"),
+    ("kvgate_engine_kv_transfers_refused", "Producer: reads refused (stale or forged params: unknown request, "
+     "block ids or hashes, another engine's id, another KV layout).", "counter", "kv_transfers_refused"),
+    ("kvgate_engine_kv_holds_expired", "Producer: held blocks freed unread (kv_hold_timeout_s, or for room).",
+     "counter", "kv_holds_expired"),
+)
+KV_TRANSFER_HISTOGRAMS = (  # (name, help, key of the sum; + _histogram_pos_j counts, _buckets_pos_j bounds)
+    ("kvgate_engine_kv_transfer_bytes", "Consumer: bytes of each completed read of a prompt's KV.", "kv_transfer_bytes"),
+    ("kvgate_engine_kv_transfer_seconds", "Consumer: duration of each completed read of a prompt's KV.",
+     "kv_transfer_seconds"),
+)
+
+
+def _kv_transfer_metrics(registry):
+    """Only engines with a KV connector (their stats carry its histograms' bounds) appear here."""
+    engines = []
+    for d in registry.deployments():
+        if d.started:
+            load = d.backend.load()
+            if "kv_transfer_bytes_buckets_pos_0" in load.extra:
+                engines.append((d, load.extra))
+    for name, help_text, kind, key in KV_TRANSFER_SERIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, help_text, labels=["model", "deployment"])
+        for d, extra in engines:
+            family.add_metric([d.model, d.name], extra.get(key, 0.0))
+        yield family
+    for name, help_text, key in KV_TRANSFER_HISTOGRAMS:
+        family = HistogramMetricFamily(name, help_text, labels=["model", "deployment"])
+        for d, extra in engines:
+            family.add_metric([d.model, d.name], _cumulative_buckets(extra, key), extra.get(key, 0.0))
+        yield family
+
+
+def _cumulative_buckets(extra: dict, key: str) -> list[tuple[str, float]]:
+    """An engine's histogram (counts per bucket, flattened as <key>_histogram_pos_j, with the
+    bounds as <key>_buckets_pos_j) as Prometheus' cumulative (le, count) pairs, +Inf last."""
+    bounds, counts, j = [], [], 0
+    while f"{key}_buckets_pos_{j}" in extra:
+        bounds.append(extra[f"{key}_buckets_pos_{j}"])
+        j += 1
+    for j in range(len(bounds) + 1):
+        counts.append(extra.get(f"{key}_histogram_pos_{j}", 0.0))
+    running, pairs = 0.0, []
+    for bound, count in zip([*map(repr, bounds), "+Inf"], counts):
+        running += count
+        pairs.append((bound, running))
+    return pairs
 
 
 def _spec_decode_metrics(registry):

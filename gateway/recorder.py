@@ -181,18 +181,21 @@ def _response_attributes(request_id, model, usage, finish_reasons) -> dict:
 
 
 ENGINE_PHASES = (("engine.queued", "arrived", "scheduled"), ("engine.prefill", "scheduled", "first_token"),
-                 ("engine.decode", "first_token", "finished"))
+                 ("engine.decode", "first_token", "finished"),
+                 # a decode engine reading the prompt's KV from a prefill engine (its KV connector)
+                 ("engine.kv_transfer", "kv_transfer_started", "kv_transfer_ended"))
+PHASE_MARKS = frozenset(mark for _, start, end in ENGINE_PHASES for mark in (start, end))
 
 
 def _engine_spans(trace: RequestTrace, parent, timings: dict[str, float]) -> None:
     """Backdated spans from the engine's own clock readings: where the time went inside it.
     Speculative decoding's counters (`spec_*`: drafts, accepted, acceptance) go on the decode
-    span, the others (prefill chunks, preemptions, cached tokens) on the prefill span."""
-    counters = {f"kvgate.engine.{k}": v for k, v in timings.items() if k not in ("arrived", "scheduled", "first_token", "finished")}
-    phase_attributes = {
-        "engine.prefill": {k: v for k, v in counters.items() if not k.startswith("kvgate.engine.spec_")},
-        "engine.decode": {k: v for k, v in counters.items() if k.startswith("kvgate.engine.spec_")},
-    }
+    span, a KV read's (`kv_transfer_*`: tokens, bytes, failed) on the kv_transfer span, the others
+    (prefill chunks, preemptions, cached tokens) on the prefill span."""
+    counters = {f"kvgate.engine.{k}": v for k, v in timings.items() if k not in PHASE_MARKS}
+    own = {"engine.decode": "kvgate.engine.spec_", "engine.kv_transfer": "kvgate.engine.kv_transfer_"}
+    phase_attributes = {name: {k: v for k, v in counters.items() if k.startswith(prefix)} for name, prefix in own.items()}
+    phase_attributes["engine.prefill"] = {k: v for k, v in counters.items() if not k.startswith(tuple(own.values()))}
     for name, start_key, end_key in ENGINE_PHASES:
         start, end = timings.get(start_key), timings.get(end_key)
         if start is None or end is None:

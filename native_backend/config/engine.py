@@ -5,6 +5,7 @@
       cache:       CacheOptions        KV block size, dtype, budget, prefix caching
       scheduler:   SchedulerOptions    batch limits, context length
       parallel:    ParallelOptions     tensor-parallel size, collective timeout
+      transfer:    KVTransferOptions   prefill/decode disaggregation: the KV connector's role and endpoint
       speculative: SpeculativeOptions | None
       kv_events:   KVEventsOptions | None   the prefix cache's changes, published as vLLM's KV events
       grammar:     GrammarOptions      bounds on constrained requests' grammars (the gateway's server.limits)
@@ -123,6 +124,49 @@ class ParallelOptions:
                   collective_timeout_s=self.collective_timeout_s)
 
 
+KV_ROLES = ("producer", "consumer", "both")
+
+
+@dataclass(frozen=True)
+class KVTransferOptions:
+    """Prefill/decode disaggregation (vLLM's kv_transfer_config): what this engine's KV connector
+    does. A producer computes prompts for remote decoders and keeps their blocks until a consumer
+    has read them over TCP (or `kv_hold_timeout_s` frees them); a consumer loads a prompt's blocks
+    from the producer named in a request's kv_transfer_params; both: either, per request."""
+
+    kv_role: str | None = None  # None: no connector; producer | consumer | both
+    # Where a producer serves its blocks (bound); 0.0.0.0 or :: serves every interface.
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0  # 0: a free port the system picks (the answer's remote_port says which)
+    # The host consumers are told to connect to (remote_host); None: kv_transfer_host, or this
+    # machine's loopback when that is a wildcard (a pod sets its own address here).
+    kv_transfer_advertise_host: str | None = None
+    kv_transfer_timeout_s: float = 30.0  # a consumer's read of one prompt's blocks, at most; then it recomputes
+    kv_hold_timeout_s: float = 120.0  # a producer keeps unread blocks this long, then frees them
+
+    def __post_init__(self):
+        if self.kv_role is not None:
+            _one_of("transfer", "kv_role", self.kv_role, KV_ROLES)
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"transfer.kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
+        _positive("transfer", kv_transfer_timeout_s=self.kv_transfer_timeout_s,
+                  kv_hold_timeout_s=self.kv_hold_timeout_s)
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("consumer", "both")
+
+    @property
+    def advertised_host(self) -> str:
+        if self.kv_transfer_advertise_host:
+            return self.kv_transfer_advertise_host
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.kv_transfer_host, self.kv_transfer_host)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
@@ -225,9 +269,22 @@ class EngineConfig:
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    transfer: KVTransferOptions = field(default_factory=KVTransferOptions)
     speculative: SpeculativeOptions | None = None
     kv_events: KVEventsOptions | None = None
     grammar: GrammarOptions = field(default_factory=GrammarOptions)
+
+    def __post_init__(self):
+        if self.transfer.kv_role is None:
+            return
+        # Blocks move rank 0 to rank 0 only: a sharded cache would need every rank's slice moved.
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("transfer.kv_role: prefill/decode disaggregation moves the KV of one rank; it does "
+                             "not run with tensor_parallel_size > 1 yet (use tensor_parallel_size 1, or no kv_role)")
+        # A separate draft model keeps a KV cache of its own that a transfer does not fill.
+        if self.speculative is not None and self.speculative.draft_model is not None:
+            raise ValueError("transfer.kv_role: a speculative draft_model keeps its own KV cache, which remote "
+                             "prefill does not fill; use method ngram or draft_num_layers")
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -254,7 +311,8 @@ class EngineConfig:
                    kv_events=events, grammar=GrammarOptions(**grammar) if isinstance(grammar, dict) else grammar)
 
 
-PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions}
+PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions,
+         "transfer": KVTransferOptions}
 # Flat setting name -> the part it belongs to (names are unique across parts).
 FIELD_PARTS = {f.name: part for part, options in PARTS.items() for f in fields(options)}
 assert len(FIELD_PARTS) == sum(len(fields(options)) for options in PARTS.values()), "a setting name in two parts"

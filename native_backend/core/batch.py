@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from native_backend.core.kv_params import KVLoad
 from native_backend.core.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class SchedulerOutput:
     # (e.g. per-request random generators). Preempted requests are *not* listed: they come back.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Remote KV reads to start (kv_connector): requests admitted to wait for a producer's blocks.
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

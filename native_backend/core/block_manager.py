@@ -128,6 +128,11 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Chained hashes of seq's first `num_blocks` full blocks, prefix caching on or off: what
+        names a block's content across engines with the same seed (kv_connector checks them)."""
+        return list(self._full_block_hashes(seq, num_blocks))
+
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of seq's first `num_blocks` full blocks (memoized on the sequence)."""
         hashes = seq.block_hashes

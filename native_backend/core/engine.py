@@ -26,11 +26,12 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from native_backend.config.engine import EngineConfig
 from native_backend.core.grammars import GrammarService
 from native_backend.core.interface import CoreOutput, EngineError, EngineRequest, EngineStats
+from native_backend.core.kv_connector import KVConnectorScheduler, KVTransferPort
 from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
 from native_backend.core.sequence import FinishReason, Sequence
@@ -50,11 +51,14 @@ class _Milestones:
     scheduled: float | None = None
     first_token: float | None = None
     prefill_chunks: int = 0
+    # A consumer's read of its prompt's KV: "kv_transfer_started", "kv_transfer_ended" (unix s),
+    # "kv_transfer_tokens", "kv_transfer_bytes", "kv_transfer_failed" (1: the prompt was recomputed).
+    kv_transfer: dict[str, float] = field(default_factory=dict)
 
     def timings(self, finished: float, preemptions: int, cached_tokens: int) -> dict[str, float]:
         marks = {"arrived": self.arrived, "scheduled": self.scheduled, "first_token": self.first_token,
                  "finished": finished, "prefill_chunks": self.prefill_chunks, "preemptions": preemptions,
-                 "cached_tokens": cached_tokens}
+                 "cached_tokens": cached_tokens, **self.kv_transfer}
         return {k: float(v) for k, v in marks.items() if v is not None}
 
 
@@ -69,24 +73,30 @@ class _AwaitingGrammar:
 
 
 GRAMMAR_POLL_S = 0.02  # with nothing else to run, how long a step waits for a grammar to finish
+KV_POLL_S = 0.005  # with only remote KV reads in flight, how long a step waits for one to end
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor, kv_events: Callable[[list[KVEvent]], None] | None = None,
                  *, extra_eos_token_ids: Iterable[int] = (),
-                 grammar_compiler: Callable[[int, int | None], GrammarCompiler] | None = None):
+                 grammar_compiler: Callable[[int, int | None], GrammarCompiler] | None = None,
+                 kv_transfer: KVTransferPort | None = None):
         """`executor`: execution.executor.Executor built for `config` (execution.factory.make_executor).
         `kv_events`: where the prefix cache's changes go after each step (process.kv_publisher).
         `extra_eos_token_ids`: ids that also end a request, beyond the model config's (the
         tokenizer's generation_config.json; process.factory reads them). `grammar_compiler(vocab_size,
         eos_token_id)`: builds the compiler of constrained requests' grammars over the engine
-        process's tokenizer (process.factory binds it); None: constrained requests are refused."""
+        process's tokenizer (process.factory binds it); None: constrained requests are refused.
+        `kv_transfer`: the KV connector's worker side (execution.kv_transfer) when the config has a
+        kv_role: prefill/decode disaggregation (core.kv_connector)."""
         self.config = config
         self.executor = executor
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.plan = self.executor.plan
         self.eos_token_ids = tuple(dict.fromkeys([*self.model_config.eos_token_ids, *extra_eos_token_ids]))
+        role = config.transfer.kv_role
+        self.kv = KVConnectorScheduler(role, kv_transfer, config.transfer.kv_hold_timeout_s) if role else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
@@ -97,7 +107,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             prefix_hash_seed=config.cache.prefix_hash_seed,
             record_kv_events=kv_events is not None,
-        ), speculation_policy(config.speculative))
+        ), speculation_policy(config.speculative), self.kv)
         self._milestones: dict[str, _Milestones] = {}
         self._grammar_compiler = grammar_compiler
         self._grammars: GrammarService | None = None  # made on the first constrained request
@@ -123,6 +133,8 @@ class LLMEngine:
         seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority,
                        pooling=request.pooling)
         try:
+            if self.kv is not None:
+                self.kv.mark(seq, request.kv_transfer_params)
             if request.grammar is None:
                 self.scheduler.add(seq)  # the lengths are checked there, once (scheduler.check_request_fits)
             else:
@@ -182,10 +194,19 @@ class LLMEngine:
         """Schedule, execute, update: what each request advanced by, in token ids."""
         started = time.monotonic()
         refused = self._admit_compiled() if self._awaiting else []
+        if self.kv is not None:
+            self._finish_kv_loads()
         if not self.scheduler.has_unfinished():  # only grammars compiling: wait for one, do not spin
             self._wait_for_grammars()
             return refused
         scheduled = self.scheduler.schedule()
+        if scheduled.kv_loads:
+            self._start_kv_loads(scheduled.kv_loads)
+        if scheduled.is_empty:  # only reads of remote KV in flight: wait for one, do not spin
+            self.scheduler.report_again(scheduled.finished_request_ids)
+            if self.kv is not None:
+                self.kv.port.wait(KV_POLL_S)
+            return refused
         self._note_prefill(scheduled)
         runner_output = self.executor.execute(scheduled)
         results = self.scheduler.update(scheduled, runner_output)
@@ -195,6 +216,38 @@ class LLMEngine:
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
         return outputs
+
+    def _start_kv_loads(self, loads) -> None:
+        now = time.time()
+        for load in loads:
+            self._milestones[load.request_id].kv_transfer["kv_transfer_started"] = now
+        self.kv.port.start_loads(loads)
+
+    def _finish_kv_loads(self) -> None:
+        """Reads that ended: a complete one is copied into its blocks and its request runs on
+        from them; a failed one (refused, timed out, the producer gone) recomputes its prompt."""
+        for result in self.kv.port.take_finished():
+            ok = result.ok
+            if ok and self.scheduler.loading.get(result.load.request_id, (None, None))[1] is result.load:
+                try:
+                    self.kv.port.commit(result)
+                except Exception as exc:  # noqa: BLE001 - a bad payload is that read's failure
+                    ok, result.error = False, f"{type(exc).__name__}: {exc}"
+            if self.scheduler.remote_load_finished(result.load, ok) is None:
+                continue  # the request ended while its blocks were read
+            result.ok = ok
+            self.kv.finished(result)
+            self._note_kv_transfer(result)
+
+    def _note_kv_transfer(self, result) -> None:
+        marks = self._milestones[result.load.request_id].kv_transfer
+        marks["kv_transfer_ended"] = time.time()
+        if result.ok:
+            marks.update(kv_transfer_tokens=result.load.moved_tokens, kv_transfer_bytes=result.nbytes)
+        else:
+            marks["kv_transfer_failed"] = 1
+            log.warning("request %s: reading its prompt's KV from %s:%s failed (%s); recomputing it",
+                        result.load.request_id, result.load.source.host, result.load.source.port, result.error)
 
     def _publish_kv_events(self) -> None:
         if self._kv_events is not None:
@@ -266,6 +319,7 @@ class LLMEngine:
             num_output_tokens=result.num_output_tokens,
             timings=timings,
             embedding=result.embedding,
+            kv_transfer_params=result.kv_transfer_params,
         )
 
     def _failed_alone(self, result: StepResult) -> CoreOutput:
@@ -311,6 +365,7 @@ class LLMEngine:
             kv_clamped_values=clamped_values,
             **engine_stats_fields(s.spec_decode),
             **self._grammar_stats(),
+            **(dict(num_waiting_for_remote_kv=s.num_waiting_for_remote_kv, **self.kv.stats()) if self.kv else {}),
         )
 
     def _grammar_stats(self) -> dict:

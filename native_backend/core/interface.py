@@ -73,6 +73,25 @@ class EngineStats:
     grammar_failures: int = 0
     grammar_compile_seconds: float = 0.0
     num_waiting_for_grammar: int = 0
+    # Prefill/decode disaggregation (core.kv_connector), since start unless said otherwise. A
+    # consumer's reads of producers' blocks: completed, failed (the prompt recomputed), tokens,
+    # bytes and seconds they moved, and completed reads per bucket of BYTES_BUCKETS /
+    # SECONDS_BUCKETS (the last: beyond them). A producer's: blocks held for consumers now, reads
+    # served, reads refused (stale or forged params), holds freed unread.
+    num_waiting_for_remote_kv: int = 0  # now
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_bytes_histogram: tuple[int, ...] = ()
+    kv_transfer_seconds_histogram: tuple[int, ...] = ()
+    kv_transfer_bytes_buckets: tuple[float, ...] = ()  # the histograms' upper bounds
+    kv_transfer_seconds_buckets: tuple[float, ...] = ()
+    kv_blocks_held: int = 0
+    kv_transfers_served: int = 0
+    kv_transfers_refused: int = 0
+    kv_holds_expired: int = 0
 
 
 @dataclass
@@ -90,6 +109,9 @@ class EngineRequest:
     # prefilled like any other, nothing is sampled, its KV is freed at once, and its one output
     # carries the pooled vector (RequestOutput.embedding).
     pooling: str | None = None
+    # vLLM's kv_transfer_params (prefill/decode disaggregation, core.kv_connector): do_remote_decode
+    # (a prefill whose blocks a decode engine will read) or do_remote_prefill and where to read.
+    kv_transfer_params: dict | None = None
 
     def check(self, vocab_size: int) -> None:
         """Refuse (EngineError "invalid") what would fail later inside a batched step, where it
@@ -128,6 +150,7 @@ class CoreOutput:
     timings: dict[str, float] | None = None  # as RequestOutput.timings
     error: EngineError | None = None  # as RequestOutput.error
     embedding: list[float] | None = None  # as RequestOutput.embedding
+    kv_transfer_params: dict | None = None  # as RequestOutput.kv_transfer_params
 
     @property
     def finished(self) -> bool:
@@ -154,6 +177,8 @@ class RequestOutput:
     error: EngineError | None = None
     # A pooling request's one output: its L2-normalised pooled hidden state (finish_reason "stop").
     embedding: list[float] | None = None
+    # On the last output of a prefill for a remote decode: where a consumer reads its blocks.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,12 @@ Pooling requests (embeddings, `Sequence.pooling`) are scheduled like any prompt 
 the budget, preemptible) but never sampled and never speculated on: the step that runs their last
 prompt token ends them with the runner's pooled vector and frees their KV. Mean pooling needs
 every token's hidden state, so it never starts from a cached prefix; last-token pooling does.
+
+Prefill/decode disaggregation (core.kv_connector): a consumer's request with remote KV is admitted
+to WAITING_FOR_REMOTE_KV (blocks allocated past its cached prefix, the read handed to the worker
+in `SchedulerOutput.kv_loads`), never scheduled until its read ends (`remote_load_finished`), so
+the batch runs on meanwhile; a producer's prefill for a remote decode keeps its blocks when it
+ends (`_end`), until its consumer has read them or they expire.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +53,8 @@ import numpy as np
 from native_backend.core.batch import (NO_DRAFTS, DraftCounts, RunnerOutput, SampledLogprobs, ScheduledChunk,
                                        SchedulerOutput)
 from native_backend.core.block_manager import BlockManager
+from native_backend.core.kv_connector import KVConnectorScheduler
+from native_backend.core.kv_params import KVLoad
 from native_backend.core.sequence import FinishReason, Sequence, SequenceStatus
 from native_backend.core.spec_policy import NoSpeculation, SpeculationPolicy
 from native_backend.core.spec_stats import SpecDecodeStats
@@ -137,6 +146,8 @@ class StepResult:
     error: str | None = None  # set when the request failed alone (finish_reason "abort")
     embedding: list[float] | None = None  # a pooling request's vector, on its one (finished) result
     spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: speculation is off)
+    # A prefill for a remote decode that ended holding its blocks: where a consumer reads them.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,6 +163,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int  # total since start
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+    num_waiting_for_remote_kv: int = 0  # admitted, reading their prompt's KV from a producer
 
 
 class WaitingQueue:
@@ -186,6 +198,7 @@ class _StepPlan:
     token_budget: int
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # in schedule order
     preempted: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks[chunk.request_id] = chunk
@@ -199,8 +212,12 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | NoSpeculation | None = None):
+    def __init__(self, config: SchedulerConfig, speculation: SpeculationPolicy | NoSpeculation | None = None,
+                 kv: KVConnectorScheduler | None = None):
         self.config = config
+        self.kv = kv  # prefill/decode disaggregation's connector (None: off)
+        # Requests waiting for a producer's blocks (WAITING_FOR_REMOTE_KV), with their read.
+        self.loading: dict[str, tuple[Sequence, KVLoad]] = {}
         self.speculation = speculation or NoSpeculation()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_hash_seed, config.record_kv_events)
@@ -250,18 +267,26 @@ class Scheduler:
             return False
         if seq in self.running:
             self.running.remove(seq)
-        else:
+        elif self.loading.pop(request_id, None) is None:
             self.waiting.remove(seq)
         self._end(seq, reason)
         return True
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
-        """Every way out of the scheduler passes here: blocks back, runner told next step."""
-        self.block_manager.free(seq)
+        """Every way out of the scheduler passes here: blocks back (or held for a remote
+        decode), runner told next step."""
+        if not self._held_for_remote(seq, reason):
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
         self._ended_since_last_step.append(seq.request_id)
+
+    def _held_for_remote(self, seq: Sequence, reason: FinishReason) -> bool:
+        if self.kv is None or not seq.for_remote_decode:
+            return False
+        full = seq.num_computed_tokens // self.config.block_size
+        return self.kv.hold_for_remote(seq, reason, self.block_manager.block_hashes(seq, full))
 
     def get(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
@@ -287,12 +312,15 @@ class Scheduler:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decode=self.speculation.stats,
+            num_waiting_for_remote_kv=len(self.loading),
         )
 
     # --- batch formation -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Form this step's batch: running requests first, then admissions (module docstring)."""
+        if self.kv is not None:
+            self._free_holds()
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
@@ -303,7 +331,12 @@ class Scheduler:
             chunks=list(plan.chunks.values()),
             finished_request_ids=ended,
             preempted_request_ids=plan.preempted,
+            kv_loads=plan.kv_loads,
         )
+
+    def report_again(self, finished_request_ids: list[str]) -> None:
+        """Ended requests of a step that did not run (nothing to compute): the next step reports them."""
+        self._ended_since_last_step[:0] = finished_request_ids
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         order = self._running_in_step_order()
@@ -374,11 +407,82 @@ class Scheduler:
                 grammar.fill_bitmask(chunk.token_bitmask)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            chunk = self._try_admit(self.waiting.peek(), plan.token_budget)
+        while self.waiting and plan.token_budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq.remote is not None:
+                started = self._start_remote_load(seq, plan)
+                if started is None:
+                    return  # no room for its blocks: nobody overtakes it
+                if started:
+                    continue
+            chunk = self._try_admit(seq, plan.token_budget)
             if chunk is None:
+                if self._room_from_holds():
+                    continue
                 return  # the most important waiting request does not fit: nobody overtakes it
             plan.add(chunk)
+
+    # --- prefill/decode disaggregation (core.kv_connector) -------------------------------------
+
+    def _start_remote_load(self, seq: Sequence, plan: _StepPlan) -> bool | None:
+        """Admit a consumer's request to wait for its prompt's blocks from the producer: blocks
+        allocated for the full blocks past its own cached prefix (always short of the last
+        prompt token, which runs here for its logit), the read handed to the worker. False:
+        nothing worth reading (it is admitted as any request); None: no room yet."""
+        bm, size, source = self.block_manager, self.config.block_size, seq.remote
+        num_cached = bm.get_computed_prefix(seq)
+        produced = source.num_tokens if source.num_tokens is not None else seq.num_prompt_tokens
+        num_blocks = min(len(source.block_ids), (seq.num_prompt_tokens - 1) // size, produced // size)
+        first = num_cached // size
+        if num_blocks <= first:
+            seq.remote = None
+            return False
+        num_tokens = num_blocks * size
+        if not bm.can_allocate(seq, num_tokens - num_cached, num_cached):
+            return None
+        self.waiting.pop()
+        bm.allocate_slots(seq, num_tokens - num_cached, num_cached)
+        seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        load = KVLoad(seq.request_id, source, seq.block_table[first:num_blocks], list(source.block_ids[first:num_blocks]),
+                      bm.block_hashes(seq, num_blocks)[first:], first, num_tokens)
+        self.loading[seq.request_id] = (seq, load)
+        plan.kv_loads.append(load)
+        return True
+
+    def remote_load_finished(self, load: KVLoad, ok: bool) -> Sequence | None:
+        """A read ended: its request runs from the loaded blocks on (they count as computed and
+        enter the prefix cache), or, failed, recomputes its prompt. None: the request ended
+        meanwhile (its blocks are already back)."""
+        entry = self.loading.get(load.request_id)
+        if entry is None or entry[1] is not load:
+            return None
+        seq = entry[0]
+        del self.loading[load.request_id]
+        seq.remote = None
+        if ok:
+            seq.num_computed_tokens = load.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.push(seq)
+        return seq
+
+    def _free_holds(self) -> None:
+        """Blocks a consumer has read, or that waited past their deadline, go back."""
+        for seq in self.kv.held.take_freeable(time.monotonic()):
+            self.block_manager.free(seq)
+
+    def _room_from_holds(self) -> bool:
+        """With nothing running, blocks held for consumers would stall admission until they
+        expire: the oldest hold gives way (its consumer recomputes). True: some were freed."""
+        if self.kv is None or self.running or self.loading or not self.kv.held.evict_oldest():
+            return False
+        self._free_holds()
+        return True
 
     def _try_admit(self, seq: Sequence, token_budget: int) -> ScheduledChunk | None:
         bm = self.block_manager
@@ -460,6 +564,7 @@ class Scheduler:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             spec_decode=self.speculation.request_counts(seq),
+            kv_transfer_params=seq.kv_transfer_params,
         )
 
     def _fail(self, seq: Sequence, error: str) -> StepResult:

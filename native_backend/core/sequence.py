@@ -8,6 +8,9 @@ manager owns its `block_table`. No torch here.
        │              preempt│ re-admit (re-prefills prompt + output so far)
        │                 v  │
        └──abort──   PREEMPTED ──abort──> FINISHED
+       │
+       └─admit (remote prefill)─> WAITING_FOR_REMOTE_KV ──loaded──> RUNNING
+                                     │ failed: blocks freed, back to WAITING (recompute)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Literal
 
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.core.spec_stats import SpecState
+from native_backend.core.kv_params import RemotePrefill
 from native_backend.text.grammar import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -29,6 +33,8 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds KV blocks; scheduled every step until it ends or is preempted
     PREEMPTED = "preempted"  # blocks taken back; waits to recompute its KV from its tokens
     FINISHED = "finished"
+    # Holds blocks for its prompt's KV, read from a prefill engine off the step loop (kv_connector)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
 
 
 @dataclass(eq=False)  # identity semantics: two requests with equal fields are still two requests
@@ -65,6 +71,12 @@ class Sequence:
     # Constrained decoding: where the request stands in its grammar. It has seen every output
     # token (preemption keeps them, so it stays valid through recompute); None: unconstrained.
     grammar: GrammarMatcher | None = None
+    # Prefill/decode disaggregation (core.kv_connector): a consumer reads its prompt's KV from
+    # `remote` before it runs (None once loaded, or when it recomputes); a producer's request
+    # `for_remote_decode` keeps its blocks when it ends and answers `kv_transfer_params`.
+    remote: RemotePrefill | None = None
+    for_remote_decode: bool = False
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

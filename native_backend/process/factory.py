@@ -18,6 +18,7 @@ import time
 from native_backend.config.engine import EngineConfig
 from native_backend.core.engine import LLMEngine
 from native_backend.execution.factory import make_executor
+from native_backend.execution.kv_transfer.connector import make_kv_transfer
 from native_backend.process.kv_publisher import KVEventPublisher
 from native_backend.process.output_processor import OutputProcessor
 from native_backend.text.grammar import GrammarCompiler
@@ -32,9 +33,12 @@ def make_engine_core(config: EngineConfig) -> OutputProcessor:
     executor = make_executor(config, tokenizer)  # its fp8 calibration and draft check use this one too
     # Bound before the engine starts, so a taken port fails start-up (and is reported) at once.
     publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
+    kv_transfer = make_kv_transfer(config.transfer, executor.kv_cache)  # its listener bound here too
     core = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None,
                      extra_eos_token_ids=tokenizer.eos_token_ids,
-                     grammar_compiler=functools.partial(GrammarCompiler, tokenizer))
+                     grammar_compiler=functools.partial(GrammarCompiler, tokenizer), kv_transfer=kv_transfer)
+    if kv_transfer is not None:
+        log.info("KV connector (%s): %s", config.transfer.kv_role, kv_transfer.describe())
     engine = OutputProcessor(core, tokenizer)
     log.info("engine ready in %.1f s: %s", time.monotonic() - started, engine.describe())
     return engine

@@ -113,6 +113,7 @@ class OutputProcessor:
             num_output_tokens=out.num_output_tokens,
             timings=timings,
             embedding=out.embedding,
+            kv_transfer_params=out.kv_transfer_params,
         )
 
     def _logprobs(self, out: CoreOutput) -> list[TokenLogprobs] | None:

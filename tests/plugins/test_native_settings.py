@@ -74,7 +74,9 @@ def _non_default_settings() -> dict:
     return dict(dtype="bfloat16", device="cuda:1", num_threads=3, cpu_kernels=False, block_size=32,
                 kv_cache_dtype="int8", kv_cache_bytes=123 << 20, memory_fraction=0.5, enable_prefix_caching=False,
                 kv_scales="unit", max_num_seqs=7, max_num_batched_tokens=99, max_model_len=777, tensor_parallel_size=1,
-                collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234", prefill_matmul="bf16",
+                collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234", kv_role="both",
+                kv_transfer_host="0.0.0.0", kv_transfer_port=7001, kv_transfer_advertise_host="10.0.0.7",
+                kv_transfer_timeout_s=5.0, kv_hold_timeout_s=60.0, prefill_matmul="bf16",
                 lm_head="float")
 
 
@@ -88,10 +90,19 @@ def test_each_setting_arrives_in_its_part():
 
 
 @pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp4"), ("kv_scales", "guess"), ("block_size", 0),
-                                          ("prefill_matmul", "fp16"), ("lm_head", "int4")])
+                                          ("kv_role", "kv_both"), ("kv_transfer_port", 70000),
+                                          ("kv_hold_timeout_s", 0), ("prefill_matmul", "fp16"), ("lm_head", "int4")])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         NativeSettings(**{field: value})
+
+
+def test_a_kv_role_is_refused_where_its_blocks_could_not_move_whole():
+    with pytest.raises(pydantic.ValidationError, match="kv_role.*tensor_parallel_size > 1"):
+        NativeSettings(kv_role="producer", tensor_parallel_size=2)
+    with pytest.raises(pydantic.ValidationError, match="kv_role.*draft_model"):
+        NativeSettings(kv_role="consumer", speculative={"method": "draft", "draft_model": "default"})
+    assert NativeSettings(kv_role="both", kv_transfer_host="::").engine_config().transfer.advertised_host == "::1"
 
 
 def test_engine_config_parts_validate_themselves():

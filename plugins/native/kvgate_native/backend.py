@@ -22,10 +22,12 @@ import json
 import logging
 import os
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.backend import (
-    Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
+    TRANSFER_PARAMS, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
     LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import BackendError, InvalidRequestError, Overloaded
@@ -167,6 +169,20 @@ class NativeSettings(BaseModel):
                                   "every engine with the same seed and block_size.")
     kv_events: KVEventsSettings | None = Field(None, description="Publish KV events (blocks stored/evicted) "
                                                "in vLLM's format over ZMQ; off when absent.")
+    kv_role: Literal["producer", "consumer", "both"] | None = Field(
+        None, description="Prefill/decode disaggregation (vLLM's kv_role): producer computes prompts and serves "
+        "their KV blocks to decode engines over TCP; consumer reads them before decoding; both: either, per "
+        "request. Off when absent. Not with tensor_parallel_size > 1.")
+    kv_transfer_host: str = Field("127.0.0.1", description="Producer: the address its KV block server binds "
+                                  "(0.0.0.0 or :: for every interface).")
+    kv_transfer_port: int = Field(0, description="Producer: the KV block server's port; 0: one the system picks.")
+    kv_transfer_advertise_host: str | None = Field(
+        None, description="Producer: the host decode engines are told to read from (remote_host); default: "
+        "kv_transfer_host, or loopback when that is a wildcard.")
+    kv_transfer_timeout_s: float = Field(30.0, description="Consumer: seconds a read of a prompt's blocks may go "
+                                         "without progress; then the prompt is recomputed (counted).")
+    kv_hold_timeout_s: float = Field(120.0, description="Producer: seconds a finished prefill's blocks wait for "
+                                     "a decode engine to read them before they are freed.")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -313,6 +329,7 @@ class NativeBackend:
             priority=request.priority,
             trace_context=dict(request.trace_context),
             grammar=_constraint(request),
+            kv_transfer_params=request.extra.get(TRANSFER_PARAMS),
         )
         want_logprobs = request.sampling.logprobs is not None
         parser = None
@@ -528,6 +545,7 @@ def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = Fa
     return TokenEvent(
         text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=logprobs,
         finish_reason=out.finish_reason, usage=usage, timings=out.timings,
+        kv_transfer_params=out.kv_transfer_params,
     )
 
 

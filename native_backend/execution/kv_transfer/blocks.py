@@ -1,0 +1,65 @@
+"""A paged cache's blocks as bytes, in the order they are stored, and back.
+
+    payload = for each layer: K blocks, V blocks        (n, block_size, kv_heads, head_dim), storage dtype
+                              [int8: K scales, V scales  (n, block_size, kv_heads) float32]
+
+fp8's per-layer scales are not in the payload: they are the same for every block, so they travel
+in the layout (`layout()`), and a consumer whose layout differs (another dtype, shape, or fp8
+scales) refuses the read and recomputes instead of misreading the bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from native_backend.model.kv_cache import KVCache, KVLayer
+
+
+def layout(cache: KVCache) -> dict:
+    """What both ends must agree on for the bytes to mean the same KV."""
+    first = cache.layers[0]
+    described = dict(dtype=cache.dtype.name, num_layers=cache.num_layers, block_size=cache.block_size,
+                     num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim)
+    if cache.dtype.scaling == "per_layer":
+        described["scales"] = [[layer.k_scale, layer.v_scale] for layer in cache.layers]
+    elif first.key_scales is not None:
+        described["row_scales"] = True
+    return described
+
+
+def _tensors(layer: KVLayer) -> list[torch.Tensor]:
+    """A layer's per-block tensors, in payload order."""
+    tensors = [layer.key, layer.value]
+    if layer.key_scales is not None:
+        tensors += [layer.key_scales, layer.value_scales]
+    return tensors
+
+
+def block_bytes(cache: KVCache) -> int:
+    """Payload bytes of one block."""
+    return sum(t[0].numel() * t.element_size() for layer in cache.layers for t in _tensors(layer))
+
+
+def read_blocks(cache: KVCache, block_ids: list[int]):
+    """The blocks' bytes, one buffer per tensor (a generator: a producer sends each as it is read)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+    for layer in cache.layers:
+        for tensor in _tensors(layer):
+            rows = tensor.index_select(0, index).contiguous().cpu()
+            yield rows.view(torch.uint8).numpy().data  # fp8 has no numpy dtype: its bytes do
+
+
+def write_blocks(cache: KVCache, block_ids: list[int], payload: bytearray) -> None:
+    """Copy a payload (read_blocks' bytes of len(block_ids) blocks) into `block_ids`."""
+    n = len(block_ids)
+    if len(payload) != n * block_bytes(cache):
+        raise ValueError(f"payload of {len(payload)} bytes for {n} blocks of {block_bytes(cache)}")
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+    raw = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    offset = 0
+    for layer in cache.layers:
+        for tensor in _tensors(layer):
+            target = tensor.view(torch.uint8)  # as bytes: index_copy_ has no fp8 kernels
+            size = n * target[0].numel()
+            target.index_copy_(0, index, raw[offset:offset + size].view(n, *target.shape[1:]).to(cache.device))
+            offset += size

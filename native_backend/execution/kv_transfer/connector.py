@@ -1,0 +1,60 @@
+"""The KV connector's worker side behind the core's KVTransferPort: a producer's server, a
+consumer's loader, or both (kv_role), over this engine's KV cache."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from native_backend.config.engine import KVTransferOptions
+from native_backend.core.kv_connector import HeldBlocks
+from native_backend.core.kv_params import Endpoint, KVLoad
+from native_backend.execution.kv_transfer.blocks import block_bytes, layout, write_blocks
+from native_backend.execution.kv_transfer.loader import KVBlockLoader, LoadOutcome
+from native_backend.execution.kv_transfer.server import KVBlockServer
+from native_backend.model.kv_cache import KVCache
+
+
+class KVConnectorWorker:
+    def __init__(self, options: KVTransferOptions, cache: KVCache):
+        self.cache = cache
+        # A new id per engine process: params from before a restart name an engine that is gone.
+        engine_id = uuid.uuid4().hex
+        self.held = HeldBlocks(engine_id)
+        described = json.loads(json.dumps(layout(cache)))  # as a peer compares it: through JSON
+        self.server = None
+        self.endpoint = None
+        if options.produces:
+            self.server = KVBlockServer(cache, self.held, described, options.kv_transfer_host, options.kv_transfer_port)
+            self.endpoint = Endpoint(engine_id, options.advertised_host, self.server.port)
+        self.loader = KVBlockLoader(described, block_bytes(cache), options.kv_transfer_timeout_s) \
+            if options.consumes else None
+
+    def describe(self) -> str:
+        serving = f"serving KV blocks on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else ""
+        reading = "reading KV blocks from producers" if self.loader else ""
+        return ", ".join(part for part in (serving, reading) if part)
+
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        for load in loads:
+            self.loader.start(load)
+
+    def take_finished(self) -> list[LoadOutcome]:
+        return self.loader.take_finished() if self.loader is not None else []
+
+    def commit(self, result: LoadOutcome) -> None:
+        payload, result.payload = result.payload, None
+        write_blocks(self.cache, result.load.local_block_ids, payload)
+
+    def wait(self, timeout: float) -> None:
+        if self.loader is not None:
+            self.loader.wait(timeout)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def make_kv_transfer(options: KVTransferOptions, cache: KVCache) -> KVConnectorWorker | None:
+    """The connector's worker side for a kv_role; None without one."""
+    return KVConnectorWorker(options, cache) if options.kv_role is not None else None

@@ -1,0 +1,77 @@
+"""A consumer's reads of producers' blocks, each on a thread of the loader's pool, into a staging
+buffer that the step loop copies into the cache (`blocks.write_blocks`) when it takes the result.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from native_backend.core.kv_params import KVLoad
+from native_backend.execution.kv_transfer.wire import recv_exact, recv_header, send_header
+
+LOAD_THREADS = 4
+
+
+@dataclass
+class LoadOutcome:
+    """One read's end (core.kv_connector.LoadResult)."""
+
+    load: KVLoad
+    ok: bool
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+    payload: bytearray | None = None
+
+
+class KVBlockLoader:
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float):
+        self.layout = layout
+        self.block_bytes = block_bytes
+        self.timeout_s = timeout_s  # without progress, a read fails (and its prompt is recomputed)
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvgate-kv-load")
+        self._done: queue.SimpleQueue[LoadOutcome] = queue.SimpleQueue()
+        self._ended = threading.Event()
+
+    def start(self, load: KVLoad) -> None:
+        self._pool.submit(self._run, load)
+
+    def take_finished(self) -> list[LoadOutcome]:
+        finished = []
+        while not self._done.empty():
+            finished.append(self._done.get_nowait())
+        return finished
+
+    def wait(self, timeout: float) -> None:
+        if self._ended.wait(timeout):
+            self._ended.clear()
+
+    def _run(self, load: KVLoad) -> None:
+        started = time.monotonic()
+        try:
+            payload = self._fetch(load)
+            outcome = LoadOutcome(load, True, nbytes=len(payload), payload=payload)
+        except Exception as exc:  # noqa: BLE001 - whatever broke the read, the prompt is recomputed
+            outcome = LoadOutcome(load, False, error=f"{type(exc).__name__}: {exc}")
+        outcome.seconds = time.monotonic() - started
+        self._done.put(outcome)
+        self._ended.set()
+
+    def _fetch(self, load: KVLoad) -> bytearray:
+        source = load.source
+        with socket.create_connection((source.host, source.port), timeout=self.timeout_s) as sock:
+            send_header(sock, dict(engine_id=source.engine_id, request_id=source.request_id,
+                                   block_ids=load.remote_block_ids, first_block=load.first_block,
+                                   block_hashes=[h.hex() for h in load.block_hashes], layout=self.layout))
+            answer = recv_header(sock)
+            if not answer.get("ok"):
+                raise PermissionError(f"the producer refused: {answer.get('error')}")
+            expected = len(load.remote_block_ids) * self.block_bytes
+            if answer.get("nbytes") != expected:
+                raise ValueError(f"the producer announced {answer.get('nbytes')} bytes, not {expected}")
+            return recv_exact(sock, expected)

@@ -1,0 +1,87 @@
+"""A producer's listener: each connection is one read of blocks held for one request.
+
+A read is served only when HeldBlocks grants it (this engine's id, a request whose blocks are
+held, those very block ids at those positions, the hashes of their tokens) and the consumer's
+cache layout is this one's; anything else is answered with the reason and counted, and no byte of
+the cache leaves. The blocks go back to the step loop once sent (a consumer reads once), or when
+the send breaks (the consumer recomputes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+
+from native_backend.core.kv_connector import HeldBlocks
+from native_backend.execution.kv_transfer.blocks import block_bytes, read_blocks
+from native_backend.execution.kv_transfer.wire import recv_header, send_header
+from native_backend.model.kv_cache import KVCache
+
+log = logging.getLogger("kvgate.kv_transfer")
+READ_TIMEOUT_S = 30.0  # a consumer that stops reading for this long loses its read
+
+
+class KVBlockServer:
+    def __init__(self, cache: KVCache, held: HeldBlocks, layout: dict, host: str, port: int):
+        self.cache = cache
+        self.held = held
+        self.layout = json.loads(json.dumps(layout))  # as a peer's arrives: through JSON
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family)
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._accept, name="kvgate-kv-serve", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="kvgate-kv-read", daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(READ_TIMEOUT_S)
+            try:
+                header = recv_header(conn)
+                read, refusal = self._grant(header)
+                if refusal is not None:
+                    send_header(conn, {"ok": False, "error": refusal})
+                    return
+            except (OSError, ValueError) as exc:
+                log.info("a KV read request that could not be read: %s", exc)
+                return
+            self._send(conn, *read)
+
+    def _grant(self, header: dict) -> tuple[tuple | None, str | None]:
+        """(request_id, block_ids) of a read HeldBlocks granted, or the refusal."""
+        try:
+            request_id, engine_id = str(header["request_id"]), str(header["engine_id"])
+            block_ids = [int(b) for b in header["block_ids"]]
+            hashes = [bytes.fromhex(h) for h in header["block_hashes"]]
+            first_block = int(header["first_block"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self.held.note_refused()
+            return None, f"malformed read request: {type(exc).__name__}"
+        if header.get("layout") != self.layout:
+            self.held.note_refused()
+            return None, f"the consumer's KV layout differs from this producer's {self.layout}"
+        refusal = self.held.claim(engine_id, request_id, block_ids, hashes, first_block)
+        return ((request_id, block_ids), None) if refusal is None else (None, refusal)
+
+    def _send(self, conn: socket.socket, request_id: str, block_ids: list[int]) -> None:
+        served = False
+        try:
+            send_header(conn, {"ok": True, "nbytes": len(block_ids) * block_bytes(self.cache)})
+            for buffer in read_blocks(self.cache, block_ids):
+                conn.sendall(buffer)
+            served = True
+        except OSError as exc:
+            log.info("request %s: sending its KV blocks broke off: %s", request_id, exc)
+        finally:
+            self.held.release(request_id, served)

@@ -1,0 +1,297 @@
+"""Prefill/decode disaggregation inside the engine: a producer engine and a consumer engine (real
+engine cores, real TCP on loopback, a tiny random Llama), against one engine serving the same
+request alone.
+
+Greedy tokens of a request whose prompt KV was computed by the producer and read by the consumer
+are the solo engine's, for every KV format (fp32, bf16, fp8 with its scales, int8 with its row
+scales); stale, forged and broken reads end in a recompute (counted), never in foreign KV; a read
+in flight never stalls the consumer's batch; every block comes back on both sides.
+"""
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from native_backend.config.engine import EngineConfig
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineError, EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.executor import InProcessExecutor
+from native_backend.execution.kv_transfer.connector import make_kv_transfer
+from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_checkpoint(path, tie=False, rope_scaling=None)
+    return str(path)
+
+
+def build_engine(checkpoint: str, role, kv_cache_dtype="auto", **settings) -> LLMEngine:
+    config = EngineConfig.build(path=checkpoint, kv_cache_bytes=2 << 20, block_size=BLOCK, kv_role=role,
+                                max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype, kv_scales="unit", **settings)
+    executor = InProcessExecutor(config)
+    return LLMEngine(config, executor, kv_transfer=make_kv_transfer(config.transfer, executor.kv_cache))
+
+
+@pytest.fixture(scope="module")
+def make_engine(checkpoint):
+    engines = []
+
+    def make(role, kv_cache_dtype="auto", **settings):
+        engines.append(build_engine(checkpoint, role, kv_cache_dtype, **settings))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        if engine.kv is not None:
+            engine.kv.port.close()
+
+
+def prompt(seed: int, length: int = 37) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(engine, request: EngineRequest):
+    """(tokens, last output) of `request`, stepping `engine` until nothing is left."""
+    engine.add_request(request)
+    return finish(engine, request.request_id)
+
+
+def finish(engine, request_id: str):
+    """Step `engine` until nothing is left: (tokens, last output) of `request_id`."""
+    tokens, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                last = out
+    return tokens, last
+
+
+def prefill(producer, request_id: str, ids: list[int]) -> dict:
+    _, last = run(producer, EngineRequest(request_id, ids, PREFILL, kv_transfer_params={"do_remote_decode": True}))
+    assert last.finish_reason == "length"
+    return last.kv_transfer_params
+
+
+def all_blocks_back(engine) -> bool:
+    engine.scheduler.schedule()  # frees what consumers read or what expired
+    bm = engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e4m3", "int8"])
+def test_a_request_decoded_from_the_producers_blocks_gives_the_solo_engines_tokens(make_engine, kv_cache_dtype):
+    producer, consumer, solo = (make_engine(role, kv_cache_dtype) for role in ("producer", "consumer", None))
+    ids = prompt(1)
+    expected, _ = run(solo, EngineRequest("r", ids, GREEDY))
+    params = prefill(producer, "r", ids)
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == len(ids)
+    assert params["remote_port"] == producer.kv.port.endpoint.port and params["tp_size"] == 1
+    tokens, last = run(consumer, EngineRequest("r", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == expected
+    assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK  # whole blocks, the last token here
+    stats = consumer.stats()
+    assert (stats.kv_transfers, stats.kv_transfer_failures) == (1, 0)
+    assert stats.kv_transfer_bytes == last.timings["kv_transfer_bytes"] > 0
+    assert sum(stats.kv_transfer_bytes_histogram) == sum(stats.kv_transfer_seconds_histogram) == 1
+    assert producer.stats().kv_transfers_served == 1
+    assert all_blocks_back(producer) and all_blocks_back(consumer)
+
+
+@pytest.fixture(scope="module")
+def pair(make_engine):
+    """(producer, consumer, solo) in fp32, shared by the fault tests."""
+    return make_engine("producer"), make_engine("consumer"), make_engine(None)
+
+
+def forgeries(params: dict, other: dict) -> dict[str, dict]:
+    return {
+        "unknown request": {**params, "remote_request_id": "nobody"},
+        "another engine's id": {**params, "remote_engine_id": "0" * 32},
+        "block ids not its own": {**params, "remote_block_ids": [b + 1 for b in params["remote_block_ids"]]},
+        "another request's blocks": {**other, "remote_request_id": params["remote_request_id"]},
+    }
+
+
+def test_stale_or_forged_params_recompute_and_never_read_foreign_blocks(make_engine, pair):
+    producer, _, solo = pair
+    consumer = make_engine("consumer", enable_prefix_caching=False)  # each read asks for every block
+    ids, other_ids = prompt(2), prompt(3)
+    expected, _ = run(solo, EngineRequest("f", ids, GREEDY))
+    params, other = prefill(producer, "f", ids), prefill(producer, "g", other_ids)
+    refused, failed = producer.stats().kv_transfers_refused, consumer.stats().kv_transfer_failures
+    for n, (what, forged) in enumerate(forgeries(params, other).items()):
+        tokens, last = run(consumer, EngineRequest(f"f{n}", ids, GREEDY, kv_transfer_params=forged))
+        assert tokens == expected, what
+        assert last.timings["kv_transfer_failed"] == 1, what
+    assert producer.stats().kv_transfers_refused == refused + 4
+    assert consumer.stats().kv_transfer_failures == failed + 4
+    # A consumer whose prompt differs from the producer's asks for other hashes: refused, recomputed.
+    tokens, last = run(consumer, EngineRequest("g2", prompt(4), GREEDY, kv_transfer_params=other))
+    assert tokens == run(solo, EngineRequest("g2", prompt(4), GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
+    # The holds are still there for their own consumers, untouched by the forgeries.
+    tokens, last = run(consumer, EngineRequest("f", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == expected and "kv_transfer_failed" not in last.timings
+    producer.kv.held.evict_oldest()
+    assert all_blocks_back(producer) and all_blocks_back(consumer)
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"do_remote_prefill": True, "remote_block_ids": "0,1", "remote_engine_id": "e", "remote_request_id": "r",
+      "remote_host": "h", "remote_port": 1}, "remote_block_ids"),
+    ({"do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "e", "remote_request_id": "r",
+      "remote_host": "h", "remote_port": 70000}, "remote_port"),
+    ("yes", "kv_transfer_params"),
+])
+def test_malformed_params_are_the_requests_error(pair, params, field):
+    with pytest.raises(EngineError, match=field) as refused:
+        pair[1].add_request(EngineRequest("bad", prompt(5), GREEDY, kv_transfer_params=params))
+    assert refused.value.kind == "invalid"
+
+
+def remote(port: int, request_id: str = "s") -> dict:
+    return {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": request_id,
+            "remote_block_ids": list(range(10)), "remote_host": "127.0.0.1", "remote_port": port}
+
+
+def test_a_read_in_flight_never_stalls_the_batch_and_a_producer_that_dies_means_a_recompute(make_engine, pair):
+    _, _, solo = pair
+    consumer = make_engine("consumer")
+    ids = prompt(6)
+    expected, _ = run(solo, EngineRequest("s", ids, GREEDY))
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        consumer.add_request(EngineRequest("s", ids, GREEDY, kv_transfer_params=remote(port)))
+        consumer.add_request(EngineRequest("busy", prompt(7, 20), GREEDY))
+        busy, _ = finish_one(consumer, "busy")
+        assert len(busy) == GREEDY.max_tokens  # ran to its end while the read hung
+        assert list(consumer.scheduler.loading) == ["s"]
+    # The listener closed with the read pending: the connection is reset, the prompt recomputed.
+    tokens, last = finish(consumer, "s")
+    assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+    assert run(consumer, EngineRequest("s2", prompt(12), GREEDY, kv_transfer_params=remote(port, "s2")))[1] \
+        .timings["kv_transfer_failed"] == 1  # nobody listens there now: refused at once
+    assert consumer.stats().kv_transfer_failures == 2
+    assert all_blocks_back(consumer)
+
+
+def finish_one(engine, request_id: str):
+    """Step `engine` until `request_id` ends (others may still run): its tokens and last output."""
+    tokens = []
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens, out
+
+
+def test_a_read_without_progress_times_out_into_a_recompute(make_engine, pair):
+    _, _, solo = pair
+    consumer = make_engine("consumer", kv_transfer_timeout_s=0.2)
+    ids = prompt(13)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        tokens, last = run(consumer, EngineRequest("t", ids, GREEDY, kv_transfer_params=remote(silent.getsockname()[1], "t")))
+    assert tokens == run(solo, EngineRequest("t", ids, GREEDY))[0]
+    assert last.timings["kv_transfer_failed"] == 1 and last.timings["kv_transfer_ended"] - last.timings["kv_transfer_started"] < 5
+
+
+def test_the_consumers_prefix_cache_is_used_and_only_the_rest_is_read(pair):
+    producer, consumer, solo = pair
+    shared = prompt(8, 24)
+    ids = shared + prompt(9, 17)
+    run(consumer, EngineRequest("warm", shared + [1], GREEDY))  # the consumer caches the shared blocks
+    expected, _ = run(solo, EngineRequest("p", ids, GREEDY))
+    tokens, last = run(consumer, EngineRequest("p", ids, GREEDY, kv_transfer_params=prefill(producer, "p", ids)))
+    assert tokens == expected
+    assert last.timings["cached_tokens"] == 24
+    assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK - 24  # past its own blocks
+    assert last.timings["kv_transfer_bytes"] == 16 // BLOCK * consumer_block_bytes(consumer)
+    # The blocks it read entered its prefix cache: the same prompt again reads nothing.
+    again, last = run(consumer, EngineRequest("p2", ids, GREEDY, kv_transfer_params=prefill(producer, "p2", ids)))
+    assert again == expected and "kv_transfer_started" not in last.timings
+    producer.kv.held.evict_oldest()
+    assert all_blocks_back(producer) and all_blocks_back(consumer)
+
+
+def consumer_block_bytes(engine) -> int:
+    cache = engine.executor.kv_cache
+    return sum(t[0].numel() * t.element_size() for layer in cache.layers for t in (layer.key, layer.value))
+
+
+def test_unread_blocks_are_freed_after_the_hold_timeout_and_the_consumer_recomputes(make_engine, pair):
+    _, consumer, solo = pair
+    producer = make_engine("producer", kv_hold_timeout_s=0.05)
+    ids = prompt(10)
+    params = prefill(producer, "h", ids)
+    assert producer.stats().kv_blocks_held == len(params["remote_block_ids"])
+    time.sleep(0.1)
+    assert all_blocks_back(producer) and producer.stats().kv_holds_expired == 1
+    tokens, last = run(consumer, EngineRequest("h", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == run(solo, EngineRequest("h", ids, GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
+
+
+def test_a_request_aborted_while_its_blocks_are_read_gets_nothing_written(pair):
+    producer, consumer, _ = pair
+    ids = prompt(11)
+    params = prefill(producer, "a", ids)
+    loads_before = consumer.stats().kv_transfers
+    gate = threading.Event()
+    loader = consumer.kv.port.loader
+    fetch = loader._fetch
+    loader._fetch = lambda load: (gate.wait(5), fetch(load))[1]  # hold the read until the abort is in
+    try:
+        consumer.add_request(EngineRequest("a", ids, GREEDY, kv_transfer_params=params))
+        consumer.step()
+        assert "a" in consumer.scheduler.loading
+        consumer.abort("a")
+        assert all_blocks_back(consumer)
+        gate.set()
+        deadline = time.monotonic() + 5
+        while producer.stats().kv_transfers_served == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        consumer.step()  # takes the finished read and drops it
+    finally:
+        loader._fetch = fetch
+    assert producer.stats().kv_transfers_served >= 1  # the read itself went through ...
+    assert consumer.stats().kv_transfers == loads_before  # ... and was dropped, not written
+    assert all_blocks_back(consumer) and not consumer.kv.port.take_finished()
+
+
+def prefill_then_wait(checkpoint: str, ids: list[int], conn) -> None:
+    """A producer engine process: one prefill for a remote decode, its params sent back, then it
+    holds the blocks until it is killed."""
+    conn.send(prefill(build_engine(checkpoint, "producer"), "k", ids))
+    time.sleep(600)
+
+
+def test_a_prefill_engine_killed_before_the_read_means_a_recompute_on_the_decode_side(checkpoint, pair):
+    _, consumer, solo = pair
+    ids = prompt(14)
+    expected, _ = run(solo, EngineRequest("k", ids, GREEDY))
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    producer = spawn.Process(target=prefill_then_wait, args=(checkpoint, ids, theirs), daemon=True)
+    producer.start()
+    try:
+        assert ours.poll(300), "the producer process did not answer"
+        params = ours.recv()
+    finally:
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.join(30)
+    tokens, last = run(consumer, EngineRequest("k", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+    assert all_blocks_back(consumer)
