@@ -17,11 +17,17 @@ measured) and prints a summary. Without a CUDA GPU it prints why and exits 0, wr
    ids of real text, fixed seed) through the engine (all at t=0, step until done) against
    transformers' padded static batches of 16, bf16, same GPU, warm-up excluded. tok/s counts
    OUTPUT tokens per second of wall time.
-4. bandwidth: batch-1 decode of a random-weight 1B-class Llama (Llama-3.2-1B's shape, bf16) at a
+4. structured: constrained decoding on CUDA (issue 28): a batch of the battery's prompts
+   (bench/structured.py's C2-style batch, bf16) with every request constrained by its JSON schema,
+   then the same batch unconstrained making as many tokens per request: every complete constrained output validates (`jsonschema`),
+   the masks go through the Triton kernel (token_mask_triton; its own check against the CPU path
+   runs in section 1), output tok/s with and without, and the mask's cost per constrained row and
+   step (fill on the host, apply on the GPU, synchronised).
+5. bandwidth: batch-1 decode of a random-weight 1B-class Llama (Llama-3.2-1B's shape, bf16) at a
    512-token context: bytes read per token (weights once, lm_head included, plus the KV read) x
    tokens/s / the GPU's peak bandwidth (H200 4.8 TB/s). With and without CUDA graphs when the
    engine's runner has them (it does not yet: reported as such).
-5. trtllm: tests/plugins/test_tensorrt_llm_contract.py with tensorrt_llm required: the stand-in
+6. trtllm: tests/plugins/test_tensorrt_llm_contract.py with tensorrt_llm required: the stand-in
    the TensorRT-LLM adapter's tests use has the real package's fields, keywords and defaults.
 
     .venv/bin/python bench/gpu_check.py                 # everything
@@ -51,7 +57,7 @@ for path in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(path))
 
 OUT = ROOT / "bench" / "results" / "gpu_check.json"
-SECTIONS = ("kernels", "parity", "throughput", "bandwidth", "trtllm")
+SECTIONS = ("kernels", "parity", "throughput", "structured", "bandwidth", "trtllm")
 PEAK_TBPS = {"H200": 4.8, "H100 SXM": 3.35, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.04,
              "A100": 1.55, "L40S": 0.864, "L4": 0.3}
 # Llama-3.2-1B's shape: 1.24 B parameters, tied embeddings, GQA 32/8, head_dim 64.
@@ -240,8 +246,9 @@ def engine(model_path: str, dtype: str, device: str = "cuda", **overrides):
     from native_backend.config.engine import EngineConfig
     from native_backend.process.factory import make_engine_core
 
-    return make_engine_core(EngineConfig.build(path=model_path, device=device, dtype=dtype, kv_cache_bytes=8 << 30,
-                                        tokenizer_cache_dir=str(tokenizer_cache_dir()), **overrides))
+    settings = {"kv_cache_bytes": 8 << 30, **overrides}
+    return make_engine_core(EngineConfig.build(path=model_path, device=device, dtype=dtype,
+                                               tokenizer_cache_dir=str(tokenizer_cache_dir()), **settings))
 
 
 def workload(model_path: str, requests: int, prompt_range, output_range) -> dict:
@@ -321,6 +328,30 @@ def _free_cuda() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------- structured
+
+
+def structured(model_path: str, device: str = "cuda", dtype: str = "bfloat16", requests: int = 32,
+               max_tokens: int = 64, warm_up: bool = True, first_schema: int = 0, **overrides) -> dict:
+    """Every request constrained by its JSON schema, then the same batch unconstrained making as
+    many tokens per request (after a warm-up in which the grammars and the Triton kernel compile).
+    ok: some constrained outputs complete and every complete one validates."""
+    from structured import MaskTimer, matched_batches, one_batch
+
+    ours = engine(model_path, dtype, device, max_num_seqs=requests, max_num_batched_tokens=2048, **overrides)
+    with MaskTimer() as timer:
+        if warm_up:
+            one_batch(ours, min(requests, 4), 8, True, seed=999)
+            timer.reset()
+        pair = matched_batches(ours, requests, max_tokens, seed=0, first=first_schema)
+    on, off = pair["on"], pair["off"]
+    del ours
+    _free_cuda()
+    return {"requests": requests, "max_tokens": max_tokens, "dtype": dtype, "unconstrained": off, "constrained": on,
+            "ratio": on["tok_s"] / off["tok_s"], **timer.per_row(),
+            "ok": on["complete"] > 0 and on["complete_valid"] == on["complete"]}
 
 
 # ----------------------------------------------------------------------------------- bandwidth
@@ -488,6 +519,7 @@ def run_sections(names, args) -> dict:
                 "kernels": lambda: kernel_checks("cuda"),
                 "parity": lambda: parity(model_path, hf),
                 "throughput": lambda: throughput(model_path, hf),
+                "structured": lambda: structured(model_path),
                 "bandwidth": lambda: bandwidth(peak_tbps=args.peak_tbps),
                 "trtllm": trtllm_contract,
             }[name]()
@@ -522,6 +554,11 @@ def summary_line(name: str, r: dict) -> str:
     if name == "throughput":
         return (f"{head}  kvgate {r['kvgate_out_tok_s']:.0f} vs transformers {r['hf_static_out_tok_s']:.0f} "
                 f"output tok/s ({r['ratio']:.2f}x)")
+    if name == "structured":
+        on = r["constrained"]
+        return (f"{head}  {on['complete_valid']}/{on['complete']} complete constrained outputs valid; "
+                f"{r['ratio']:.2f}x the unconstrained tok/s; mask {r['mask_fill_us_per_row']:.0f} us fill + "
+                f"{r['mask_apply_us_per_row']:.0f} us apply per row")
     run = r["runs"][0]
     util = f"{run['utilisation']:.1%}" if run["utilisation"] is not None else "peak unknown"
     return f"{head}  {run['tok_s']:.0f} tok/s, {run['achieved_tbps']:.2f} TB/s, {util} of peak"

@@ -2,7 +2,8 @@
 
 One row of logits per sampled position. The order of operations, per row:
 
-    raw logits ──> grammar mask (constrained rows only: tokens the grammar forbids -> -inf)
+    raw logits ──> grammar mask (constrained rows only, in place: tokens the grammar forbids -> -inf;
+        │           numpy on the CPU, a Triton kernel on CUDA: execution.token_mask)
         │
         ├─ logprobs (log_softmax after the mask, before penalties: what the API reports)
         │
