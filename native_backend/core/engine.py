@@ -360,6 +360,7 @@ class LLMEngine:
             block_size=self.plan.block_size,
             kv_cache_dtype=self.config.kv_cache_dtype,
             weights=self.executor.weights,
+            cpu_kernels=self.executor.kernel_path,
             max_model_len=self.max_model_len,
             kv_clamped_keys=clamped_keys,
             kv_clamped_values=clamped_values,

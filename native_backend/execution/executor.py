@@ -46,6 +46,7 @@ class Executor(Protocol):
     max_model_len: int
     plan: KVCachePlan
     weights: str  # the decoder linears' format (quantization.method.weights_format)
+    kernel_path: str  # the CPU kernels' path that runs ("avx512", "avx2"); "" where none does
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
 
@@ -79,6 +80,7 @@ class InProcessExecutor:
                                        int8_head=mc.lm_head != "float").with_prefill_matmul(mc.prefill_matmul)
         self.model = load_model(mc.path, self.ctx)
         self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
+        self.kernel_path = self.ctx.kernel_path
         self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx,
                                                            self.tokenizer)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config

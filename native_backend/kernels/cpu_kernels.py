@@ -1,18 +1,27 @@
-"""The engine's C kernels for x86-64 CPUs (csrc/*.c): built once, loaded with ctypes.
+"""The engine's C kernels for x86-64 CPUs (csrc/*.c): built once per CPU generation, loaded with ctypes.
 
-The library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
+The same sources are compiled into one library per kernel path (`PATHS`): `avx2` (AVX2 + FMA,
+the floor) and `avx512` (AVX-512 F/BW/VL/DQ: the sources' `#ifdef __AVX512F__` parts and the
+compiler's 512-bit code). At load the best path this CPU runs is chosen (its
+/proc/cpuinfo flags); one that does not build (a compiler without AVX-512) or load falls back to
+the next, with a warning. `KVGATE_CPU_ISA=avx2|avx512` forces one path (tests, benchmarks): a
+CPU without it then has no kernels, and says why. `path()` names the one that runs.
+
+Each library is compiled on first use with the machine's C compiler (gcc or cc; `CC` overrides)
 into `KVGATE_KERNELS_DIR` if set, else `kernels/` in the kvgate cache (`KVGATE_CACHE_DIR`,
-default ~/.cache/kvgate), named by a hash of the sources and the flags: an edit builds anew, a
-library built elsewhere can be copied in, and concurrent builds never see each other's
-half-written file (each compiles to a temporary name, then renames it in place). A library that
-another user could have written (the file or any folder above it writable by group or others
-without the sticky bit, or owned by someone else) is refused, not loaded: loading it would run
-their code. The build records the library's sha256 beside it (`<library>.sha256`; copy both to
-move a library built elsewhere); a library whose bytes differ from the record is rebuilt, or
-refused where it cannot be, and the checked file is loaded through the descriptor that was checked.
-`python -m native_backend.kernels.cpu_kernels` builds it ahead of time and prints its path. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
+default ~/.cache/kvgate), named by its path and a hash of the sources and the flags: an edit
+builds anew, a library built elsewhere can be copied in, and concurrent builds never see each
+other's half-written file (each compiles to a temporary name, then renames it in place). A
+library that another user could have written (the file or any folder above it writable by group
+or others without the sticky bit, or owned by someone else) is refused, not loaded: loading it
+would run their code. The build records the library's sha256 beside it (`<library>.sha256`; copy
+both to move a library built elsewhere); a library whose bytes differ from the record is rebuilt,
+or refused where it cannot be, and the checked file is loaded through the descriptor that was
+checked. `python -m native_backend.kernels.cpu_kernels` builds every path ahead of time (a
+container's build stage: the machine that runs the image may have another CPU) and prints their
+files. No compiler, a CPU without AVX2/FMA, or `KVGATE_CPU_KERNELS=0` in the environment: `load()`
 returns None, `unavailable_reason()` says why, and callers keep their torch paths;
-`unsupported_reason()` tells a machine that cannot run them (its CPU, or the variable) from a
+`unsupported_reason()` tells a machine that cannot run them (its CPU, or the variables) from a
 compiler that is missing or fails and a library that does not load (a fault).
 
 It must be loaded after torch: built with -fopenmp, it then shares torch's libgomp (and so its
@@ -43,9 +52,34 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c",
                                    "int4_linear.c", "kv_quant.c"))
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
-INT4_CPU_FLAGS = ("f16c",)  # the int4 kernel's fp16 scales, besides the above (kvgate_int4_supported)
+# -Bsymbolic: decode_step.c's calls to the other kernels stay inside their own library, when two
+# paths' libraries are loaded in one process (tests, benchmarks) with the same symbol names.
+CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden", "-std=c11", "-Wl,-Bsymbolic"]
+INT4_CPU_FLAGS = ("f16c",)  # the int4 kernel's fp16 scales, besides AVX2/FMA (kvgate_int4_supported)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPath:
+    """One build of the kernel sources: the instructions it is compiled for, and the /proc/cpuinfo
+    flags a CPU needs to run it."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    summary: str  # for the start-up line and the docs
+
+
+AVX2 = KernelPath("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"), "AVX2 + FMA")
+# Skylake-SP and later Xeons, Zen 4/5. VNNI and BF16 are not asked for: no kernel multiplies two
+# int8 or two bf16 operands (the int8 head and int8 KV meet float activations), so they would
+# only shut out CPUs without them (Skylake-SP, Cascade Lake) for nothing.
+AVX512 = KernelPath("avx512",
+                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                     "-mprefer-vector-width=512"),
+                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+                    "AVX-512 F/BW/VL/DQ")
+PATHS = (AVX512, AVX2)  # best first: the first this CPU runs (and that builds) is chosen
+FLOOR = PATHS[-1]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -76,40 +110,50 @@ _SIGNATURES = {
     # y, x, qweight, offsets, scales, bias, M, K, N, group (int4_linear.c: GGUF Q4_0 / Q4_1 repacked)
     "kvgate_int4_linear_off_f32": ([_ptr] * 6 + [_i64] * 4, ctypes.c_int),
     "kvgate_int4_supported": ([], ctypes.c_int),
+    "kvgate_vector_bits": ([], ctypes.c_int),  # 512: the AVX-512 build, 256: the AVX2 one
     # y, x, w8, scale, M, K, N (int4_linear.c: an int4 model's LM head)
     "kvgate_int8_rows_f32": ([_ptr] * 4 + [_i64] * 3, ctypes.c_int),
 }
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
-def _platform_problem() -> str | None:
-    """Why this machine cannot run the kernels' instructions, or None."""
+def _platform_problem(path: KernelPath = FLOOR) -> str | None:
+    """Why this machine cannot run `path`'s instructions, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 machine ({platform.machine()})"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in path.cpu_flags if f not in _cpu_flags()]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-# An x86-64 CPU with the instructions the kernels are compiled for (a compiler may still be missing).
+# An x86-64 CPU with the instructions of the AVX2 floor (a compiler may still be missing).
 PLATFORM_SUPPORTED = _platform_problem() is None
 
 
-def unsupported_reason(int4: bool = False) -> str | None:
-    """Why the kernels (with `int4`, the int4 kernel too) cannot run on this machine by design
-    (not x86-64, a CPU without the instructions, turned off by KVGATE_CPU_KERNELS=0), or None.
-    None does not mean they work here: a library that fails to build or load is a fault, which
+def unsupported_reason(int4: bool = False, path: str | None = None) -> str | None:
+    """Why the kernels (with `int4`, the int4 kernel too; with `path`, that path's build) cannot run
+    on this machine by design (not x86-64, a CPU without the instructions, turned off by
+    KVGATE_CPU_KERNELS=0, a path forced by KVGATE_CPU_ISA that the CPU lacks), or None. None does
+    not mean they work here: a library that fails to build or load is a fault, which
     `unavailable_reason()` reports and callers (and tests) must not take for a missing feature."""
-    problem = _disabled_reason() or _platform_problem()
+    try:
+        forced = _forced_path()
+        wanted = _path_named(path) if path else forced or FLOOR
+    except _Unavailable as exc:
+        return str(exc)
+    problem = _disabled_reason()
+    if problem is None and (problem := _platform_problem(wanted)) and wanted is not FLOOR:
+        problem = f"{f'KVGATE_CPU_ISA={wanted.name}' if wanted is forced else f'the {wanted.name} path'}: {problem}"
     if problem or not int4:
         return problem
     missing = [f for f in INT4_CPU_FLAGS if f not in _cpu_flags()]
@@ -122,8 +166,27 @@ def _disabled_reason() -> str | None:
     return None
 
 
+def _path_named(name: str) -> KernelPath:
+    for p in PATHS:
+        if p.name == name:
+            return p
+    raise _Unavailable(f"no kernel path {name!r} (one of {', '.join(p.name for p in PATHS)})")
+
+
+def _forced_path() -> KernelPath | None:
+    """The path KVGATE_CPU_ISA forces, or None (unset or "auto": the best this CPU runs)."""
+    name = os.environ.get("KVGATE_CPU_ISA", "auto").strip().lower()
+    if name in ("", "auto"):
+        return None
+    try:
+        return _path_named(name)
+    except _Unavailable as exc:
+        raise _Unavailable(f"KVGATE_CPU_ISA={name}: {exc}") from None
+
+
 def load() -> ctypes.CDLL | None:
-    """The kernel library, building it if needed; None when it cannot be had here (logged once)."""
+    """The chosen path's kernel library, building it if needed; None when none can be had here
+    (logged once)."""
     return _loaded()[0]
 
 
@@ -132,16 +195,64 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
+    return _loaded()[2]
+
+
+def path() -> KernelPath | None:
+    """The kernel path that runs (`AVX512`, `AVX2`), or None: no kernels here."""
     return _loaded()[1]
 
 
+def path_label() -> str:
+    """What the start-up line and /v1/models say: "avx512 (AVX-512 F/BW/VL/DQ)"."""
+    chosen = path()
+    return f"{chosen.name} ({chosen.summary})" if chosen else "none"
+
+
+def reset_choice() -> None:
+    """Forget the chosen path, so that the next call chooses again from the environment (tests and
+    benchmarks run both paths in one process; each path's library stays loaded)."""
+    _loaded.cache_clear()
+
+
 @functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+def _loaded() -> tuple[ctypes.CDLL | None, KernelPath | None, str | None]:
     try:
-        return _load(), None
+        lib, chosen = _choose()
+        return lib, chosen, None
     except _Unavailable as exc:
         log.warning("CPU kernels unavailable (%s): using the torch paths", exc)
-        return None, str(exc)
+        return None, None, str(exc)
+
+
+def _choose() -> tuple[ctypes.CDLL, KernelPath]:
+    """The forced path, or the best one this CPU runs whose library builds and loads (a path that
+    does not is logged and passed over; the floor's failure is the kernels' failure)."""
+    problem = _disabled_reason()
+    forced = _forced_path()
+    if problem:
+        raise _Unavailable(problem)
+    if forced is not None:
+        problem = _platform_problem(forced)
+        if problem:
+            raise _Unavailable(f"KVGATE_CPU_ISA={forced.name}: {problem}")
+        return _library(forced), forced
+    runnable = [p for p in PATHS if _platform_problem(p) is None]
+    if not runnable:
+        raise _Unavailable(_platform_problem(FLOOR))
+    for candidate in runnable[:-1]:
+        try:
+            return _library(candidate), candidate
+        except _Unavailable as exc:
+            log.warning("the %s kernels are unavailable (%s): using the %s path", candidate.name, exc,
+                        runnable[-1].name)
+    return _library(runnable[-1]), runnable[-1]
+
+
+@functools.cache
+def _library(kernel_path: KernelPath) -> ctypes.CDLL:
+    """One path's library, loaded once per process (a failure is not cached: raised each time)."""
+    return _load(kernel_path)
 
 
 class _Unavailable(Exception):
@@ -153,17 +264,14 @@ class _NotAsBuilt(_Unavailable):
     without its record): rebuilt where a compiler can, refused otherwise."""
 
 
-def _load() -> ctypes.CDLL:
-    problem = unsupported_reason()
-    if problem:
-        raise _Unavailable(problem)
-    path = _built_library()
+def _load(kernel_path: KernelPath) -> ctypes.CDLL:
+    path = _built_library(kernel_path)
     try:
         return _open_verified(path)
     except _NotAsBuilt as changed:
         log.warning("%s: rebuilding it", changed)
         try:
-            _build(path)
+            _build(path, kernel_path)
         except _Unavailable as failed:
             raise _Unavailable(f"refusing to load {changed}; rebuilding it failed: {failed}") from None
         return _open_verified(path)
@@ -172,7 +280,9 @@ def _load() -> ctypes.CDLL:
 def _open_verified(path: Path) -> ctypes.CDLL:
     """Load the library through a descriptor held from the checks to the load: what is checked
     (owners and modes of the file and its folders, the bytes against the build's record) is the
-    very file loaded, whatever is renamed over its path meanwhile."""
+    very file loaded, whatever is renamed over its path meanwhile. The descriptor of a loaded
+    library stays open: the loader knows a library by the name it was opened under, so a second
+    path's library opened through a reused /proc/self/fd/N would be taken for the first."""
     try:
         fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -189,8 +299,9 @@ def _open_verified(path: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
         except (OSError, AttributeError) as exc:  # a damaged file in the cache
             raise _Unavailable(f"cannot load {path}: {exc}") from None
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     lib._name = str(path)  # its repr and messages name the file, not the descriptor it came through
     return lib
 
@@ -231,28 +342,32 @@ def _compiler() -> str:
     return cc
 
 
-def library_path() -> Path:
-    """Where the library for this source and these flags lives, built or not: `KVGATE_KERNELS_DIR`
-    if set (a container image builds it there in its build stage, for a runtime without a
-    compiler), else `kernels/` in the kvgate cache."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for path in (*SOURCES, *HEADERS):
-        digest.update(path.read_bytes())
+def _cflags(kernel_path: KernelPath) -> list[str]:
+    return [*CFLAGS, *kernel_path.cflags]
+
+
+def library_path(kernel_path: KernelPath = FLOOR) -> Path:
+    """Where the library of `kernel_path` for this source and these flags lives, built or not:
+    `KVGATE_KERNELS_DIR` if set (a container image builds it there in its build stage, for a
+    runtime without a compiler), else `kernels/` in the kvgate cache."""
+    digest = hashlib.sha256(" ".join(_cflags(kernel_path)).encode())
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
     key = digest.hexdigest()[:16]
     folder = os.environ.get("KVGATE_KERNELS_DIR")
     if not folder:
         folder = kvgate_cache_dir() / "kernels"
-    return Path(folder) / f"cpu_kernels-{key}.so"
+    return Path(folder) / f"cpu_kernels-{kernel_path.name}-{key}.so"
 
 
-def _built_library() -> Path:
-    target = library_path()
+def _built_library(kernel_path: KernelPath) -> Path:
+    target = library_path(kernel_path)
     if not target.exists():
-        _build(target)
+        _build(target, kernel_path)
     return target
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, kernel_path: KernelPath) -> None:
     """Compile into a temporary file, record its sha256, then rename it over `target`."""
     cc = _compiler()
     try:
@@ -263,8 +378,8 @@ def _build(target: Path) -> None:
     os.close(fd)
     try:
         try:
-            done = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cc, *_cflags(kernel_path), *map(str, SOURCES), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
             raise _Unavailable(f"{cc} does not run: {exc}") from None
         if done.returncode != 0:
@@ -275,7 +390,7 @@ def _build(target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built CPU kernels: %s", target)
+    log.info("built the %s CPU kernels: %s", kernel_path.name, target)
 
 
 def _write_record(library: str, record: Path) -> None:
@@ -644,10 +759,27 @@ def int8_rows(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.T
     return y
 
 
-if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the path
+def build_all() -> list[Path]:
+    """Every path's library, built where missing, whatever this CPU runs (compiling needs only the
+    compiler): a container's build stage, for the CPU that will run the image. A path that does
+    not build is logged and left out; the floor's failure raises."""
+    built = []
+    for kernel_path in PATHS:
+        try:
+            built.append(_built_library(kernel_path))
+        except _Unavailable as exc:
+            if kernel_path is FLOOR:
+                raise
+            log.warning("the %s kernels do not build here (%s): left out", kernel_path.name, exc)
+    return built
+
+
+if __name__ == "__main__":  # build ahead of time (a container's build stage): prints the files
     import sys
 
     logging.basicConfig(level=logging.INFO)
-    if load() is None:
-        sys.exit(f"CPU kernels unavailable: {unavailable_reason()}")
-    print(library_path())
+    try:
+        for library in build_all():
+            print(library)
+    except _Unavailable as exc:
+        sys.exit(f"CPU kernels unavailable: {exc}")

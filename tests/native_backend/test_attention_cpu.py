@@ -31,6 +31,7 @@ def test_kernels_are_available_where_the_platform_supports_them():
     assert get_attention_backend("cpu").name == "cpu"
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("num_kv_heads,group", GQA)
 def test_cpu_backend_matches_dense_and_reference(case, num_kv_heads, group):
@@ -41,6 +42,7 @@ def test_cpu_backend_matches_dense_and_reference(case, num_kv_heads, group):
     torch.testing.assert_close(got, reference.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32])
 @pytest.mark.parametrize("head_dim", [8, 24, 64, 128])
 def test_block_and_head_sizes(block_size, head_dim):
@@ -50,6 +52,7 @@ def test_block_and_head_sizes(block_size, head_dim):
     torch.testing.assert_close(got, dense(q, ks, vs, md, head_dim**-0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("chunk_blocks", [1, 2, 7, 32, 1000])
 def test_work_split_into_chunks_merges_exactly(chunk_blocks):
     """However a row's keys are cut into work items, the merged softmax is the same."""
@@ -61,6 +64,7 @@ def test_work_split_into_chunks_merges_exactly(chunk_blocks):
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_large_scores_do_not_overflow():
     """exp() is taken after subtracting each chunk's max: scores in the hundreds stay finite."""
     q, ks, vs, cache_k, cache_v, md = make_case([(300, 1), (40, 1)], num_kv_heads=1, group=2)
@@ -107,12 +111,14 @@ def test_write_kv_puts_each_row_in_its_slot_like_the_reference():
 @pytest.mark.parametrize("num_kv_heads,group", GQA + [(1, 8)])  # group 9 and 8: heads split over items
 @pytest.mark.parametrize("seqs", [[(600, 600)], [(520, 200), (47, 47)], [(31, 30), (16, 9), (2, 2)]],
                          ids=["long-prompt", "after-prefix", "tile-edges"])
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_prefill_kernel_matches_dense(seqs, num_kv_heads, group):
     q, ks, vs, cache_k, cache_v, md = make_case(seqs, num_kv_heads=num_kv_heads, group=group)
     got = cpu.paged_attention(q, KVLayer.of(cache_k, cache_v), md, 0.125)
     torch.testing.assert_close(got, dense(q, ks, vs, md, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_prefill_kernel_head_and_block_sizes(head_dim, block_size):
@@ -123,6 +129,7 @@ def test_prefill_kernel_head_and_block_sizes(head_dim, block_size):
     torch.testing.assert_close(got, dense(q, ks, vs, md, head_dim**-0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_prefill_kernel_is_stable_with_large_scores():
     """Scores in the hundreds: the online softmax rescales instead of overflowing."""
     q, ks, vs, cache_k, cache_v, md = make_case([(300, 300)], num_kv_heads=3, group=3, seed=3)

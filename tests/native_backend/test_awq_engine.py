@@ -56,6 +56,7 @@ def run(engine: OutputProcessor, prompts) -> list[list[int]]:
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_int4_engine_greedy_equals_the_torch_reference(int4_dir, int4_engine, make_engine):
     kernel = int4_engine
     line = kernel.describe()

@@ -40,6 +40,7 @@ def rel_err(y, ref):
     return float((y - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("k,n,group", GROUPED_SHAPES)
 def test_kernel_equals_the_reference(k, n, group):
@@ -51,6 +52,7 @@ def test_kernel_equals_the_reference(k, n, group):
         assert rel_err(cpu_kernels.int4_linear(x, qweight, qzeros, scales, bias), ref) < 1e-5, (m, k, n, group)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("n", [8, 24, 40, 112])  # a band of one word at the right edge
 def test_kernel_edge_columns_and_no_bias(n):
@@ -60,6 +62,7 @@ def test_kernel_edge_columns_and_no_bias(n):
         assert rel_err(cpu_kernels.int4_linear(x, qweight, qzeros, scales), int4_linear(x, qweight, qzeros, scales)) < 1e-5
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("code,zero", [(0, 0), (15, 15), (0, 15), (15, 0)])
 def test_zero_point_extremes(code, zero):
@@ -145,6 +148,7 @@ def test_reference_dequantizes_per_group():
     assert torch.equal(w, torch.cat([(q[:2] - z[0]) * 1.0, (q[2:] - z[1]) * 0.5]).float())
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("k", [576, 8, 40, 1000])  # the one-row path walks K 32 at a time, then by 8
 def test_int8_rows_kernel_equals_torch(k):

@@ -78,6 +78,7 @@ def run_steps(model, fused: bool, kv_dtype: str = "float32") -> list[dict[str, t
     return results
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_decode_steps_are_bit_identical_to_the_python_path_and_match_hf(models):
     hf, ours = models
     fused = run_steps(ours, fused=True)

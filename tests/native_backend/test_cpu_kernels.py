@@ -23,6 +23,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 13, 15, 33, 128])
 # 1536, 776, 2312: reduced in 2, 2 (392 + 384) and 4 slices of K
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("k,n", [(8, 1), (576, 576), (576, 7), (64, 1538), (1536, 576), (776, 10), (2312, 9)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(m, k, n, with_bias):
@@ -32,6 +33,7 @@ def test_linear_matches_f_linear(m, k, n, with_bias):
     torch.testing.assert_close(cpu_kernels.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 def test_linear_reads_a_non_contiguous_input():
     x = torch.randn(6, 1152)[:, ::2]  # (6, 576), stride 2
     w = torch.randn(40, 576)
@@ -119,14 +121,16 @@ def test_the_library_shares_torchs_openmp_runtime():
 
 
 def test_prebuilt_ahead_of_time_into_a_kernels_dir(tmp_path):
-    """A container's build stage runs `python -m native_backend.kernels.cpu_kernels`; its runtime, with no
-    compiler, loads what was built."""
+    """A container's build stage runs `python -m native_backend.kernels.cpu_kernels`: it builds every
+    path (the CPU that runs the image may not be the one that built it); the runtime, with no
+    compiler, loads the one its CPU takes."""
     env = {"KVGATE_KERNELS_DIR": str(tmp_path / "kernels"), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
     built = subprocess.run([sys.executable, "-m", "native_backend.kernels.cpu_kernels"], capture_output=True, text=True,
                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, timeout=240)
     assert built.returncode == 0, built.stderr
-    path = built.stdout.strip()
-    assert os.path.dirname(path) == str(tmp_path / "kernels") and os.path.exists(path)
+    paths = built.stdout.split()
+    assert [os.path.basename(p).split("-")[1] for p in paths] == [p.name for p in cpu_kernels.PATHS]
+    assert all(os.path.dirname(p) == str(tmp_path / "kernels") and os.path.exists(p) for p in paths)
     loaded = _run("""
         import torch
         from native_backend.kernels import cpu_kernels
@@ -134,13 +138,14 @@ def test_prebuilt_ahead_of_time_into_a_kernels_dir(tmp_path):
         print(cpu_kernels.load()._name)
     """, CC="false", **env)
     assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.strip() == path and not (tmp_path / "cache").exists()
+    assert loaded.stdout.strip() in paths and not (tmp_path / "cache").exists()
 
 
 def test_a_library_others_could_write_is_refused(tmp_path):
     """Loading a library runs it: one that another user could have replaced is not loaded."""
     kernels = tmp_path / "kernels"
-    env = {"KVGATE_KERNELS_DIR": str(kernels), "KVGATE_CACHE_DIR": str(tmp_path / "cache")}
+    # One path: with the best one refused, the choice would fall back to the next (a library of its own).
+    env = {"KVGATE_KERNELS_DIR": str(kernels), "KVGATE_CACHE_DIR": str(tmp_path / "cache"), "KVGATE_CPU_ISA": "avx2"}
     code = """
         import torch
         from native_backend.kernels import cpu_kernels
@@ -206,3 +211,38 @@ def test_a_library_changed_after_its_build_is_rebuilt_or_refused(tmp_path):
     record.unlink()  # copied in without its record: nothing vouches for it
     refused = _run(LOAD_AND_SAY_WHY, CC="false", **env)
     assert refused.stdout.startswith("False") and "no record of its build" in refused.stdout
+
+
+def test_the_best_path_the_cpu_runs_is_chosen_and_a_forced_one_loads_its_own_build(monkeypatch):
+    best = next(p for p in cpu_kernels.PATHS if cpu_kernels.unsupported_reason(path=p.name) is None)
+    try:
+        for forced, expected in (("auto", best), ("avx2", cpu_kernels.AVX2)):
+            monkeypatch.setenv("KVGATE_CPU_ISA", forced)
+            cpu_kernels.reset_choice()
+            assert cpu_kernels.path() is expected and cpu_kernels.path_label().startswith(expected.name)
+            assert cpu_kernels.load().kvgate_vector_bits() == (512 if expected is cpu_kernels.AVX512 else 256)
+        monkeypatch.setenv("KVGATE_CPU_ISA", "avx9000")
+        cpu_kernels.reset_choice()
+        assert cpu_kernels.load() is None and cpu_kernels.path_label() == "none"
+        assert cpu_kernels.unavailable_reason() == "KVGATE_CPU_ISA=avx9000: no kernel path 'avx9000' (one of avx512, avx2)"
+        assert cpu_kernels.unsupported_reason() == cpu_kernels.unavailable_reason()  # a skip, not a fault
+    finally:
+        cpu_kernels.reset_choice()
+
+
+def test_a_compiler_without_avx512_leaves_the_avx2_path(tmp_path):
+    """Auto: the AVX-512 build fails (an old compiler), so the AVX2 floor runs, with a warning."""
+    if cpu_kernels.unsupported_reason(path="avx512"):
+        pytest.skip(f"the avx512 path does not run here: {cpu_kernels.unsupported_reason(path='avx512')}")
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\ncase "$*" in *-mavx512f*) echo "error: unrecognized option -mavx512f" >&2; exit 1;; '
+                  'esac\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    done = _run("""
+        import torch
+        from native_backend.kernels import cpu_kernels
+        print(cpu_kernels.path_label(), cpu_kernels.load().kvgate_vector_bits())
+    """, CC=str(cc), KVGATE_CACHE_DIR=str(tmp_path / "cache"), KVGATE_CPU_ISA="auto")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "avx2 (AVX2 + FMA) 256"
+    assert "the avx512 kernels are unavailable" in done.stderr and "unrecognized option -mavx512f" in done.stderr

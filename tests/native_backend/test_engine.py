@@ -92,6 +92,14 @@ def test_concurrent_greedy_output_is_identical_to_transformers(engine, prompts, 
     assert engine.core.scheduler.block_manager.num_free_blocks == engine.core.plan.num_blocks
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512), forced on the same engine
+def test_each_kernel_path_gives_transformers_greedy_output(engine, prompts, reference):
+    """The test above runs the path this CPU takes; here a few of its prompts run on each path."""
+    picked = (0, 7, 15)  # the shortest, a middle and the longest prompt
+    got = run_all(engine, [EngineRequest(f"path{i}", prompts[i], GREEDY) for i in picked])
+    assert [got[f"path{i}"] for i in picked] == [reference[i] for i in picked]
+
+
 def test_preempted_requests_finish_with_the_same_greedy_output(engine_factory, prompts, reference):
     # 40 blocks x 16 tokens: far less than 16 requests need at once, so the scheduler preempts.
     small = engine_factory(max_num_batched_tokens=128, max_num_seqs=16, kv_cache_bytes=40 * 16 * 46080)

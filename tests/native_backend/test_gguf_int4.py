@@ -57,6 +57,7 @@ def rel_err(y, ref):
 # ------------------------------------------------------------------------------ the kernel
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("k,n,group", GROUPED_SHAPES)
 def test_offset_kernel_equals_the_reference(k, n, group):
@@ -69,6 +70,7 @@ def test_offset_kernel_equals_the_reference(k, n, group):
         assert rel_err(y, ref) < 1e-5, (m, k, n, group)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_int4_kernel
 @pytest.mark.parametrize("code,offset", [(0, 0.0), (15, 0.0), (0, -4.0), (15, -7.5), (15, 2.0)])
 def test_offset_extremes(code, offset):

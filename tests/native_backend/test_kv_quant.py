@@ -85,6 +85,7 @@ def test_round_trip_error_per_format(dtype):
     assert 0 < rms < ROUND_TRIP_RMS[dtype], rms
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_kernels
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_c_write_is_bit_identical_to_the_reference(dtype):
@@ -162,6 +163,7 @@ def test_reference_attends_over_the_dequantized_cache(dtype, seqs):
     torch.testing.assert_close(got, spec, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_kernels
 @pytest.mark.parametrize("dtype", QUANTIZED)
 @pytest.mark.parametrize("seqs", CASES, ids=["decode", "mixed"])
@@ -171,6 +173,7 @@ def test_c_kernels_read_what_the_reference_reads(dtype, seqs):
     torch.testing.assert_close(got, reference.paged_attention(q, layer, md, 0.125), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @needs_kernels
 def test_c_decode_over_many_chunks_merges_exactly():
     q, ks, vs, layer, md = quantized_case("int8", [(300, 1), (129, 1)], kv_heads=1, group=2, head_dim=32)

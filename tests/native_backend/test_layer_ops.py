@@ -21,6 +21,7 @@ def randn(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("m", [1, 7, 40])  # 40: rows spread over the threads
 @pytest.mark.parametrize("d", [8, 24, 576])
 def test_add_rms_norm_adds_in_place_and_normalises(m, d):
@@ -45,6 +46,7 @@ def rope_tables(head_dim: int, max_pos: int = 300) -> RotaryEmbedding:
         head_dim=head_dim, max_position_embeddings=max_pos, rope_theta=10000.0))
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("n", [1, 5, 40])
 def test_rope_matches_rotate_half(head_dim, n):
@@ -58,6 +60,7 @@ def test_rope_matches_rotate_half(head_dim, n):
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @pytest.mark.parametrize("m,n", [(1, 8), (3, 1536), (40, 112)])
 def test_silu_mul_matches_torch_over_the_whole_range(m, n):
     gate = randn(m, n, seed=6, scale=30.0)  # far into both tails, where exp overflows if done naively
@@ -91,6 +94,7 @@ def test_kernels_refuse_what_they_cannot_read(call, match):
 # ------------------------------------------------------------------------------ KernelOps
 
 
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
 @torch.inference_mode()
 def test_kernel_ops_agree_with_torch_ops_through_a_stream():
     """Two layers' worth of the stream: embeddings -> norm -> add+norm -> ..., as the model calls it."""

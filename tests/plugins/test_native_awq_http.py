@@ -19,6 +19,7 @@ import pytest
 from native_backend.config.engine import EngineConfig
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
+from native_backend.kernels import cpu_kernels
 from native_backend.process.factory import make_engine_core
 from tests.support.servers.loopback import GatewayServer
 
@@ -97,6 +98,10 @@ def test_models_and_the_start_up_line_say_int4(gw):
     awq_line, q4_line = gw.backend("awq-0").client.description, gw.backend("q4-0").client.description
     assert "210 linears int4 AWQ g64 (C kernel)" in awq_line and "one-call decode steps" in awq_line
     assert "210 linears int4 GGUF Q4_1 g32 (C kernel)" in q4_line
+    # which CPU kernels run: the path this CPU takes (the engines' processes choose as this one does)
+    chosen = cpu_kernels.path()
+    assert cards["smollm2-awq"].model_extra["cpu_kernels"] == chosen.name
+    assert f"C kernels {cpu_kernels.path_label()}" in awq_line and f"C kernels {cpu_kernels.path_label()}" in q4_line
 
 
 @pytest.mark.parametrize("model", ["smollm2-awq", "smollm2-q4"])

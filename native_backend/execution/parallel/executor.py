@@ -82,6 +82,7 @@ class TensorParallelExecutor:
         self.max_model_len = self.rank.max_model_len
         self.plan = self.rank.plan
         self.weights = self.rank.weights  # the decoder linears' format, as every rank has it
+        self.kernel_path = self.rank.kernel_path
 
     def _start(self) -> None:
         with open_rendezvous() as listener:  # closed if the start fails before the store takes it over

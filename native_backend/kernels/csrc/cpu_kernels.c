@@ -275,7 +275,8 @@ KVG_API int kvgate_paged_decode_q(float *out, const float *q, const kvg_kv *kv, 
  *
  *   4 weight rows x 2 x rows (8 accumulators): for a handful of rows, where the step is nothing
  *     but weight reads and the tile must not leave x rows over;
- *   3 weight rows x 4 x rows (12 accumulators, 7 loads per 12 FMAs): from a dozen rows up, where
+ *   3 weight rows x 4 x rows (12 accumulators, 7 loads per 12 FMAs; 6 x 4 in the avx512 build,
+ *     tile_wide): from a dozen rows up, where
  *     the FMAs are the limit.
  *
  * The tile of weight rows stays in L1 while every tile of x rows goes past it. Two things keep
@@ -331,55 +332,99 @@ typedef struct {
     int64_t k0, len, ld;
 } k_slice;
 
+/* The tiles below walk K a kvf at a time (16 floats in the avx512 build, 8 in the AVX2 one); a
+ * slice whose length is 8 past a multiple of 16 ends with one half-width step (tail). */
+
+/* One step of the 4 x 2 tile at k: 8 FMAs. */
+static inline __attribute__((always_inline)) void step_4x2(kvf a[4][2], const float *x0, const float *x1,
+                                                           const float *const w[4], int64_t k, const int tail) {
+    const kvf xa = kvf_load_part(x0 + k, tail), xb = kvf_load_part(x1 + k, tail);
+    for (int i = 0; i < 4; i++) {
+        const kvf v = kvf_load_part(w[i] + k, tail);
+        a[i][0] = kvf_fmadd(v, xa, a[i][0]), a[i][1] = kvf_fmadd(v, xb, a[i][1]);
+    }
+}
+
 /* Weight rows n0..n0+3 against x rows m, m+1, over one slice of K. */
 static inline void tile_4x2(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
                             int64_t N, const k_slice *ks, prefetch_run *pf) {
     const int64_t ld = ks->ld, K = ks->len;
-    const float *x0 = x + m * ld + ks->k0, *x1 = x0 + ld, *w0 = w + n0 * ld + ks->k0, *w1 = w0 + ld, *w2 = w1 + ld,
-                *w3 = w2 + ld;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    for (int64_t k = 0; k < K; k += 8) {
+    const float *x0 = x + m * ld + ks->k0, *x1 = x0 + ld;
+    const float *const wr[4] = {w + n0 * ld + ks->k0, w + (n0 + 1) * ld + ks->k0, w + (n0 + 2) * ld + ks->k0,
+                                w + (n0 + 3) * ld + ks->k0};
+    kvf a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = kvf_zero();
+    int64_t k = 0;
+    for (; k + KVF_LANES <= K; k += KVF_LANES) {
         prefetch_step(pf);
-        const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
-        __m256 v = _mm256_loadu_ps(w0 + k);
-        a00 = _mm256_fmadd_ps(v, xa, a00), a01 = _mm256_fmadd_ps(v, xb, a01);
-        v = _mm256_loadu_ps(w1 + k);
-        a10 = _mm256_fmadd_ps(v, xa, a10), a11 = _mm256_fmadd_ps(v, xb, a11);
-        v = _mm256_loadu_ps(w2 + k);
-        a20 = _mm256_fmadd_ps(v, xa, a20), a21 = _mm256_fmadd_ps(v, xb, a21);
-        v = _mm256_loadu_ps(w3 + k);
-        a30 = _mm256_fmadd_ps(v, xa, a30), a31 = _mm256_fmadd_ps(v, xb, a31);
+        step_4x2(a, x0, x1, wr, k, 0);
     }
-    store4(y + m * N + n0, hsum4(a00, a10, a20, a30), bias ? bias + n0 : NULL, ks->k0 > 0);
-    store4(y + (m + 1) * N + n0, hsum4(a01, a11, a21, a31), bias ? bias + n0 : NULL, ks->k0 > 0);
+    if (k < K) step_4x2(a, x0, x1, wr, k, 1);
+    const float *b = bias ? bias + n0 : NULL;
+    store4(y + m * N + n0, hsum4(kvf_fold(a[0][0]), kvf_fold(a[1][0]), kvf_fold(a[2][0]), kvf_fold(a[3][0])), b,
+           ks->k0 > 0);
+    store4(y + (m + 1) * N + n0, hsum4(kvf_fold(a[0][1]), kvf_fold(a[1][1]), kvf_fold(a[2][1]), kvf_fold(a[3][1])), b,
+           ks->k0 > 0);
 }
 
-/* Weight rows n0..n0+2 against x rows m..m+3, over one slice of K. */
-static inline void tile_3x4(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
-                            int64_t N, const k_slice *ks, prefetch_run *pf) {
-    const int64_t ld = ks->ld, K = ks->len;
-    const float *x0 = x + m * ld + ks->k0, *x1 = x0 + ld, *x2 = x1 + ld, *x3 = x2 + ld;
-    const float *w0 = w + n0 * ld + ks->k0, *w1 = w0 + ld, *w2 = w1 + ld;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-    for (int64_t k = 0; k < K; k += 8) {
-        prefetch_step(pf);
-        const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k), v2 = _mm256_loadu_ps(w2 + k);
-        __m256 xv = _mm256_loadu_ps(x0 + k);
-        a00 = _mm256_fmadd_ps(v0, xv, a00), a10 = _mm256_fmadd_ps(v1, xv, a10), a20 = _mm256_fmadd_ps(v2, xv, a20);
-        xv = _mm256_loadu_ps(x1 + k);
-        a01 = _mm256_fmadd_ps(v0, xv, a01), a11 = _mm256_fmadd_ps(v1, xv, a11), a21 = _mm256_fmadd_ps(v2, xv, a21);
-        xv = _mm256_loadu_ps(x2 + k);
-        a02 = _mm256_fmadd_ps(v0, xv, a02), a12 = _mm256_fmadd_ps(v1, xv, a12), a22 = _mm256_fmadd_ps(v2, xv, a22);
-        xv = _mm256_loadu_ps(x3 + k);
-        a03 = _mm256_fmadd_ps(v0, xv, a03), a13 = _mm256_fmadd_ps(v1, xv, a13), a23 = _mm256_fmadd_ps(v2, xv, a23);
+/* The wide tile: WIDE_W weight rows x 4 x rows. AVX2 has 16 vector registers: 3 x 4 (12
+ * accumulators, 7 loads per 12 FMAs). AVX-512 has 32: 6 x 4 (24 accumulators, 10 loads per 24
+ * FMAs), where the 3 x 4 tile's loads, not its FMAs, were the limit. */
+#ifdef __AVX512F__
+#define WIDE_W 6
+#else
+#define WIDE_W 3
+#endif
+
+/* One step of the wide tile at k. */
+static inline __attribute__((always_inline)) void step_wide(kvf a[WIDE_W][4], const float *const x[4],
+                                                            const float *const w[WIDE_W], int64_t k, const int tail) {
+    kvf v[WIDE_W];
+    for (int i = 0; i < WIDE_W; i++) v[i] = kvf_load_part(w[i] + k, tail);
+    for (int r = 0; r < 4; r++) {
+        const kvf xv = kvf_load_part(x[r] + k, tail);
+        for (int i = 0; i < WIDE_W; i++) a[i][r] = kvf_fmadd(v[i], xv, a[i][r]);
     }
+}
+
+/* y[0..lanes) = v + bias (bias may be NULL), or += v when acc; lanes 1..4, the others untouched. */
+static inline void store_lanes(float *y, __m128 v, const float *bias, int acc, int lanes) {
+    if (lanes == 4 || lanes == 3) {
+        (lanes == 4 ? store4 : store3)(y, v, bias, acc);
+        return;
+    }
+    const __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(lanes), _mm_setr_epi32(0, 1, 2, 3));
+    if (acc) v = _mm_add_ps(v, _mm_maskload_ps(y, mask));
+    else if (bias) v = _mm_add_ps(v, _mm_maskload_ps(bias, mask));
+    _mm_maskstore_ps(y, mask, v);
+}
+
+/* Weight rows n0 .. n0+WIDE_W-1 against x rows m..m+3, over one slice of K. */
+static inline void tile_wide(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
+                             int64_t N, const k_slice *ks, prefetch_run *pf) {
+    const int64_t ld = ks->ld, K = ks->len;
+    const float *xr[4], *wr[WIDE_W];
+    for (int r = 0; r < 4; r++) xr[r] = x + (m + r) * ld + ks->k0;
+    for (int i = 0; i < WIDE_W; i++) wr[i] = w + (n0 + i) * ld + ks->k0;
+    kvf a[WIDE_W][4];
+    for (int i = 0; i < WIDE_W; i++)
+        for (int r = 0; r < 4; r++) a[i][r] = kvf_zero();
+    int64_t k = 0;
+    for (; k + KVF_LANES <= K; k += KVF_LANES) {
+        prefetch_step(pf);
+        step_wide(a, xr, wr, k, 0);
+    }
+    if (k < K) step_wide(a, xr, wr, k, 1);
     const __m256 z = _mm256_setzero_ps();
-    const float *b = bias ? bias + n0 : NULL;
     const int acc = ks->k0 > 0;
-    store3(y + m * N + n0, hsum4(a00, a10, a20, z), b, acc), store3(y + (m + 1) * N + n0, hsum4(a01, a11, a21, z), b, acc);
-    store3(y + (m + 2) * N + n0, hsum4(a02, a12, a22, z), b, acc);
-    store3(y + (m + 3) * N + n0, hsum4(a03, a13, a23, z), b, acc);
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < WIDE_W; i += 4) { /* 4 weight rows' sums per store (3 in the AVX2 build) */
+            const int lanes = WIDE_W - i < 4 ? WIDE_W - i : 4;
+            const __m256 s1 = lanes > 1 ? kvf_fold(a[i + 1][r]) : z, s2 = lanes > 2 ? kvf_fold(a[i + 2][r]) : z;
+            const __m256 s3 = lanes > 3 ? kvf_fold(a[i + 3][r]) : z;
+            store_lanes(y + (m + r) * N + n0 + i, hsum4(kvf_fold(a[i][r]), s1, s2, s3), bias ? bias + n0 + i : NULL, acc,
+                        lanes);
+        }
 }
 
 /* Weight rows n0 .. n_end-1 against x rows m0 .. M-1, one dot product each (tile edges). */
@@ -392,14 +437,14 @@ static void edge(float *y, const float *x, const float *w, const float *bias, in
 /* Long rows (the down projection's 1536) are reduced in slices, so that a tile's weight rows and
  * x rows fit L1 together (3 x 1536 + 4 x 1536 floats would not). */
 #define K_SLICE 768
-#define WIDE_TILE_MIN_ROWS 12  /* from here the 3 x 4 tile is faster (measured: equal at 8, 10% ahead at 16) */
+#define WIDE_TILE_MIN_ROWS 12  /* from here the wide tile is faster (AVX2: equal at 8, 10% ahead at 16) */
 
 /* bias may be NULL. K must be a multiple of 8. */
 KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const float *bias, int64_t M, int64_t K,
                               int64_t N) {
     if (K % 8 != 0) return -1;
     const int wide = M >= WIDE_TILE_MIN_ROWS;
-    const int64_t tile_n = wide ? 3 : 4, tile_m = wide ? 4 : 2, n_tiles = (N + tile_n - 1) / tile_n;
+    const int64_t tile_n = wide ? WIDE_W : 4, tile_m = wide ? 4 : 2, n_tiles = (N + tile_n - 1) / tile_n;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n_tiles; t++) {
         const int64_t n0 = t * tile_n;
@@ -414,11 +459,12 @@ KVG_API int kvgate_linear_f32(float *y, const float *x, const float *w, const fl
         const char *pf_next = (const char *)(w + (n0 + tile_n) * K);
         const int64_t lines = n0 + tile_n < N ? ((next_end - n0 - tile_n) * K * 4 + 63) / 64 : 0;
         const int64_t lines_per_pass = passes ? (lines + passes - 1) / passes : 0;
-        prefetch_run pf = {pf_next, pf_next + lines * 64, (lines_per_pass + slice_len / 8 - 1) / (slice_len / 8)};
+        const int64_t steps = (slice_len + KVF_LANES - 1) / KVF_LANES; /* tile steps per pass */
+        prefetch_run pf = {pf_next, pf_next + lines * 64, (lines_per_pass + steps - 1) / steps};
         for (int64_t k0 = 0; k0 < K; k0 += slice_len) {
             const k_slice ks = {k0, K - k0 < slice_len ? K - k0 : slice_len, K};
             for (int64_t m = 0; m + tile_m <= M; m += tile_m) {
-                if (wide) tile_3x4(y, x, w, bias, m, n0, N, &ks, &pf);
+                if (wide) tile_wide(y, x, w, bias, m, n0, N, &ks, &pf);
                 else tile_4x2(y, x, w, bias, m, n0, N, &ks, &pf);
             }
         }
@@ -439,4 +485,16 @@ KVG_API int kvgate_write_kv_f32(float *cache_k, float *cache_v, const float *k, 
         memcpy(cache_v + slots[i] * row, v + i * row, sizeof(float) * row);
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------------- build */
+
+/* The widest vectors this build computes with: 512 when compiled for AVX-512 (the avx512 path),
+ * 256 for the AVX2 floor. cpu_kernels.py's tests check that a forced path loads its build. */
+KVG_API int kvgate_vector_bits(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 256;
+#endif
 }

@@ -45,6 +45,7 @@ int kvgate_int4_linear_f32(float *y, const float *x, const int32_t *qweight, con
 int kvgate_int4_linear_off_f32(float *y, const float *x, const int32_t *qweight, const uint16_t *offsets,
                                const uint16_t *scales, const float *bias, int64_t M, int64_t K, int64_t N, int64_t G);
 int kvgate_int4_supported(void);
+int kvgate_vector_bits(void);
 int kvgate_int8_rows_f32(float *y, const float *x, const int8_t *w8, const float *scale, int64_t M, int64_t K,
                          int64_t N);
 

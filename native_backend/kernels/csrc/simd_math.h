@@ -1,4 +1,5 @@
-/* SIMD helpers shared by the kernel sources (AVX2 + FMA). */
+/* SIMD helpers shared by the kernel sources: AVX2 + FMA, and the avx512 build's (cpu_kernels.py
+ * compiles the sources once per path; __AVX512F__ is defined in the avx512 build only). */
 #ifndef KVGATE_SIMD_MATH_H
 #define KVGATE_SIMD_MATH_H
 
@@ -32,6 +33,33 @@ static inline __m256 exp256_nonpos(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+/* kvf: the widest float vector of this build, for loops that only load, multiply-add and reduce
+ * (the linear kernel's tiles): 16 floats in the avx512 build, 8 in the AVX2 one. kvf_load8 loads
+ * 8 floats and zeroes the rest (a row whose length is a multiple of 8 but not of 16); kvf_fold
+ * adds the halves of a 512-bit vector into 8 lanes, for the AVX2 reductions that follow. */
+#ifdef __AVX512F__
+typedef __m512 kvf;
+#define KVF_LANES 16
+static inline kvf kvf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline kvf kvf_load8(const float *p) { return _mm512_maskz_loadu_ps(0xFF, p); }
+static inline kvf kvf_zero(void) { return _mm512_setzero_ps(); }
+static inline kvf kvf_fmadd(kvf a, kvf b, kvf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __m256 kvf_fold(kvf v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+#else
+typedef __m256 kvf;
+#define KVF_LANES 8
+static inline kvf kvf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline kvf kvf_load8(const float *p) { return _mm256_loadu_ps(p); }
+static inline kvf kvf_zero(void) { return _mm256_setzero_ps(); }
+static inline kvf kvf_fmadd(kvf a, kvf b, kvf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline __m256 kvf_fold(kvf v) { return v; }
+#endif
+
+/* kvf_load, or kvf_load8 for the last 8 floats of a row (tail: a constant at each call site). */
+static inline __attribute__((always_inline)) kvf kvf_load_part(const float *p, const int tail) {
+    return tail ? kvf_load8(p) : kvf_load(p);
 }
 
 #endif

@@ -44,6 +44,7 @@ class LayerContext:
     gguf_q4: bool = False  # a GGUF's Q4_0 / Q4_1 linears run packed by the int4 method (else made float)
     prefill_matmul: str = "fp32"  # the setting (auto | fp32 | bf16); resolved for float and int4 linears
     prefill_note: str = ""  # what it resolved to, for the start-up line
+    kernel_path: str = ""  # the C kernels' path (cpu_kernels.path(): "avx512", "avx2"); "": no C kernels
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -103,4 +104,6 @@ def _cpu_context(device, dtype, attention, shard) -> LayerContext:
     fuse = dtype == torch.float32 and backend.name == "cpu" and shard.size == 1
     fused = ", one-call decode steps" if fuse else ""
     return LayerContext(device, dtype, C_KERNEL, KERNEL_OPS, backend, shard, fuse_decode=fuse,
-                        kernels=f"C kernels (attention '{backend.name}', C-kernel linears, fused layer ops{fused})")
+                        kernel_path=cpu_kernels.path().name,
+                        kernels=f"C kernels {cpu_kernels.path_label()} (attention '{backend.name}', "
+                                f"C-kernel linears, fused layer ops{fused})")
