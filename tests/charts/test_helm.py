@@ -45,6 +45,7 @@ VALUE_SETS = {
     "gpu-engines": [CHART / "examples" / "gpu-engines.yaml"],
     "existing-secret": [CHART / "examples" / "existing-secret.yaml"],
     "created-secrets": [HERE / "values" / "created-secrets.yaml"],
+    "disaggregated": [CHART / "examples" / "disaggregated.yaml"],
     "disaggregated-vllm": [CHART / "examples" / "disaggregated-vllm.yaml"],
 }
 SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
@@ -904,6 +905,70 @@ def test_service_monitor_scrapes_with_a_metrics_key_from_the_auth_secret(helm):
 
 # ------------------------------------------------------------------------------ prefill/decode pools
 
+def engine_settings(docs, engine: str) -> dict:
+    cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-{engine}-config"])
+    return cfg["models"][0]["deployments"][0]["settings"]
+
+
+def engine_container(docs, engine: str) -> dict:
+    return find(docs, "StatefulSet", f"{RELEASE}-kvgate-{engine}")[0]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_engine_groups_render_as_a_models_prefill_and_decode_pools(rendered):
+    docs = rendered("disaggregated")
+    [model] = gateway_config(docs)["models"]
+    assert model["disaggregation"] == {"min_prompt_chars": 2000}
+    assert {d["name"]: d["role"] for d in model["deployments"]} == {"smollm2-prefill": "prefill",
+                                                                    "smollm2-decode": "decode"}
+    # The prefill pods serve their KV blocks on every interface, advertising the pod's IP; the
+    # decode pods read them.
+    prefill, decode = engine_settings(docs, "smollm2-prefill"), engine_settings(docs, "smollm2-decode")
+    assert {k: v for k, v in prefill.items() if k.startswith("kv_") and "cache" not in k} == {
+        "kv_role": "producer", "kv_transfer_host": "0.0.0.0", "kv_transfer_port": 5600,
+        "kv_transfer_advertise_host": "__KVGATE_POD_IP__"}
+    assert decode["kv_role"] == "consumer" and "kv_transfer_port" not in decode
+    container = engine_container(docs, "smollm2-prefill")
+    assert {"name": "kv-transfer", "containerPort": 5600, "protocol": "TCP"} in container["ports"]
+    assert {"name": "KVGATE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert [p["name"] for p in engine_container(docs, "smollm2-decode")["ports"]] == ["http"]
+    # Only this release's engine pods may read the blocks; the gateway rule stays as it was.
+    policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]
+    [http_rule, transfer_rule] = policy["ingress"]
+    assert transfer_rule["ports"] == [{"port": "kv-transfer", "protocol": "TCP"}]
+    [peer] = transfer_rule["from"]
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert peer["podSelector"]["matchLabels"].items() <= find(docs, "StatefulSet")[0]["spec"]["template"]["metadata"][
+        "labels"].items()
+    # Colocated engines (the default) get none of it.
+    default = rendered("default")
+    assert "role" not in gateway_config(default)["models"][0]["deployments"][0]
+    assert not [k for k in engine_settings(default, "smollm2") if k.startswith("kv_role")]
+    assert len(find(default, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]["ingress"]) == 1
+
+
+def test_a_prefill_pod_starts_from_its_config_with_its_own_ip_filled_in(rendered, tmp_path):
+    """The prefill container's command run here with sh, its paths moved under tmp_path and
+    `kvgate serve` replaced by `kvgate check-config`: the config it starts from names the IP
+    the downward API gave it, and passes the engine's settings check."""
+    docs = rendered("disaggregated")
+    container = engine_container(docs, "smollm2-prefill")
+    assert container["command"] == ["/usr/bin/tini", "--", "sh", "-c"]
+    [script] = container["args"]
+    mounted, written = tmp_path / "mounted.yaml", tmp_path / "written.yaml"
+    mounted.write_text(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-prefill-config"])
+    for path, here in (("/etc/kvgate/config.yaml", mounted), ("/tmp/config.yaml", written)):
+        assert path in script
+        script = script.replace(path, str(here))
+    assert "exec kvgate serve --config" in script
+    script = script.replace("exec kvgate serve --config", f"exec {sys.executable} -m gateway.cli check-config")
+    env = {**os.environ, **secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2-prefill"),
+           "KVGATE_POD_IP": "10.42.7.19"}
+    proc = subprocess.run(["sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    settings = yaml.safe_load(written.read_text())["models"][0]["deployments"][0]["settings"]
+    assert settings["kv_transfer_advertise_host"] == "10.42.7.19"
+
+
 def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
     """The disaggregated-vllm example's gateway config served as its pod runs it, in front of two
     loopback engines that answer as vLLM with the NIXL connector does, each found in its pool's
@@ -949,3 +1014,55 @@ def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
         assert short.choices[0].message.content == "hi there"
         assert len(pods["prefill"].bodies("/v1/chat/completions")) == 1  # no prefill hop for it
         assert pods["decode"].computed == 1
+
+
+def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(rendered, tmp_path, monkeypatch):
+    """The disaggregated example as its pods run it: each engine pod is an in-process kvgate
+    serving its rendered engine config (the gateway's key, with its scopes) with, in place of
+    the native engine, a loopback engine that answers as a KV-connector engine does (vLLM's
+    protocol, which the native engine speaks); the gateway serves its rendered config, finding
+    each pool's pod in its headless Service's DNS name. A long prompt's params travel gateway ->
+    prefill pod -> engine and back, then to the decode pod's engine, which loads the blocks."""
+    import openai
+    from gateway.disagg import PREFILL_PARAMS
+    from tests.support.fakes.vllm_pd import VllmPDEngine
+    from tests.support.servers.dns_server import DnsServer
+    from tests.support.servers.loopback import GatewayServer, wait_ready
+
+    docs = rendered("disaggregated")
+    gateway_cfg = gateway_config(docs)
+    with contextlib.ExitStack() as stack:
+        dns = stack.enter_context(DnsServer())
+        cluster: dict = {}
+        engines, pods = {}, {}
+        for group in ("smollm2-prefill", "smollm2-decode"):
+            engines[group] = stack.enter_context(VllmPDEngine(group, cluster))
+            for k, v in secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-{group}").items():
+                monkeypatch.setenv(k, v)
+            cfg = yaml.safe_load(config_maps(docs)[f"{RELEASE}-kvgate-{group}-config"])
+            cfg["models"][0]["deployments"] = [{"name": "engine", "backend": "openai", "upstream_model": "scripted",
+                                                "settings": {"base_url": engines[group].base_url + "/v1",
+                                                             "server": "vllm", "metrics": "none"}}]
+            pods[group] = stack.enter_context(GatewayServer(yaml.safe_dump(cfg)))
+        for d in gateway_cfg["models"][0]["deployments"]:
+            dns.set(d["discovery"]["dns"], ["127.0.0.1"])
+            d["discovery"].update(port=pods[d["name"]].port, resolver=dns.address, refresh_s=0.2,
+                                  allowed_cidrs=["127.0.0.0/8"])
+            d["settings"]["metrics_poll_s"] = 0.2
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump(gateway_cfg))
+        proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
+        stack.callback(stop, proc)
+        wait_ready(base, proc)
+
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        long_prompt = " ".join(f"word{i}" for i in range(400))  # over the example's 2000 characters
+        answer = client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}],
+                                                max_tokens=500)
+        assert answer.choices[0].message.content == long_prompt
+        [prefill] = engines["smollm2-prefill"].bodies("/v1/chat/completions")
+        assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+        [decode] = engines["smollm2-decode"].bodies("/v1/chat/completions")
+        assert decode["kv_transfer_params"]["remote_engine_id"] == "smollm2-prefill"
+        assert [engine for engine, _ in engines["smollm2-decode"].loaded] == ["smollm2-prefill"]
+

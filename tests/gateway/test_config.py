@@ -120,6 +120,16 @@ def test_check_config_cli_accepts_the_disaggregated_vllm_config():
     assert [d.role for d in config.models[0].deployments] == ["prefill", "prefill", "decode", "decode"]
 
 
+def test_check_config_cli_accepts_the_disaggregated_native_config():
+    """configs/disaggregated.yaml (`make serve CONFIG=...`): the gateway's roles, and each native
+    engine's KV connector settings, which check-config validates through the plugin."""
+    result = run_cli("check-config", str(ROOT / "configs" / "disaggregated.yaml"))
+    assert result.returncode == 0, result.stderr
+    [model] = load_config(ROOT / "configs" / "disaggregated.yaml").models
+    assert [(d.role, d.settings["kv_role"]) for d in model.deployments] == [("prefill", "producer"),
+                                                                            ("decode", "consumer")]
+
+
 def test_check_config_cli_refuses_unpaired_roles(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(_roles("prefill", "prefill"))

@@ -1,0 +1,57 @@
+"""bench/disagg.py: both setups are configs/disaggregated.yaml's engines (the same settings, one
+thread each, two engines), differing only in roles and KV connector; its figures come from the
+samples as worked out by hand."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import disagg  # noqa: E402
+from serve_metrics import RequestSample  # noqa: E402
+
+from gateway.config import parse_config  # noqa: E402
+
+ARGS = argparse.Namespace(**{flag.lstrip("-").replace("-", "_"): v for flag, v in disagg.DEFAULTS.items()})
+
+
+def engines(setup: str):
+    config = parse_config(yaml.safe_dump(disagg.setup_config(setup, ARGS)))
+    [model] = config.models
+    return model, model.deployments
+
+
+def test_the_setups_differ_only_in_roles_and_the_kv_connector():
+    colocated, co = engines("colocated")
+    disaggregated, dis = engines("disaggregated")
+    assert [d.role for d in co] == ["colocated", "colocated"] and not colocated.disaggregated
+    assert [d.role for d in dis] == ["prefill", "decode"]
+    assert disaggregated.disaggregation.min_prompt_chars > 0
+    assert colocated.policy == disaggregated.policy == "least_loaded"
+    assert [d.settings.get("kv_role") for d in dis] == ["producer", "consumer"]
+    engine = {k: v for k, v in co[0].settings.items()}
+    assert engine["num_threads"] == 1 and engine["kv_cache_bytes"] == ARGS.kv_cache_bytes
+    assert not any(disagg._connector_key(k) for k in engine)
+    for d in [*co, *dis]:  # the same engine on the same cores, but for its connector
+        assert {k: v for k, v in d.settings.items() if not disagg._connector_key(k)} == engine
+
+
+def test_a_row_takes_itl_from_the_streams_and_goodput_from_every_request():
+    # streams: gaps 0.1, 0.1 and 0.1, 0.5; a long prompt of TTFT 12 s (over the 10 s SLO)
+    streams = [RequestSample(0.0, [0.5, 0.6, 0.7], output_tokens=3, prompt_tokens=20),
+               RequestSample(1.0, [1.2, 1.3, 1.8], output_tokens=3, prompt_tokens=20)]
+    longs = [RequestSample(0.0, [12.0, 12.1], output_tokens=2, prompt_tokens=3000)]
+    row = disagg.row_of("colocated", streams, longs, 20.0, ARGS)
+    assert row["itl_p50_ms"] == pytest.approx(100) and row["itl_p99_ms"] == pytest.approx(100 + 0.97 * 400)
+    assert row["long_ttft_p50_ms"] == pytest.approx(12000) and row["long_prompt_tokens"] == [3000, 3000]
+    assert row["stream_ttft_p50_ms"] == pytest.approx(350)
+    assert row["output_tok_s"] == pytest.approx(8 / 20)
+    # the first stream (TPOT 100 ms) is good; the second's TPOT is 300 ms, the long one's TTFT 12 s
+    assert row["goodput_req_s"] == pytest.approx(1 / 20) and row["good_fraction"] == pytest.approx(1 / 3)
+    # under a looser TPOT SLO the second stream is good too; the long prompt's TTFT never is
+    assert row["goodput_by_tpot_slo"]["400"] == pytest.approx(2 / 20)
+    assert row["goodput_by_tpot_slo"]["100"] == pytest.approx(1 / 20)  # 100 ms exactly is within it
