@@ -969,36 +969,44 @@ def test_a_prefill_pod_starts_from_its_config_with_its_own_ip_filled_in(rendered
     assert settings["kv_transfer_advertise_host"] == "10.42.7.19"
 
 
+def serve_over_loopback_pods(stack, docs, gateway_cfg: dict, ports: dict[str, int], tmp_path):
+    """The rendered gateway config served as its pod runs it (a subprocess with the pod's env),
+    each deployment's headless-Service DNS name answered by a loopback DNS server with 127.0.0.1,
+    where `ports[deployment name]` serves that pool; an openai client of it."""
+    import openai
+    from tests.support.servers.dns_server import DnsServer
+    from tests.support.servers.loopback import wait_ready
+
+    dns = stack.enter_context(DnsServer())
+    for d in gateway_cfg["models"][0]["deployments"]:
+        dns.set(d["discovery"]["dns"], ["127.0.0.1"])
+        d["discovery"].update(port=ports[d["name"]], resolver=dns.address, refresh_s=0.2,
+                              allowed_cidrs=["127.0.0.0/8"])  # the "pods" are on loopback
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(gateway_cfg))
+    proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
+    stack.callback(stop, proc)
+    wait_ready(base, proc)
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
 def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
     """The disaggregated-vllm example's gateway config served as its pod runs it, in front of two
     loopback engines that answer as vLLM with the NIXL connector does, each found in its pool's
     headless-Service DNS name (served by a loopback DNS server): a long prompt is prefilled on
     the prefill pool's pod and decoded on the decode pool's, which loads the prefill's blocks;
     a short one goes to the decode pod alone."""
-    import openai
     from gateway.disagg import PREFILL_PARAMS
     from tests.support.fakes.vllm_pd import VllmPDEngine
-    from tests.support.servers.dns_server import DnsServer
-    from tests.support.servers.loopback import wait_ready
 
     docs = rendered("disaggregated-vllm")
     gateway_cfg = gateway_config(docs)
     with contextlib.ExitStack() as stack:
-        dns = stack.enter_context(DnsServer())
         cluster: dict = {}
         pods = {role: stack.enter_context(VllmPDEngine(f"{role}-pod", cluster)) for role in ("prefill", "decode")}
-        for d in gateway_cfg["models"][0]["deployments"]:
-            pod = pods[d["role"]]
-            dns.set(d["discovery"]["dns"], ["127.0.0.1"])
-            d["discovery"].update(port=int(pod.base_url.rsplit(":", 1)[1]), resolver=dns.address, refresh_s=0.2,
-                                  allowed_cidrs=["127.0.0.0/8"])  # the "pods" are on loopback
-        path = tmp_path / "gateway.yaml"
-        path.write_text(yaml.safe_dump(gateway_cfg))
-        proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
-        stack.callback(stop, proc)
-        wait_ready(base, proc)
-
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        ports = {d["name"]: int(pods[d["role"]].base_url.rsplit(":", 1)[1])
+                 for d in gateway_cfg["models"][0]["deployments"]}
+        client = serve_over_loopback_pods(stack, docs, gateway_cfg, ports, tmp_path)
         long_prompt = " ".join(f"word{i}" for i in range(400))  # over the example's 2000 characters
         stream = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": long_prompt}],
                                                 max_tokens=500, stream=True)
@@ -1023,16 +1031,13 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
     protocol, which the native engine speaks); the gateway serves its rendered config, finding
     each pool's pod in its headless Service's DNS name. A long prompt's params travel gateway ->
     prefill pod -> engine and back, then to the decode pod's engine, which loads the blocks."""
-    import openai
     from gateway.disagg import PREFILL_PARAMS
     from tests.support.fakes.vllm_pd import VllmPDEngine
-    from tests.support.servers.dns_server import DnsServer
-    from tests.support.servers.loopback import GatewayServer, wait_ready
+    from tests.support.servers.loopback import GatewayServer
 
     docs = rendered("disaggregated")
     gateway_cfg = gateway_config(docs)
     with contextlib.ExitStack() as stack:
-        dns = stack.enter_context(DnsServer())
         cluster: dict = {}
         engines, pods = {}, {}
         for group in ("smollm2-prefill", "smollm2-decode"):
@@ -1044,18 +1049,8 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
                                                 "settings": {"base_url": engines[group].base_url + "/v1",
                                                              "server": "vllm", "metrics": "none"}}]
             pods[group] = stack.enter_context(GatewayServer(yaml.safe_dump(cfg)))
-        for d in gateway_cfg["models"][0]["deployments"]:
-            dns.set(d["discovery"]["dns"], ["127.0.0.1"])
-            d["discovery"].update(port=pods[d["name"]].port, resolver=dns.address, refresh_s=0.2,
-                                  allowed_cidrs=["127.0.0.0/8"])
-            d["settings"]["metrics_poll_s"] = 0.2
-        path = tmp_path / "gateway.yaml"
-        path.write_text(yaml.safe_dump(gateway_cfg))
-        proc, base = start_gateway(path, secret_env(docs, "Deployment", f"{RELEASE}-kvgate"))
-        stack.callback(stop, proc)
-        wait_ready(base, proc)
-
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        client = serve_over_loopback_pods(stack, docs, gateway_cfg, {name: pod.port for name, pod in pods.items()},
+                                          tmp_path)
         long_prompt = " ".join(f"word{i}" for i in range(400))  # over the example's 2000 characters
         answer = client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}],
                                                 max_tokens=500)
