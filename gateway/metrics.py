@@ -288,14 +288,15 @@ def _cache_config_info(registry):
     yield family
 
 
+def _engines_reporting(registry, key: str) -> list:
+    """(deployment, its load) of each started deployment whose load's extra has `key`."""
+    loads = ((d, d.backend.load()) for d in registry.deployments() if d.started)
+    return [(d, load) for d, load in loads if key in load.extra]
+
+
 def _engine_metrics(registry):
     """Only backends that report engine counters (the native engine) appear here."""
-    engines = []
-    for d in registry.deployments():
-        if d.started:
-            load = d.backend.load()
-            if "num_steps" in load.extra:
-                engines.append((d, load))
+    engines = _engines_reporting(registry, "num_steps")
     for ours, vllm_name, help_text, kind, key in ENGINE_SERIES:
         names = [ours] + ([vllm_name] if vllm_name else [])
         for name in names:
@@ -345,12 +346,7 @@ KV_TRANSFER_HISTOGRAMS = (  # (name, help, key of the sum; + _histogram_pos_j co
 
 def _kv_transfer_metrics(registry):
     """Only engines with a KV connector (their stats carry its histograms' bounds) appear here."""
-    engines = []
-    for d in registry.deployments():
-        if d.started:
-            load = d.backend.load()
-            if "kv_transfer_bytes_buckets_pos_0" in load.extra:
-                engines.append((d, load.extra))
+    engines = [(d, load.extra) for d, load in _engines_reporting(registry, "kv_transfer_bytes_buckets_pos_0")]
     for name, help_text, kind, key in KV_TRANSFER_SERIES:
         family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
             name, help_text, labels=["model", "deployment"])

@@ -93,30 +93,30 @@ class HeldBlocks:
     def hold(self, seq: Sequence, hashes: list[bytes], timeout_s: float) -> None:
         with self._lock:
             old = self._holds.pop(seq.request_id, None)
-            if old is not None and not old.claimed:
+            if old is not None and not old.claimed:  # a claimed one is freed by its read's release
                 self._done.append(old.seq)
             self._holds[seq.request_id] = _Hold(seq, hashes, time.monotonic() + timeout_s)
 
     def claim(self, engine_id: str, request_id: str, block_ids: list[int], hashes: list[bytes],
-              first_block: int) -> str | None:
-        """Reserve a hold for one read of `block_ids` (positions first_block.. of its table);
-        None when granted, else why not."""
+              first_block: int) -> tuple[_Hold | None, str | None]:
+        """Reserve a hold for one read of `block_ids` (positions first_block.. of its table):
+        (the hold, None) when granted, else (None, why not)."""
         with self._lock:
             hold = self._holds.get(request_id)
             refusal = _refusal(self.engine_id, engine_id, hold, block_ids, hashes, first_block)
             if refusal is not None:
                 self.stats.refused += 1
-                return refusal
+                return None, refusal
             hold.claimed = True
-            return None
+            return hold, None
 
-    def release(self, request_id: str, served: bool) -> None:
+    def release(self, hold: _Hold, served: bool) -> None:
         """A claimed read ended: its blocks go back to the step loop (a consumer reads once)."""
         with self._lock:
-            hold = self._holds.pop(request_id, None)
-            if hold is not None:
-                self._done.append(hold.seq)
-                self.stats.served += served
+            if self._holds.get(hold.seq.request_id) is hold:  # not replaced by a newer prefill of that id
+                del self._holds[hold.seq.request_id]
+            self._done.append(hold.seq)
+            self.stats.served += served
 
     def take_freeable(self, now: float) -> list[Sequence]:
         """Sequences whose blocks the step loop frees now: served ones, and unread ones past

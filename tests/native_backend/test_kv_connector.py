@@ -21,7 +21,9 @@ import torch
 from native_backend.config.engine import EngineConfig
 from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineError, EngineRequest
+from native_backend.core.kv_connector import HeldBlocks
 from native_backend.core.sampling_params import SamplingParams
+from native_backend.core.sequence import Sequence
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
 from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
@@ -295,3 +297,19 @@ def test_a_prefill_engine_killed_before_the_read_means_a_recompute_on_the_decode
     tokens, last = run(consumer, EngineRequest("k", ids, GREEDY, kv_transfer_params=params))
     assert tokens == expected and last.timings["kv_transfer_failed"] == 1
     assert all_blocks_back(consumer)
+
+
+def test_a_request_prefilled_again_while_its_blocks_are_read_keeps_the_new_hold():
+    held = HeldBlocks("e")
+    first, second = Sequence("r", [1] * 8), Sequence("r", [2] * 8)
+    first.block_table, second.block_table = [1, 2], [3, 4]
+    held.hold(first, [b"a", b"b"], 60)
+    hold, refusal = held.claim("e", "r", [1, 2], [b"a", b"b"], 0)
+    assert refusal is None and held.claim("e", "r", [1, 2], [b"a", b"b"], 0)[1] == \
+        "the blocks of this request are being read"
+    held.hold(second, [b"c", b"d"], 60)  # a retried prefill of the same id, while the first is read
+    held.release(hold, served=True)
+    assert held.take_freeable(time.monotonic()) == [first]  # the first freed once read, the second held
+    assert held.claim("e", "r", [2], [b"b"], 1)[1] == "block ids that are not this request's"
+    assert held.claim("e", "r", [4], [b"d"], 2)[1] == "block positions outside the request's full blocks"
+    assert held.claim("e", "r", [4], [b"d"], 1)[1] is None

@@ -59,7 +59,7 @@ class KVBlockServer:
             self._send(conn, *read)
 
     def _grant(self, header: dict) -> tuple[tuple | None, str | None]:
-        """(request_id, block_ids) of a read HeldBlocks granted, or the refusal."""
+        """(the hold, block_ids) of a read HeldBlocks granted, or the refusal."""
         try:
             request_id, engine_id = str(header["request_id"]), str(header["engine_id"])
             block_ids = [int(b) for b in header["block_ids"]]
@@ -71,10 +71,10 @@ class KVBlockServer:
         if header.get("layout") != self.layout:
             self.held.note_refused()
             return None, f"the consumer's KV layout differs from this producer's {self.layout}"
-        refusal = self.held.claim(engine_id, request_id, block_ids, hashes, first_block)
-        return ((request_id, block_ids), None) if refusal is None else (None, refusal)
+        hold, refusal = self.held.claim(engine_id, request_id, block_ids, hashes, first_block)
+        return ((hold, block_ids), None) if refusal is None else (None, refusal)
 
-    def _send(self, conn: socket.socket, request_id: str, block_ids: list[int]) -> None:
+    def _send(self, conn: socket.socket, hold, block_ids: list[int]) -> None:
         served = False
         try:
             send_header(conn, {"ok": True, "nbytes": len(block_ids) * block_bytes(self.cache)})
@@ -82,6 +82,6 @@ class KVBlockServer:
                 conn.sendall(buffer)
             served = True
         except OSError as exc:
-            log.info("request %s: sending its KV blocks broke off: %s", request_id, exc)
+            log.info("request %s: sending its KV blocks broke off: %s", hold.seq.request_id, exc)
         finally:
-            self.held.release(request_id, served)
+            self.held.release(hold, served)
