@@ -132,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 requests, one round")
     parser.add_argument("--rounds", type=int, help="rounds (default 2; --quick: 1)")
+    parser.add_argument("--requests", type=int, help="C2 requests (default 64; --quick: 16)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--paths", default="avx2,avx512", help="comma-separated kernel paths, the baseline first")
     parser.add_argument("--ttft", default="128,1024", help="TTFT prompt lengths")
@@ -149,7 +150,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = default_gguf_path()
-    spec = types.SimpleNamespace(seed=0, requests=16 if args.quick else 64, prompt_min=64, prompt_max=512,
+    spec = types.SimpleNamespace(seed=0, requests=args.requests or (16 if args.quick else 64), prompt_min=64, prompt_max=512,
                                  output_min=64, output_max=256, b1_prompt=128, b1_repeats=1)
     workload = build_workload(spec, model)
     ids = text_ids(model)
