@@ -22,7 +22,10 @@ ratios compare equal work.
 Configurations: off; ngram (k = --k); draft = the target's first --draft-layers layers
 (self-speculative); draft = a second copy of the target (acceptance 1.0 by construction: an
 upper bound on acceptance, never a speed-up, as the only model shipped is the target itself);
-with --int4-draft DIR, draft = an AWQ int4 copy of the target (`kvgate quantize`).
+with --int4-draft DIR, draft = an AWQ int4 copy of the target (`kvgate quantize`); with
+--reserve-k, ngram-reserve-k = n-gram whose scheduler reserves k draft slots (budget and blocks)
+for every decoding request, match or not (the policy without the proposer's count: the "before"
+of slots-only-for-drafts, side by side).
 "tok/s" is OUTPUT tokens per second.
 
 The box is shared, so every comparison is interleaved: all engines are built first, then
@@ -100,7 +103,19 @@ def configurations(args) -> dict[str, dict | None]:
         "draft-copy": dict(method="draft", draft_model=default_gguf_path(), num_speculative_tokens=min(k, 2)),
         **({"draft-int4": dict(method="draft", draft_model=args.int4_draft, num_speculative_tokens=min(k, 2))}
            if args.int4_draft else {}),
+        **({RESERVE_K: dict(method="ngram", num_speculative_tokens=k)} if args.reserve_k else {}),
     }
+
+
+RESERVE_K = "ngram-reserve-k"
+
+
+def build(args, name: str, speculative, **overrides):
+    """The configuration's engine; ngram-reserve-k's policy does not ask the proposer's count."""
+    engine = make_engine(args, speculative, **overrides)
+    if name == RESERVE_K:
+        engine.core.scheduler.speculation.count_drafts = None
+    return engine
 
 
 def make_engine(args, speculative, **overrides):
@@ -183,6 +198,7 @@ def main() -> None:
     p.add_argument("--b1-new", type=int, default=128)
     p.add_argument("--requests", type=int, default=64, help="C2 requests")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (A B A B ...): medians over them")
+    p.add_argument("--reserve-k", action="store_true", help="adds ngram-reserve-k: k slots whatever the proposer has")
     p.add_argument("--only", nargs="*", help="configurations to run (default: all)")
     p.add_argument("--skip-c2", action="store_true")
     p.add_argument("--only-c2", action="store_true", help="only the C2 pair (off, ngram with the policy)")
@@ -225,7 +241,7 @@ def timed(fn, *a):
 def interleaved_batch1(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
     """Every configuration's engine built first, then `rounds` rounds of each in turn (A B C A B C):
     whatever else loads the box falls on all of them alike."""
-    engines = {name: make_engine(args, spec, max_num_seqs=4, kv_cache_bytes=128 << 20) for name, spec in configs.items()}
+    engines = {name: build(args, name, spec, max_num_seqs=4, kv_cache_bytes=128 << 20) for name, spec in configs.items()}
     tok = next(iter(engines.values())).tokenizer
     prompt_sets = {"copy-heavy": [tok.apply_chat_template(t) for t in copy_heavy_prompts()],
                    "chat": [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]}
@@ -236,8 +252,8 @@ def interleaved_batch1(args, configs: dict, workload: dict) -> dict[str, list[di
 
 def interleaved_c2(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
     """C2 with speculation off and on (n-gram, the load policy at its defaults): A B A B."""
-    names = [n for n in ("off", "ngram") if n in configs]
-    engines = {n: make_engine(args, configs[n], max_num_seqs=64) for n in names}
+    names = [n for n in ("off", "ngram", RESERVE_K) if n in configs]
+    engines = {n: build(args, n, configs[n], max_num_seqs=64) for n in names}
     return warm_then_rounds(args, engines, workload, "C2", c2, workload)
 
 

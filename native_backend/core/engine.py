@@ -107,7 +107,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             prefix_hash_seed=config.cache.prefix_hash_seed,
             record_kv_events=kv_events is not None,
-        ), speculation_policy(config.speculative), self.kv)
+        ), speculation_policy(config.speculative, executor.count_drafts if config.speculative else None), self.kv)
         self._milestones: dict[str, _Milestones] = {}
         self._grammar_compiler = grammar_compiler
         self._grammars: GrammarService | None = None  # made on the first constrained request

@@ -14,8 +14,8 @@ token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs)?
 A preempted request keeps its output tokens; when readmitted it re-prefills prompt + output
 (often partly from the prefix cache) and carries on where it stopped.
 
-With speculative decoding (a `SpeculationPolicy`), a decoding request may get k draft slots: it
-takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
+With speculative decoding (a `SpeculationPolicy`), a decoding request may get k draft slots (as
+many as its proposer has drafts for, at most the configured k): it takes 1 + k tokens of the budget and KV slots for all of them, but never preempts anyone for the
 drafts (without free blocks it decodes plainly). The scheduler never sees a draft before the
 runner's counts: the chunk names the proposer (execution side) that fills the slots. A
 constrained request (one with a grammar) never speculates: its drafts would need the grammar's

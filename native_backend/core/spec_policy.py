@@ -3,16 +3,21 @@
     decoding requests > max_batch_size    nobody speculates: a full batch has no spare compute,
                                           and k extra rows per request would only slow it down
     request paused                        no slots (it counts down its pause)
-    otherwise                             k slots (fewer near the end of its output); the
-                                          executor's proposer fills 0..k of them
+    otherwise                             as many slots as the proposer says it will fill, at
+                                          most k (fewer near the end of its output): an n-gram
+                                          lookup without a match takes none, so a plain decode
+                                          never holds budget or blocks for drafts it cannot have
 
-The policy never sees a draft: the proposers live on the execution side (execution.spec_decode).
+The policy never sees a draft: the proposers live on the execution side (execution.spec_decode);
+the engine hands it their count (`count_drafts`, the executor's), never their tokens.
 It hears each verification's counts (`record`): a request whose acceptance (moving average) falls
 below min_acceptance_rate pauses for PAUSE_STEPS steps and then tries again with a fresh average.
 `NoSpeculation` is the policy of an engine without speculation: no slots, no stats.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from native_backend.config.engine import SpeculativeOptions
 from native_backend.core.batch import DraftCounts
@@ -23,10 +28,14 @@ EMA_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance 
 PAUSE_STEPS = 16  # steps a request with poor acceptance decodes plainly before trying again
 NEVER_SPECULATED = SpecDecodeStats()  # a request's counts before its first slots (read only)
 
+# (request_id, its tokens so far, k) -> how many of k draft slots the proposer fills for it now
+DraftCount = Callable[[str, list[int], int], int]
+
 
 class SpeculationPolicy:
-    def __init__(self, options: SpeculativeOptions):
+    def __init__(self, options: SpeculativeOptions, count_drafts: DraftCount | None = None):
         self.options = options
+        self.count_drafts = count_drafts  # None: the proposer may fill all k
         self.proposer = options.method  # the chunks' `proposer`: the execution side's proposer of this method
         self.k = options.num_speculative_tokens
         # Every position from the start, so a dashboard sees k series (zeros included) at once.
@@ -39,13 +48,17 @@ class SpeculationPolicy:
 
     def num_draft_slots(self, seq: Sequence, max_tokens: int) -> int:
         """Draft slots for seq this step, at most max_tokens (what the step's budget and the
-        request's own remaining output allow); 0 while the request is paused."""
+        request's own remaining output allow) and no more than the proposer has drafts for; 0
+        while the request is paused."""
         state = seq.spec if seq.spec is not None else SpecState()
         seq.spec = state
         if state.paused_steps:
             state.paused_steps -= 1
             return 0
-        return max(0, min(self.k, max_tokens))
+        k = max(0, min(self.k, max_tokens))
+        if k and self.count_drafts is not None:
+            return self.count_drafts(seq.request_id, seq.all_token_ids, k)
+        return k
 
     def record(self, seq: Sequence, drafts: DraftCounts) -> None:
         """A verification's outcome: counters, and the request's acceptance average. A request
@@ -88,6 +101,8 @@ class NoSpeculation:
         return None
 
 
-def speculation_policy(options: SpeculativeOptions | None) -> SpeculationPolicy | NoSpeculation:
-    """The scheduler's policy for the engine's `speculative` settings (None: off)."""
-    return NoSpeculation() if options is None else SpeculationPolicy(options)
+def speculation_policy(options: SpeculativeOptions | None,
+                       count_drafts: DraftCount | None = None) -> SpeculationPolicy | NoSpeculation:
+    """The scheduler's policy for the engine's `speculative` settings (None: off); `count_drafts`:
+    the executor's, so that slots are reserved only for drafts its proposer has."""
+    return NoSpeculation() if options is None else SpeculationPolicy(options, count_drafts)

@@ -50,6 +50,10 @@ class Executor(Protocol):
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
 
+    def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
+        """How many of k draft slots the proposer fills for this request now (the scheduler's
+        speculation policy reserves only those)."""
+
     def describe(self) -> str: ...
 
     def kv_clamped(self) -> tuple[int, int]: ...
@@ -156,6 +160,11 @@ class InProcessExecutor:
         """The step with its draft slots filled (spec_decode.proposer.propose_drafts), and the
         draft model's q per request for the runner's verification."""
         return propose_drafts(self.proposer, scheduled)
+
+    def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
+        """How many of k draft slots the proposer fills for this request now (the scheduler's
+        speculation policy reserves only those)."""
+        return self.proposer.count_drafts(request_id, tokens, k)
 
     def describe(self) -> str:
         p, mc = self.plan, self.config.model

@@ -166,6 +166,29 @@ def test_slots_the_proposer_left_empty_are_rolled_back(make_scheduler):
     sched.abort("a")
 
 
+def test_slots_are_reserved_only_for_the_drafts_the_proposer_has(make_scheduler):
+    """With the proposer's count, a request without an n-gram match takes one token of the budget,
+    not 1 + k: the prefill beside it gets the rest; one with a match takes what it found, and the
+    proposer fills exactly those slots (from the lookup it made for the count)."""
+    options = SpeculativeOptions("ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+    ngram = NgramProposer(options)
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8,
+                           speculation=SpeculationPolicy(options, count_drafts=ngram.count_drafts))
+    _prefilled(sched)  # tokens 1..6 then 9: nothing repeats
+    sched.add(Sequence("b", list(range(20, 40)), SamplingParams(max_tokens=1)))
+    out = sched.schedule()
+    assert [(c.request_id, len(c.token_ids), c.num_spec_tokens, c.proposer) for c in out.chunks] == [
+        ("a", 1, 0, None), ("b", 7, 0, None)]  # b's chunk: the whole budget but a's one token
+    sched.update(out, RunnerOutput({"a": [1]}))
+    sched.abort("b")
+    sched.update(sched.schedule(), RunnerOutput({"a": [2]}))  # "9 1": still no match, a plain decode
+    out = sched.schedule()  # "1 2" was seen at the start: drafts [3, 4, 5]
+    assert [(c.num_spec_tokens, c.proposer) for c in out.chunks] == [(3, "ngram")]
+    filled, _ = propose_drafts(ngram, out)
+    assert filled.chunks[0].draft_token_ids == [3, 4, 5]
+    sched.abort("a")
+
+
 @pytest.mark.parametrize("sampled, drafts", [
     ([10, 7], None),  # two tokens, no verification reported
     ([10, 7, 8, 9, 5], DraftCounts(4, 4)),  # more drafts than the chunk had slots

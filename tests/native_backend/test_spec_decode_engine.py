@@ -64,9 +64,18 @@ def run_all(engine, prompts, sampling) -> list[list[int]]:
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_ngram_greedy_is_token_identical(make_engine, prompts, plain_greedy):
+def test_ngram_greedy_is_token_identical(make_engine, prompts, plain_greedy, monkeypatch):
     engine = make_engine(NGRAM)
+    executor, slots = engine.core.executor, []  # (slots, drafts) of each chunk given slots
+
+    def propose(scheduled, real=executor.propose):
+        filled, probs = real(scheduled)
+        slots.extend((c.num_spec_tokens, len(c.draft_token_ids)) for c in filled.chunks if c.num_spec_tokens)
+        return filled, probs
+
+    monkeypatch.setattr(executor, "propose", propose)
     assert run_all(engine, prompts, GREEDY) == plain_greedy
+    assert slots and all(num_slots == num_drafts for num_slots, num_drafts in slots)  # no slot held in vain
     stats = engine.stats()
     assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_num_accepted_tokens
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # some were rejected

@@ -116,6 +116,9 @@ class TensorParallelExecutor:
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
             raise self._fault(exc) from None
 
+    def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
+        return self.rank.count_drafts(request_id, tokens, k)  # rank 0's proposer fills the slots
+
     def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
         """ModelRunner.compute_logits on every rank (tests): the whole vocabulary's logits."""
         self._step_workers(scheduled, ALL_LOGITS if all_tokens else LOGITS)

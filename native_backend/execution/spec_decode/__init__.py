@@ -1,11 +1,11 @@
 """Speculative decoding: a cheap proposer guesses k tokens, the target scores them in one step.
 
     schedule() (core)                execute() (execution)                   update() (core)
-    policy: k draft slots for each ─> the chunk's proposer fills 0..k   ──> accepted + 1 tokens appended,
-    decoding request (0: a plain      drafts; the target runs [last,         the slots not accepted rolled
-    decode), named proposer           d1..dn]; rejection sampling keeps      back by the block manager;
-                                      a prefix of the drafts plus one        acceptance counted
-                                      token; DraftCounts per request
+    policy: n <= k draft slots     ─> the chunk's proposer fills the   ──> accepted + 1 tokens appended,
+    for each decoding request, as     n drafts; the target runs [last,       the slots not accepted rolled
+    many as the proposer counts       d1..dn]; rejection sampling keeps      back by the block manager;
+    (0: a plain decode), named        a prefix of the drafts plus one        acceptance counted
+    proposer                          token; DraftCounts per request
 
 - `proposer`: the `Proposer` protocol, `Proposals`, and `propose_drafts` (the executor's one call);
 - `ngram`: prompt lookup, the continuation of an earlier match of the sequence's suffix;

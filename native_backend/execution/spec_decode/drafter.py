@@ -46,6 +46,10 @@ class DraftModelProposer:
         self._shared = torch.Generator(device=runner.device)
         self._shared.seed()
 
+    def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
+        """A draft model always draws k."""
+        return k
+
     def forget(self, request_ids) -> None:
         """Requests that ended or were preempted (their blocks, and so the draft's KV, are gone)."""
         for request_id in request_ids:

@@ -1,10 +1,11 @@
 """The one seam of speculative decoding on the execution side: a `Proposer` fills draft slots.
 
     scheduler (core)                 executor (here)                           runner
-    k draft slots for a decoding ──> propose_drafts: the proposer named by ──> runs [last, d1..dn],
-    request, and the proposer that   the chunk writes n <= k drafts (0: a      verifies them, reports
-    fills them (chunk.proposer)      plain decode), before a tensor-parallel   DraftCounts per request
-                                     step's deltas are encoded
+    draft slots for a decoding   ──> propose_drafts: the proposer named by ──> runs [last, d1..dn],
+    request (as many as the          the chunk writes n <= slots drafts (0:    verifies them, reports
+    proposer's count_drafts, <= k),  a plain decode), before a tensor-         DraftCounts per request
+    and the proposer that fills      parallel step's deltas are encoded
+    them (chunk.proposer)
 
 Proposers (one per speculative method, built by `spec_decode.factory.make_proposer`):
 - `ngram.NgramProposer` (method ngram): prompt lookup in the request's own tokens;
@@ -37,6 +38,10 @@ class Proposals:
 
 class Proposer(Protocol):
     method: str  # the speculative method it serves: the name chunks give in `proposer`
+
+    def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
+        """How many of k draft slots it would fill for this request (its tokens so far) now: the
+        scheduler reserves only those (core.spec_policy)."""
 
     def propose(self, chunks: list[ScheduledChunk]) -> Proposals:
         """Drafts for chunks that each have num_spec_tokens slots after one known token."""
