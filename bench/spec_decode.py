@@ -241,7 +241,8 @@ def timed(fn, *a):
 def interleaved_batch1(args, configs: dict, workload: dict) -> dict[str, list[dict]]:
     """Every configuration's engine built first, then `rounds` rounds of each in turn (A B C A B C):
     whatever else loads the box falls on all of them alike."""
-    engines = {name: build(args, name, spec, max_num_seqs=4, kv_cache_bytes=128 << 20) for name, spec in configs.items()}
+    engines = {name: build(args, name, spec, max_num_seqs=4, kv_cache_bytes=128 << 20)
+               for name, spec in configs.items()}
     tok = next(iter(engines.values())).tokenizer
     prompt_sets = {"copy-heavy": [tok.apply_chat_template(t) for t in copy_heavy_prompts()],
                    "chat": [tok.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]}
