@@ -3,8 +3,10 @@ difficulty, each with the request a user would send, plus regex and choice cases
 
 Levels: 1 flat scalars; 2 required/optional, enums, bounds; 3 nested objects, arrays with bounds;
 4 anyOf / nullable, patterns, formats, $defs; 5 shapes of public schema benchmarks (JSONSchemaBench's
-GitHub/Glaive/Kubernetes-style configs, function-call arguments, API payloads). Used by
-bench/structured.py (validity, compile times) and tests/plugins/test_native_structured_http.py.
+GitHub/Glaive/Kubernetes-style configs, function-call arguments, API payloads). Then a tool-call
+battery: six tools (no arguments, enums, bounds, patterns, formats, anyOf, a closed object) and
+requests that fit one of them. Used by bench/structured.py (compile times, speed),
+bench/structured_validity.py (validity through HTTP) and tests/bench/test_structured_battery.py.
 """
 
 from __future__ import annotations
@@ -127,4 +129,46 @@ CHOICES: list[tuple[str, list[str], str]] = [
     ("yes_no", ["yes", "no"], "Is water wet?"),
     ("sentiment", ["positive", "negative", "neutral"], "Sentiment of: 'I love this film!'"),
     ("planet", ["Mercury", "Venus", "Earth", "Mars"], "Which planet do we live on?"),
+]
+
+
+# ------------------------------------------------------------------------------ tool calls
+
+def tool(name: str, description: str, parameters: dict | None = None) -> dict:
+    """An OpenAI function tool; without parameters it takes no arguments."""
+    function = {"name": name, "description": description}
+    return {"type": "function", "function": function | ({"parameters": parameters} if parameters else {})}
+
+
+TOOLS: list[dict] = [
+    tool("get_weather", "The current weather in a city.",
+         obj({"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}}, required=["city"])),
+    tool("get_time", "The current time (no arguments)."),
+    tool("search_books", "Search a library catalogue.",
+         obj({"query": {"type": "string", "minLength": 2}, "max_results": {"type": "integer", "minimum": 1,
+                                                                           "maximum": 10}}, required=["query"])),
+    tool("create_event", "Put an event in the calendar.",
+         obj({"title": S, "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+              "attendees": arr({"type": "string", "format": "email"}, maxItems=3),
+              "reminder": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 120}, {"type": "null"}]}},
+             required=["title", "date"], additionalProperties=False)),
+    tool("convert_units", "Convert a quantity between units.",
+         obj({"value": N, "from_unit": {"enum": ["km", "mi", "kg", "lb"]}, "to_unit": {"enum": ["km", "mi", "kg", "lb"]}})),
+    tool("send_message", "Send a chat message to a contact.",
+         obj({"to": {"type": "string", "pattern": "^@[a-z]{2,12}$"}, "text": {"type": "string", "maxLength": 80},
+              "urgent": B}, required=["to", "text"])),
+]
+TOOL_CASES: list[tuple[str, str, str]] = [  # (name, the tool that fits, what the user asks)
+    ("weather_oslo", "get_weather", "What is the weather in Oslo right now?"),
+    ("weather_f", "get_weather", "How warm is it in Miami, in fahrenheit?"),
+    ("time_now", "get_time", "What time is it?"),
+    ("books_scifi", "search_books", "Find me three science fiction books."),
+    ("books_any", "search_books", "Look up books about the history of Rome."),
+    ("event_lunch", "create_event", "Add a team lunch on 2027-03-14 with ana@example.com."),
+    ("event_dentist", "create_event", "Remind me of the dentist on 2027-01-09, 30 minutes before."),
+    ("convert_km", "convert_units", "How many miles is 42 km?"),
+    ("convert_lb", "convert_units", "Convert 10 kg to pounds."),
+    ("message_bob", "send_message", "Tell @bob that I will be late."),
+    ("message_urgent", "send_message", "Urgently message @alice: the server is down."),
+    ("two_cities", "get_weather", "What is the weather in Paris and in Rome?"),
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import llguidance
 import numpy as np
 
-from native_backend.text.grammar_spec import GrammarError, GrammarSpec
+from native_backend.text.grammar_spec import JSON_LAYOUT, GrammarError, GrammarSpec
 from native_backend.text.tokenizer import Tokenizer
 
 # Bounds on the work one grammar may cost the engine, per parser step and to build (llguidance's
@@ -93,11 +93,10 @@ class GrammarCompiler:
 
 def _llguidance_grammar(spec: GrammarSpec) -> str:
     """llguidance's grammar text for a spec (raises ValueError for text it cannot read)."""
-    json_options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=json_options)
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=json_options)
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_LAYOUT)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":

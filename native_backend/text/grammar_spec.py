@@ -11,6 +11,12 @@ from dataclasses import dataclass
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
 
 
+# How constrained JSON is laid out (llguidance's JSON options; for a schema inside a Lark grammar,
+# its "x-guidance" key): Python's separators and no other whitespace, since free whitespace lets a
+# small model pad its output with newlines until max_tokens.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """A constraint the grammar library refuses; the message is `param: the library's reason`."""
 

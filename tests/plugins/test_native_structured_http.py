@@ -31,6 +31,7 @@ server:
   limits: {max_grammar_bytes: 4096}
 models:
   - name: smollm2
+    timeouts: {first_token_s: 600}  # a loaded CI box: the first constrained request builds the compiler
     deployments:
       - name: native-0
         backend: native
@@ -298,3 +299,12 @@ def test_tokenize_counts_the_tools_as_the_generation_does(gw, client):
 
     out = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=1)
     assert count(tools=TOOLS) == out.usage.prompt_tokens > count() + 100  # the Hermes prompt lists the tools
+
+
+def test_models_and_openapi_declare_structured_outputs_and_tools(gw):
+    """The native deployment declares what it serves, so the gateway routes such requests to it."""
+    card = next(m for m in httpx.get(gw.base_url + "/v1/models").json()["data"] if m["id"] == "smollm2")
+    assert {"json_object", "json_schema", "tools"} <= set(card["capabilities"]["features"])
+    doc = httpx.get(gw.base_url + "/openapi.json").json()
+    chat_body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"structured_outputs", "tools", "tool_choice", "response_format"} <= set(chat_body["properties"])

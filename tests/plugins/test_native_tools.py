@@ -113,6 +113,8 @@ def compiler(smollm2):
                         '<tool_call>\n', False),
     ("required", None, '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}', False),  # city missing
     ("required", None, 'Sure! <tool_call>', False),
+    ("required", None, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', False),  # takes none
+    ("required", None, '<tool_call>\n{\n  "name": "get_time", "arguments": {}}', False),  # compact JSON only
     ({"type": "function", "function": {"name": "get_weather"}}, None,
      '<tool_call>\n{"name": "get_time", "arguments": {}}', False),
 ])

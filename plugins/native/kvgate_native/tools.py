@@ -22,7 +22,7 @@ import uuid
 
 from gateway.backend import ToolCallDelta
 from gateway.errors import InvalidRequestError
-from native_backend.text.grammar_spec import GrammarSpec
+from native_backend.text.grammar_spec import JSON_LAYOUT, GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SYSTEM_PROMPT = (
@@ -31,7 +31,7 @@ SYSTEM_PROMPT = (
     "values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\nFor each function "
     "call return a json object with function name and arguments within <tool_call></tool_call> XML tags as "
     "follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>")
-NO_PARAMETERS = {"type": "object", "properties": {}}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # omitted parameters: `{}`
 
 
 def uses_tools(tools: list[dict] | None, tool_choice) -> bool:
@@ -101,7 +101,7 @@ def tool_grammar(tools: list[dict] | None, tool_choice, parallel_tool_calls: boo
     schemas = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                  "arguments": t["function"].get("parameters") or NO_PARAMETERS},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
-    call = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    call = {**({"anyOf": schemas} if len(schemas) > 1 else schemas[0]), "x-guidance": JSON_LAYOUT}  # compact
     repeat = "" if parallel_tool_calls is False or isinstance(tool_choice, dict) else "+"
     lark = f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(call)} "\\n{CLOSE}\\n"\n'
     return GrammarSpec("lark", lark, param="tools")
