@@ -29,12 +29,15 @@ Writes bench/results/kv_quant.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -42,6 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
+# The ablation: fp8 with the previous calibration's keys, stored as they are (no KVLayer.k_offset).
+UNCENTERED = "-uncentered"
+ROWS = (*DTYPES, "fp8_e4m3" + UNCENTERED, "fp8_e5m2" + UNCENTERED)
 CAPACITY_DTYPES = ("float32", "fp8_e4m3", "int8")
 WINDOW, STRIDE, BLOCK = 512, 448, 16  # every scored token sees at least 64 tokens of context
 CHAT_NEW_TOKENS = 48
@@ -71,7 +77,23 @@ def held_out_ids(tokenizer, min_tokens: int) -> list[int]:
     return ids[len(ids) - min_tokens:]  # the tail: the engine_throughput prompts come from the head
 
 
-def perplexity(model, ids: list[int], kv_dtype: str, scales) -> float:
+def kv_dtype_of(row: str) -> str:
+    return row.removesuffix(UNCENTERED)
+
+
+@contextlib.contextmanager
+def calibration_of(row: str):
+    """The engine's fp8 calibration as the row says: the keys centered (the engine's), or not."""
+    from native_backend.execution import kv_scales
+
+    if not row.endswith(UNCENTERED):
+        yield
+        return
+    with mock.patch.object(kv_scales, "calibrate", functools.partial(kv_scales.calibrate, center_keys=False)):
+        yield
+
+
+def perplexity(model, ids: list[int], kv_dtype: str, calibration) -> float:
     """exp(mean NLL) over ids with sliding windows: every window after the first scores only its
     last STRIDE tokens, each seen with WINDOW - STRIDE tokens of context."""
     from native_backend.core.batch import ScheduledChunk, SchedulerOutput
@@ -82,8 +104,8 @@ def perplexity(model, ids: list[int], kv_dtype: str, scales) -> float:
 
     blocks = WINDOW // BLOCK
     cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=BLOCK, dtype=kv_dtype)
-    if scales is not None:
-        apply(cache, scales)
+    if calibration is not None:
+        apply(cache, calibration.scales, calibration.k_offsets)
     runner = ModelRunner(model, cache)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - WINDOW + 1, STRIDE):
@@ -126,13 +148,15 @@ def agreement(ours: list[list[int]], base: list[list[int]]) -> dict:
             "mean_share_before_divergence": sum(shares) / len(shares)}
 
 
-def chat_answers(kv_dtype: str, prompts: list[list[int]], threads: int, **overrides) -> dict:
+def chat_answers(row: str, prompts: list[list[int]], threads: int, **overrides) -> dict:
     """Greedy answers to every prompt (stopping at EOS), the fp8 values the engine clamped meanwhile,
-    and the scales its cache holds (to read the answers back through the same format)."""
+    and the calibration its cache holds (to read the answers back through the same format)."""
     from native_backend.core.interface import EngineRequest
     from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.kv_scales import Calibration
 
-    e = engine(kv_dtype, threads, max_num_seqs=16, **overrides)
+    with calibration_of(row):
+        e = engine(kv_dtype_of(row), threads, max_num_seqs=16, **overrides)
     answers = {f"c{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         e.add_request(EngineRequest(f"c{i}", p, SamplingParams(max_tokens=CHAT_NEW_TOKENS, temperature=0.0)))
@@ -140,15 +164,18 @@ def chat_answers(kv_dtype: str, prompts: list[list[int]], threads: int, **overri
         for out in e.step():
             answers[out.request_id].extend(out.new_token_ids)
     stats = e.stats()
-    layers = e.executor.kv_cache.layers
+    layers = e.core.executor.kv_cache.layers
     return {"answers": [answers[f"c{i}"] for i in range(len(prompts))],
             "clamped": [stats.kv_clamped_keys, stats.kv_clamped_values],
-            "scales": [(layer.k_scale, layer.v_scale) for layer in layers] if layers[0].dtype.quantized else None}
+            "calibration": Calibration([(layer.k_scale, layer.v_scale) for layer in layers],
+                                       None if layers[0].k_offset is None else torch.stack([l.k_offset for l in layers]))
+            if layers[0].dtype.scaling == "per_layer" else None}
 
 
-def answers_perplexity(model, prompts: list[list[int]], answers: list[list[int]], kv_dtype: str, scales) -> float:
+def answers_perplexity(model, prompts: list[list[int]], answers: list[list[int]], kv_dtype: str,
+                       calibration) -> float:
     """exp(mean NLL) of `answers` (the float32 cache's) after their prompts, each conversation one
-    prefill through a `kv_dtype` cache holding `scales`."""
+    prefill through a `kv_dtype` cache holding the engine's `calibration` (fp8)."""
     from native_backend.core.batch import ScheduledChunk, SchedulerOutput
     from native_backend.core.sampling_params import SamplingParams
     from native_backend.execution.kv_scales import apply
@@ -160,8 +187,8 @@ def answers_perplexity(model, prompts: list[list[int]], answers: list[list[int]]
         ids = prompt + answer
         blocks = math.ceil(len(ids) / BLOCK)
         cache = KVCache.for_model(model.config, num_blocks=blocks + 1, block_size=BLOCK, dtype=kv_dtype)
-        if scales is not None:
-            apply(cache, scales)
+        if calibration is not None:
+            apply(cache, calibration.scales, calibration.k_offsets)
         chunk = ScheduledChunk("chat", ids, 0, list(range(1, blocks + 1)), True, SamplingParams(temperature=0.0),
                                num_logits=len(answer) + 1)
         logits = ModelRunner(model, cache).compute_logits(SchedulerOutput([chunk]))["chat"]
@@ -173,7 +200,7 @@ def answers_perplexity(model, prompts: list[list[int]], answers: list[list[int]]
 
 def chat_battery(model, tokenizer, threads: int) -> dict:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_PROMPTS]
-    runs = {name: chat_answers(name, prompts, threads) for name in DTYPES}
+    runs = {name: chat_answers(name, prompts, threads) for name in ROWS}
     base = runs["float32"]["answers"]
     report = {}
     for name, run in runs.items():
@@ -181,7 +208,7 @@ def chat_battery(model, tokenizer, threads: int) -> dict:
         report[name] = {
             **agreement(ours, base),
             "same_first_token": sum(a[:1] == b[:1] for a, b in zip(ours, base)),
-            "answers_ppl": answers_perplexity(model, prompts, base, name, run["scales"]),
+            "answers_ppl": answers_perplexity(model, prompts, base, kv_dtype_of(name), run["calibration"]),
             "clamped_k_v": run["clamped"],
             "capital": tokenizer.decode(ours[0]),
         }
@@ -213,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-mib", type=int, default=96)
     ap.add_argument("--eval-tokens", type=int, default=20480, help="held-out tokens for perplexity (>= 20k for the table)")
     ap.add_argument("--requests", type=int, default=64, help="requests of the capacity workload")
-    ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES, help="perplexity of these dtypes only")
+    ap.add_argument("--dtypes", nargs="+", choices=ROWS, default=ROWS, help="perplexity of these dtypes only")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant.json"))
     ap.add_argument("--only", nargs="+", choices=("perplexity", "greedy", "chat", "capacity"),
                     default=("perplexity", "greedy", "chat", "capacity"),
@@ -240,10 +267,11 @@ def main(argv=None) -> int:
     report.update({"model": os.path.basename(path), "eval_tokens": len(eval_ids), "window": WINDOW, "stride": STRIDE,
                    "threads": args.threads})
     for name in args.dtypes if "perplexity" in args.only else ():
-        d = resolve_kv_dtype(name)
-        scales = calibrate(model, calib, d, torch.device("cpu")) if d.scaling == "per_layer" else None
+        d = resolve_kv_dtype(kv_dtype_of(name))
+        cal = (calibrate(model, calib, d, torch.device("cpu"), center_keys=not name.endswith(UNCENTERED))
+               if d.scaling == "per_layer" else None)
         t0 = time.perf_counter()
-        report["perplexity"][name] = {"ppl": perplexity(model, eval_ids, name, scales), "seconds": time.perf_counter() - t0}
+        report["perplexity"][name] = {"ppl": perplexity(model, eval_ids, d.name, cal), "seconds": time.perf_counter() - t0}
         print(f"perplexity {name:9s} {report['perplexity'][name]['ppl']:.4f}", flush=True)
     if "perplexity" in args.only and "float32" in report["perplexity"]:
         base = report["perplexity"]["float32"]["ppl"]
@@ -279,13 +307,12 @@ def main(argv=None) -> int:
 
 def print_table(r: dict) -> None:
     print(f"\nKV dtype   perplexity (vs fp32)   greedy identical / mean share before divergence")
-    for name in DTYPES:
-        p, g = r["perplexity"][name], r["greedy"][name]
-        print(f"{name:9s}  {p['ppl']:8.4f} ({p['vs_float32_pct']:+.2f} %)   {g['identical']:2d}/{g['of']}  "
-              f"{g['mean_share_before_divergence']:.2f}")
+    for name, p in r["perplexity"].items():
+        g = r["greedy"].get(name)
+        greedy = f"{g['identical']:2d}/{g['of']}  {g['mean_share_before_divergence']:.2f}" if g else "-"
+        print(f"{name:9s}  {p['ppl']:8.4f} ({p['vs_float32_pct']:+.2f} %)   {greedy}")
     print(f"\nKV dtype   chat: identical  same first token  before divergence  answers ppl (vs fp32)  clamped K/V")
-    for name in DTYPES:
-        c = r["chat"][name]
+    for name, c in r["chat"].items():
         print(f"{name:9s}  {c['identical']:2d}/{c['of']}  {c['same_first_token']:2d}/{c['of']}  "
               f"{c['mean_share_before_divergence']:.2f}  {c['answers_ppl']:.4f} ({c['answers_ppl_vs_float32_pct']:+.2f} %)  "
               f"{c['clamped_k_v']}  {c['capital']!r}")

@@ -104,12 +104,12 @@ class InProcessExecutor:
         """The KV cache of `num_blocks` (at most the plan's), its fp8 scales, and the runner."""
         if num_blocks != self.plan.num_blocks:
             self.plan = shrink_plan(self.plan, num_blocks)
-        scales = self._fp8_scales(calibration_ids) if self.kv_dtype.scaling == "per_layer" else None
+        fp8 = self._fp8_scales(calibration_ids) if self.kv_dtype.scaling == "per_layer" else None
         self.kv_cache = KVCache(num_layers=self.model_config.num_layers, num_blocks=self.plan.num_blocks,
                                 block_size=self.config.cache.block_size, num_kv_heads=self.num_kv_heads,
                                 head_dim=self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
-        if scales is not None:
-            kv_scales.apply(self.kv_cache, scales)
+        if fp8 is not None:
+            kv_scales.apply(self.kv_cache, fp8.scales, fp8.k_offsets)
         self.proposer = make_proposer(self.config, self.model, self.kv_cache, self.draft_model, self.device,
                                       self.config.model.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -178,23 +178,25 @@ class InProcessExecutor:
                 f"{fp32_per_token / p.bytes_per_token:.2f}x the tokens of float32), "
                 f"{p.full_context_sequences} sequences at full context {p.max_model_len}")
 
-    def _fp8_scales(self, calibration_ids: list[int] | None = None) -> list[tuple[float, float]]:
-        """The checkpoint's per-layer scales, else a calibration pass's; 1.0 only when asked.
-        Tensor-parallel ranks calibrate together on rank 0's `calibration_ids` (each over its own
-        KV heads) and take each layer's largest scale, the one a single rank would find."""
+    def _fp8_scales(self, calibration_ids: list[int] | None = None) -> kv_scales.Calibration:
+        """The checkpoint's per-layer scales, else a calibration pass's (with the keys' offsets);
+        1.0 only when asked. Tensor-parallel ranks calibrate together on rank 0's
+        `calibration_ids`, each over its own KV heads (its own offsets), and take each layer's
+        largest scale, the one a single rank would find."""
         mode = self.config.cache.kv_scales
         if mode == "unit":
             log.warning("fp8 KV cache with unit scales (kv_scales: unit): values beyond %g are clipped",
                         self.kv_dtype.max_value)
-            return [(1.0, 1.0)] * self.model_config.num_layers
+            return kv_scales.Calibration([(1.0, 1.0)] * self.model_config.num_layers, None)
         scales = None if self.needs_calibration else self.model.kv_scales_from_checkpoint()
-        source = "the checkpoint"
-        if scales is None:
-            ids = calibration_ids if calibration_ids is not None else self.calibration_ids()
-            scales = _max_over_ranks(kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device), self.shard)
-            source = f"calibration over {len(ids)} tokens"
-        log.info("fp8 KV scales from %s: %s", source, kv_scales.describe(scales))
-        return scales
+        if scales is not None:
+            log.info("fp8 KV scales from the checkpoint: %s", kv_scales.describe(scales))
+            return kv_scales.Calibration(scales, None)
+        ids = calibration_ids if calibration_ids is not None else self.calibration_ids()
+        found = kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device)
+        found = dataclasses.replace(found, scales=_max_over_ranks(found.scales, self.shard))
+        log.info("fp8 KV scales from calibration over %d tokens: %s", len(ids), kv_scales.describe(found.scales))
+        return found
 
     def _plan_kv_cache(self) -> KVCachePlan:
         mc, cache = self.model_config, self.config.cache

@@ -148,6 +148,11 @@ class KVLayer:
     dtype: KVCacheDType
     k_scale: float = 1.0  # per-layer formats (fp8): stored = fp8(x / k_scale)
     v_scale: float = 1.0
+    # fp8 with calibrated scales: (kv_heads, head_dim) float32, the keys' mean over the calibration
+    # text, subtracted from every key before it is stored (`Attention.forward`). A query's scores
+    # all move by q . k_offset, which softmax ignores, while fp8's error, relative to each value,
+    # shrinks with the values (kv_scales: why). None: keys stored as they are.
+    k_offset: torch.Tensor | None = None
     # per-token formats (int8): (num_blocks, block_size, kv_heads) float32, one scale per row
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None

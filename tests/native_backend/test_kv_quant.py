@@ -284,3 +284,34 @@ def test_fp8_calibration_starts_with_chat_turns_and_holds_no_evaluated_prompt(tm
     assert text.startswith("<|im_start|>system") and text.count("<|im_start|>assistant") == 5
     assert "command-line" in text.lower()  # then the docstrings (argparse first)
     assert not any(q in text for q in CHAT_PROMPTS)
+
+
+def test_a_key_offset_leaves_the_model_s_logits_as_they_were(tmp_path):
+    """Keys stored minus a per-layer, per-head offset (KVLayer.k_offset: fp8's calibrated mean,
+    subtracted in Attention.forward for every cache dtype) move every score of a query by the same
+    amount, which softmax ignores: a prompt and a decode step give the logits they give without
+    it (a float32 cache, so that only the shift differs)."""
+    from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+    from native_backend.core.sampling_params import SamplingParams
+    from native_backend.execution.model_runner import ModelRunner
+    from tests.support.data.llama_checkpoints import make_checkpoint
+
+    _, model = make_checkpoint(tmp_path, tie=True, rope_scaling=None)
+    prompt, greedy = list(range(3, 23)), SamplingParams(temperature=0.0)
+
+    def run(offsets: torch.Tensor | None) -> tuple[list[torch.Tensor], KVCache]:
+        cache = KVCache.for_model(model.config, num_blocks=4, block_size=16, dtype="float32")
+        for i, layer in enumerate(cache.layers):
+            layer.k_offset = None if offsets is None else offsets[i]
+        runner = ModelRunner(model, cache)
+        steps = [ScheduledChunk("s", prompt, 0, [1, 2], True, greedy), ScheduledChunk("s", [7], 20, [1, 2], True, greedy)]
+        return [runner.compute_logits(SchedulerOutput([step]))["s"] for step in steps], cache
+
+    config = model.config
+    offsets = randn(config.num_layers, config.num_kv_heads, config.head_dim, seed=5, scale=3.0)
+    (plain, plain_cache), (shifted, shifted_cache) = run(None), run(offsets)
+    for i, (a, b) in enumerate(zip(plain_cache.layers, shifted_cache.layers)):  # the keys are stored shifted...
+        torch.testing.assert_close(b.key[1:3].flatten(0, 1)[:21], a.key[1:3].flatten(0, 1)[:21] - offsets[i])
+        torch.testing.assert_close(b.value, a.value, atol=1e-4, rtol=0)
+    for a, b in zip(plain, shifted):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)  # ...and softmax does not see it

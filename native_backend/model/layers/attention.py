@@ -32,5 +32,7 @@ class Attention(nn.Module):
         kv = self.kv
         if kv is None:
             raise RuntimeError("attention layer has no KV cache bound (model.bind_kv_cache)")
+        if kv.k_offset is not None:  # softmax(q . (k - c)) == softmax(q . k): kv_cache.KVLayer.k_offset
+            k = k - kv.k_offset.to(k.dtype)
         self.backend.write_kv(k, v, kv, md.slot_mapping)
         return self.backend.paged_attention(q, kv, md, self.scale)  # (num_tokens, num_heads, head_dim)

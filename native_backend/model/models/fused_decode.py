@@ -156,7 +156,7 @@ def _fits(model, layers, tensors) -> bool:
         return False
     kvs = [layer.self_attn.attn.kv for layer in layers]
     if any(not (kv.dtype.name == "float32" or kv.dtype.quantized) or kv.block_size != kvs[0].block_size
-           for kv in kvs):
+           or kv.k_offset is not None for kv in kvs):  # the C step writes keys as they are
         return False
     norms_eps = {model.model.norm.eps} | {n.eps for layer in layers
                                           for n in (layer.input_layernorm, layer.post_attention_layernorm)}
