@@ -240,13 +240,18 @@ def _choose() -> tuple[ctypes.CDLL, KernelPath]:
     runnable = [p for p in PATHS if _platform_problem(p) is None]
     if not runnable:
         raise _Unavailable(_platform_problem(FLOOR))
+    passed_over = []  # why the better paths were not taken: part of the reason if the floor fails too
     for candidate in runnable[:-1]:
         try:
             return _library(candidate), candidate
         except _Unavailable as exc:
             log.warning("the %s kernels are unavailable (%s): using the %s path", candidate.name, exc,
                         runnable[-1].name)
-    return _library(runnable[-1]), runnable[-1]
+            passed_over.append(f"{candidate.name}: {exc}")
+    try:
+        return _library(runnable[-1]), runnable[-1]
+    except _Unavailable as exc:
+        raise _Unavailable("; ".join([*passed_over, f"{runnable[-1].name}: {exc}"])) from None
 
 
 @functools.cache

@@ -33,7 +33,9 @@ def make_engine_core(config: EngineConfig) -> OutputProcessor:
     executor = make_executor(config, tokenizer)  # its fp8 calibration and draft check use this one too
     # Bound before the engine starts, so a taken port fails start-up (and is reported) at once.
     publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
-    kv_transfer = make_kv_transfer(config.transfer, executor.kv_cache)  # its listener bound here too
+    # Bound here, so a taken port fails start-up at once. Only a kv_role reads the executor's cache:
+    # a tensor-parallel executor has none in this process (check-config refuses kv_role with TP).
+    kv_transfer = make_kv_transfer(config.transfer, executor.kv_cache) if config.transfer.kv_role is not None else None
     core = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None,
                      extra_eos_token_ids=tokenizer.eos_token_ids,
                      grammar_compiler=functools.partial(GrammarCompiler, tokenizer), kv_transfer=kv_transfer)

@@ -230,9 +230,9 @@ def triton_checks() -> list[str]:
             copies = {}
             for impl in ("reference", "triton"):
                 copy = KVLayer(layer.key.clone(), layer.value.clone(), layer.dtype, layer.k_scale, layer.v_scale,
-                               None if layer.key_scales is None else layer.key_scales.clone(),
-                               None if layer.value_scales is None else layer.value_scales.clone(),
-                               None if layer.clamped is None else torch.zeros_like(layer.clamped))
+                               key_scales=None if layer.key_scales is None else layer.key_scales.clone(),
+                               value_scales=None if layer.value_scales is None else layer.value_scales.clone(),
+                               clamped=None if layer.clamped is None else torch.zeros_like(layer.clamped))
                 (reference if impl == "reference" else triton_backend).write_kv(k_new, v_new, copy, md.slot_mapping)
                 copies[impl] = copy
             ref, tri = copies["reference"], copies["triton"]

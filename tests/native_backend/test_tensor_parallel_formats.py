@@ -34,6 +34,9 @@ pytestmark = pytest.mark.timeout(1200)
 
 def build(tp: int, **settings):
     settings.setdefault("quantization", "gguf")
+    # fp32 prefill: bf16's (prefill_matmul auto, on a CPU with AVX512_BF16 or AMX) would round each
+    # rank's partial sums before the all-reduce, and these tests hold ranks to one rank within 1e-4
+    settings.setdefault("prefill_matmul", "fp32")
     return make_executor(EngineConfig.build(path=default_gguf_path(), num_threads=1, tensor_parallel_size=tp,
                                             kv_cache_bytes=64 << 20, **settings))
 
