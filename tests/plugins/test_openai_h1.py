@@ -14,6 +14,7 @@ import contextlib
 import gc
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -345,6 +346,95 @@ def test_bytes_after_the_answer_make_the_connection_unusable():
             assert len(up.connections) == 2
             await asyncio.wait_for(up.connections[0].eof.wait(), 2)
     run(main())
+
+
+def test_a_whole_second_answer_in_the_same_segment_is_never_read_into_the_first():
+    """Two complete answers to one request, in one segment: the first is the request's answer
+    (its status and its body only), the second is nobody's, and its connection is closed."""
+    async def answer(conn, head, body, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                     + (b"HTTP/1.1 500 Oops\r\ncontent-length: 4\r\n\r\nboom" if len(conn.requests) == 1 else b""))
+        await writer.drain()
+        return True
+
+    async def main():
+        async with serving(answer) as (up, c):
+            assert await fetch(c, up.url) == (200, b"ok")
+            assert await fetch(c, up.url) == (200, b"ok")
+            assert len(up.connections) == 2 and [len(conn.requests) for conn in up.connections] == [1, 1]
+            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+    run(main())
+
+
+class ThreadedUpstream:
+    """HTTP/1.1 on loopback in a thread of its own, so that it can write while the client's event
+    loop is blocked. Each request is answered `label`; the first connection's first answer is
+    followed, when `unsolicited.set()` is called, by a second answer nobody asked for."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1/completions"
+        self.unsolicited = threading.Event()  # the test's word: send it now
+        self.sent = threading.Event()  # it is on the wire
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @staticmethod
+    def _answer(label: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(label), label)
+
+    def _accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                sock, _ = self.listener.accept()
+                self.connections += 1
+                threading.Thread(target=self._serve, args=(sock, self.connections == 1), daemon=True).start()
+
+    def _serve(self, sock: socket.socket, first_connection: bool):
+        with sock, contextlib.suppress(OSError):
+            data, served = b"", 0
+            while True:
+                head, sep, rest = data.partition(b"\r\n\r\n")
+                if not sep or len(rest) < content_length(head + sep):
+                    more = sock.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                    continue
+                data = rest[content_length(head + sep):]
+                served += 1
+                sock.sendall(self._answer(b"first" if first_connection and served == 1 else b"second"))
+                if first_connection and served == 1:
+                    self.unsolicited.wait(5)
+                    sock.sendall(self._answer(b"unsolicited"))
+                    self.sent.set()
+
+    def close(self):
+        self.listener.close()
+
+
+def test_an_unsolicited_answer_waiting_on_an_idle_connection_is_never_the_next_requests():
+    """An upstream sends a second answer to one request after the first was read to its end,
+    while its connection is idle. When the event loop is busy, those bytes wait unread in the
+    socket as the next request takes the connection; they must not be read as that request's
+    answer: a connection with bytes waiting is closed, never reused."""
+    up = ThreadedUpstream()
+
+    async def main():
+        c = client()
+        try:
+            assert await fetch(c, up.url) == (200, b"first")
+            up.unsolicited.set()
+            assert up.sent.wait(5)
+            time.sleep(0.1)  # the loop stays blocked: the bytes are in the socket, not read yet
+            assert await fetch(c, up.url) == (200, b"second")
+            assert up.connections == 2 and c.reuse_retries == 0
+        finally:
+            await c.aclose()
+    try:
+        run(main())
+    finally:
+        up.close()
 
 
 def test_no_keep_alive_asks_the_upstream_to_close():

@@ -15,9 +15,14 @@ and keeps aiohttp for https and proxies, so TLS and proxy behaviour stay aiohttp
 
 Connections: at most `max_connections` in use (the rest wait, first come first served) and open
 (an idle one to another host gives way); idle ones are kept per (host, port), newest reused
-first, and closed after `keepalive_expiry_s` (0: one request per connection). A connection goes back to the pool only when its answer was read to the
-end and the answer allows reuse; an answer abandoned before its end closes its connection (that
-is how an upstream learns of an abort). A request that a reused connection dropped is sent once
+first, and closed after `keepalive_expiry_s` (0: one request per connection). A connection goes
+back to the pool only when its answer was read to the end and the answer allows reuse; an answer
+abandoned before its end closes its connection (that is how an upstream learns of an abort).
+HTTP/1.1 pairs answers with requests by order alone, so a byte past the end of an answer (a
+second answer to one request, or garbage) leaves a connection that can never be trusted again:
+the parse stops there and the connection is closed, and an idle connection is taken again only
+when its socket holds nothing unread (bytes the event loop had no time to read yet would be
+taken for the next request's answer). A request that a reused connection dropped is sent once
 more under `transport.KeepAliveClient`'s rule, holding its slot.
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import select
 import socket
 import zlib
 from collections import deque
@@ -58,6 +64,10 @@ INFLATE_PIECE = 64 * 1024
 BODYLESS = ("GET",)
 
 
+class _PastTheAnswer(Exception):
+    """Raised from the parser's callbacks to stop the parse at a second answer to one request."""
+
+
 class HeadLimits:
     """What an upstream's response head may hold (httptools itself bounds neither)."""
 
@@ -86,7 +96,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("client", "key", "transport", "parser", "reused", "once", "idle_since", "lost", "active",
                  "headers", "status", "head_done", "framed", "done", "reusable", "error",
-                 "got_bytes", "buf", "size", "paused", "waiter", "head_count", "head_bytes", "too_large")
+                 "got_bytes", "buf", "size", "paused", "waiter", "head_count", "head_bytes", "too_large", "poller")
 
     def __init__(self, client: H1Client, key: tuple):
         self.client = client
@@ -98,6 +108,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.lost = False
         self.waiter: asyncio.Future | None = None
+        self.poller: select.poll | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -122,6 +133,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.poller = select.poll()  # made once: asking it costs one poll(2) per reuse
+        self.poller.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         if not self.active:  # bytes nobody asked for (an idle or abandoned connection)
@@ -153,8 +166,9 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self.done:  # a second answer to one request: never trust this connection again
+        if self.done:  # a second answer to one request: not this request's, nor the next one's
             self.reusable = False
+            raise _PastTheAnswer  # stops the parse before its status or body reach this answer
 
     def on_header(self, name: bytes, value: bytes) -> None:
         limits = self.client.head_limits
@@ -204,6 +218,11 @@ class _Connection(asyncio.Protocol):
         coroutine: one call less per wait, and there is one wait per upstream read)."""
         self.waiter = waiter = self.client._loop.create_future()
         return waiter
+
+    def unread_bytes_waiting(self) -> bool:
+        """Whether the socket holds bytes (or an EOF, or an error) the event loop has not read
+        yet: on an idle connection, nothing that any request asked for."""
+        return bool(self.poller.poll(0))
 
     def close(self, why: str = "closed") -> None:
         if self.active and not self.done and self.error is None:
@@ -480,6 +499,9 @@ class H1Client(KeepAliveClient):
                     older.close()
                 idle.clear()
                 return None
+            if conn.unread_bytes_waiting():  # an answer nobody asked for, or the upstream's close
+                conn.close("unexpected data")
+                continue
             return conn
         return None
 
