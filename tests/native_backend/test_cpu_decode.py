@@ -59,12 +59,21 @@ STEPS = [{"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 8, "c": 1}, {"a": 1, "b": 1}, {
 TABLES = {"a": [3, 17, 8, 25, 1, 30, 12, 6], "b": [9, 2, 28, 14, 21, 5], "c": [19, 11, 27, 4, 23, 15, 7]}
 
 
-def run_steps(model, fused: bool, kv_dtype: str = "float32") -> list[dict[str, torch.Tensor]]:
+def key_offsets(config) -> torch.Tensor:
+    """(layers, kv_heads, head_dim): a calibrated fp8 cache's keys' means (KVLayer.k_offset), made up."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(config.num_layers, config.num_kv_heads, config.head_dim, generator=g) * 0.5
+
+
+def run_steps(model, fused: bool, kv_dtype: str = "float32",
+              k_offsets: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
     """Every step's logits rows per sequence (all rows of each chunk), with the model's one-call
-    decode steps (counted) or without them, over a fresh cache of `kv_dtype`."""
+    decode steps (counted) or without them, over a fresh cache of `kv_dtype` (its keys stored
+    minus `k_offsets`[layer], if given)."""
     cache = KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK_SIZE, dtype=kv_dtype)
-    for layer in cache.layers:  # fp8's per-layer scales (unused by other formats)
+    for i, layer in enumerate(cache.layers):  # fp8's per-layer scales (unused by other formats)
         layer.k_scale, layer.v_scale = 0.02, 0.01
+        layer.k_offset = None if k_offsets is None else k_offsets[i].contiguous()
     runner = ModelRunner(model, cache)
     assert model.fused_decode is not None
     model.fused_decode = Counting(model.fused_decode) if fused else None
@@ -159,3 +168,30 @@ def test_quantized_caches_take_the_fused_step_bit_identical_to_the_python_path(m
     for step_fused, step_python in zip(fused, python):
         for rid in step_python:
             assert torch.equal(step_fused[rid], step_python[rid]), (kv_dtype, rid)
+
+
+@pytest.mark.usefixtures("kernel_path")  # once per CPU kernel path (AVX2, AVX-512)
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "float32"])
+def test_a_key_offset_takes_the_fused_step_bit_identical_to_the_python_path(models, kv_dtype):
+    """A calibrated fp8 cache stores keys minus their mean (KVLayer.k_offset): the C step subtracts
+    it before the write as Attention.forward does, so its steps stay fused and bit-identical, and
+    the cache holds the same bytes."""
+    _, ours = models
+    offsets = key_offsets(ours.config)
+    fused = run_steps(ours, fused=True, kv_dtype=kv_dtype, k_offsets=offsets)
+    assert (ours.fused_decode.taken, ours.fused_decode.declined) == (len(STEPS), 1)  # the prompt: Python
+    fused_cache = [(a.kv.key.clone(), a.kv.value.clone()) for a in ours.attention_layers()]
+    python = run_steps(ours, fused=False, kv_dtype=kv_dtype, k_offsets=offsets)
+    for step_fused, step_python in zip(fused, python):
+        for rid in step_python:
+            assert torch.equal(step_fused[rid], step_python[rid]), (kv_dtype, rid)
+    for (key, value), attn in zip(fused_cache, ours.attention_layers()):
+        assert torch.equal(key.view(torch.uint8), attn.kv.key.view(torch.uint8))
+        assert torch.equal(value.view(torch.uint8), attn.kv.value.view(torch.uint8))
+    plain = run_steps(ours, fused=True, kv_dtype=kv_dtype)  # without the offset: other keys stored
+    layer0 = ours.attention_layers()[0].kv.key
+    assert not torch.equal(fused_cache[0][0].view(torch.uint8), layer0.view(torch.uint8))
+    if kv_dtype == "float32":  # softmax ignores the shift: the logits barely move
+        for with_offset, without in zip(fused[1:], plain[1:]):
+            for rid in without:
+                torch.testing.assert_close(with_offset[rid], without[rid], atol=1e-4, rtol=0)

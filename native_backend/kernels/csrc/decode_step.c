@@ -7,7 +7,7 @@
  *
  *   for each layer:
  *     residual, x = add_rms_norm(residual, delta, input_norm)     (layer 0: residual = embeddings)
- *     q, k, v = x Wq, x Wk, x Wv;  rope(q, k);  write k, v into their slots
+ *     q, k, v = x Wq, x Wk, x Wv;  rope(q, k);  k -= k_offset (if any);  write k, v into their slots
  *     delta = paged_decode(q) Wo
  *     residual, x = add_rms_norm(residual, delta, post_norm)
  *     delta = (silu(x Wgate) * x Wup) Wdown
@@ -39,6 +39,9 @@ typedef struct {
     kvg_linear q, k, v, o, gate, up, down;
     float *cache_k, *cache_v; /* (num_blocks, block_size, kv_heads, head_dim) */
     const kvg_kv *kv;         /* a quantized cache (fp8, int8), or NULL: the float32 cache_k / cache_v */
+    /* (kv_heads, head_dim), or NULL: subtracted from every new key before it is written (a calibrated
+     * fp8 cache stores keys minus their mean: kv_cache.KVLayer.k_offset, Attention.forward) */
+    const float *k_offset;
 } kvg_layer;
 
 typedef struct {
@@ -52,6 +55,13 @@ typedef struct {
     const float *cos, *sin; /* (max_positions, head_dim / 2) */
     int64_t table_stride, chunk_blocks;
 } kvg_step;
+
+/* k (M, kv_heads * head_dim) -= offset (kv_heads * head_dim,) row by row: Attention.forward's
+ * `k - kv.k_offset`, one float32 subtraction per value, so the stored keys are bit-identical to it. */
+static void subtract_key_offset(float *k, const float *offset, int64_t M, int64_t row) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < row; j++) k[i * row + j] -= offset[j];
+}
 
 /* The kernel the layer's linear method calls on the per-layer path: int4 or float. */
 static int project(const kvg_linear *l, const float *x, float *y, int64_t M) {
@@ -69,6 +79,7 @@ static int layer_forward(const kvg_layer *L, const kvg_dims *d, const kvg_step *
     int rc = kvgate_add_rms_norm_f32(residual, delta_in, L->input_norm, x, M, d->hidden, d->eps);
     rc |= project(&L->q, x, q, M) | project(&L->k, x, k, M) | project(&L->v, x, v, M);
     rc |= kvgate_rope_qk_f32(q, k, s->positions, s->cos, s->sin, M, H, KV, D);
+    if (L->k_offset) subtract_key_offset(k, L->k_offset, M, KV * D);
     if (L->kv) { /* the same two kernels the "cpu" backend calls for a quantized cache */
         const kvg_kv *c = L->kv;
         rc |= kvgate_write_kv_q((void *)c->cache_k, (void *)c->cache_v, (float *)c->k_scales, (float *)c->v_scales, k, v,

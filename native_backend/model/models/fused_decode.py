@@ -7,7 +7,9 @@ are all short queries (decodes) with one call; it runs the same kernels in the s
 Python path, so the hidden states are bit-identical (tests/native_backend/test_cpu_decode.py).
 
 A quantized cache (fp8, int8) goes through the quantized write and decode kernels, the ones the
-"cpu" attention backend calls, so those steps too are bit-identical to the per-layer path. So do
+"cpu" attention backend calls, so those steps too are bit-identical to the per-layer path. A layer
+whose keys are stored minus an offset (KVLayer.k_offset: a calibrated fp8 cache, the default for
+fp8) has it subtracted in C before the write, as Attention.forward subtracts it. So do
 int4 AWQ linears (quantization/method.py with the C kernel): the table holds their packed tensors
 and the step calls the int4 kernel the method calls.
 
@@ -55,7 +57,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _f32p), ("post_norm", _f32p)] + [
         (name, _Linear) for name in _LINEAR_FIELDS] + [
-        ("cache_k", _f32p), ("cache_v", _f32p), ("kv", ctypes.c_void_p)]
+        ("cache_k", _f32p), ("cache_v", _f32p), ("kv", ctypes.c_void_p), ("k_offset", _f32p)]
 
 
 class _Dims(ctypes.Structure):
@@ -99,6 +101,8 @@ class FusedDecode:
                 struct = quantized.struct()
                 tensors += [quantized, struct]
                 entry.kv = ctypes.addressof(struct)
+            if kv.k_offset is not None:  # checked by _fits, kept alive by the KV layer (and `tensors`)
+                entry.k_offset = kv.k_offset.data_ptr()
             for proj, name in zip(_projections(layer), _LINEAR_FIELDS):
                 setattr(entry, name, _Linear.of(proj))
         config, attn = model.config, layers[0].self_attn.attn
@@ -139,7 +143,7 @@ def _tensors(model, layers) -> list[torch.Tensor | None]:
     tensors = [model.model.norm.weight, model.model.embed_tokens.weight]
     for layer in layers:
         kv = layer.self_attn.attn.kv
-        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, kv.k_offset]
         if not kv.dtype.quantized:  # float32 caches are read as floats; quantized ones are checked on their own
             tensors += [kv.key, kv.value]
         for proj in _projections(layer):
@@ -156,7 +160,7 @@ def _fits(model, layers, tensors) -> bool:
         return False
     kvs = [layer.self_attn.attn.kv for layer in layers]
     if any(not (kv.dtype.name == "float32" or kv.dtype.quantized) or kv.block_size != kvs[0].block_size
-           or kv.k_offset is not None for kv in kvs):  # the C step writes keys as they are
+           or not _offset_fits(kv) for kv in kvs):
         return False
     norms_eps = {model.model.norm.eps} | {n.eps for layer in layers
                                           for n in (layer.input_layernorm, layer.post_attention_layernorm)}
@@ -166,6 +170,12 @@ def _fits(model, layers, tensors) -> bool:
             and all(p.in_features % 8 == 0 and (isinstance(p.method, CKernelMethod) or _int4_fits(p))
                     for p in projections)
             and cpu_kernels.readable(*tensors, rotary.cos, rotary.sin, dtype=torch.float32))
+
+
+def _offset_fits(kv) -> bool:
+    """No key offset, or one the C step subtracts from each new key: (kv_heads, head_dim) float32
+    (its layout checked with the other tensors by `readable`)."""
+    return kv.k_offset is None or tuple(kv.k_offset.shape) == (kv.num_kv_heads, kv.head_dim)
 
 
 def _int4_fits(proj) -> bool:
