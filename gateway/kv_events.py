@@ -12,6 +12,9 @@ or turned into forgetting (a subset of the truth only costs a missed hit):
     seq == expected                 apply
     seq >  expected  (a gap)        replay [expected, seq); if the replay does not reach back, forget
                                     the deployment's blocks and apply what it did send
+    in a replay                     each seq >= its start once (the first copy), in order, whether it
+                                    ended with its marker or stopped answering; where it skips a seq,
+                                    or stops before the live one that asked, forget there
     seq == 0, or far behind         the publisher restarted: forget, then apply
     seq a little behind             a duplicate or out of order: ignored (counted)
     a frame that does not decode    its batch is lost: forget the deployment's blocks (counted)
@@ -243,17 +246,22 @@ class EventStream:
                         self.deployment, self.stats.garbage, what)
 
     async def _resync(self, start: int, upto: int) -> None:
-        """Apply the batches [start, ...) the replay endpoint still holds; where it does not
-        reach back to `start` (or there is none), forget first: what was missed is unknown."""
+        """Apply the batches [start, ...) the replay endpoint still holds, each once and in order;
+        wherever a seq before `upto` (the live batch that showed the gap) is missing from it, forget
+        there: what that batch removed is unknown."""
         batches = await self._replay(start) if self.source.replay_endpoint else []
-        if not batches or batches[0][0] != start:
-            what = "no replay endpoint" if not self.source.replay_endpoint else "the replay did not reach back"
-            if start > 0 or batches:
-                self.forget(f"batches {start}..{upto - 1} were missed, {what}")
-        else:
+        if batches and batches[0][0] == start:
             self.stats.resyncs += 1
+        what = "no replay endpoint" if not self.source.replay_endpoint else "the replay did not reach back"
+        following = start
         for seq, payload in batches:
+            if seq > following:
+                self.forget(f"batches {following}..{seq - 1} were missed, {what}")
             self._apply(seq, payload)
+            following, what = seq + 1, "the replay skipped them"
+        if following < upto and (following > start or start > 0):
+            self.forget(f"batches {following}..{upto - 1} were missed, "
+                        + ("the replay stopped short" if batches else what))
         self._replayed_to = self._expected or 0
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
@@ -269,9 +277,20 @@ class EventStream:
                     break
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == END_OF_REPLAY:
-                    return batches
+                    return _once_in_order(batches, start)
                 batches.append((seq, frames[2]))
             log.warning("KV events of deployment %s: the replay from %d did not finish", self.deployment, start)
-            return [b for b in batches if b[0] >= start]
+            return _once_in_order(batches, start)
         finally:
             dealer.close(linger=0)
+
+
+def _once_in_order(batches: list[tuple[int, bytes]], start: int) -> list[tuple[int, bytes]]:
+    """A replay's batches from `start` on, each seq once (its first copy), in sequence order: the
+    wire format promises that order, but a batch applied twice or late can revive a block the
+    engine has since removed."""
+    first: dict[int, bytes] = {}
+    for seq, payload in batches:
+        if seq >= start:
+            first.setdefault(seq, payload)
+    return sorted(first.items())

@@ -17,6 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from gateway import kv_events
 from gateway.backend import KVEventsSource
 from gateway.kv_events import BadBatch, EventStream, decode_batch
 from gateway.kv_index import KVIndex
@@ -76,7 +77,8 @@ def bind_any_port(socket) -> int:
 
 class RawPublisher:
     """A publisher the test drives frame by frame, with an optional replay endpoint serving what
-    the test put in `kept`."""
+    the test put in `kept` (or, to script a faulty one, the frames in `replay_script`, followed by
+    the end marker only when `replay_ends`)."""
 
     def __init__(self, context: zmq.asyncio.Context, topic: bytes = b"kv"):
         self.pub = context.socket(zmq.PUB)
@@ -86,6 +88,8 @@ class RawPublisher:
         self.topic = topic
         self.kept: dict[int, bytes] = {}
         self.replays: list[int] = []
+        self.replay_script: list[tuple[int, bytes]] | None = None
+        self.replay_ends = True
         self._server = asyncio.get_running_loop().create_task(self._serve())
 
     def source(self, replay=True) -> KVEventsSource:
@@ -102,9 +106,13 @@ class RawPublisher:
             ident, empty, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replays.append(first)
-            for seq in sorted(s for s in self.kept if s >= first):
-                await self.router.send_multipart([ident, empty, seq.to_bytes(8, "big"), self.kept[seq]])
-            await self.router.send_multipart([ident, empty, (-1).to_bytes(8, "big", signed=True), b""])
+            frames = self.replay_script
+            if frames is None:
+                frames = [(seq, self.kept[seq]) for seq in sorted(s for s in self.kept if s >= first)]
+            for seq, payload in frames:
+                await self.router.send_multipart([ident, empty, seq.to_bytes(8, "big"), payload])
+            if self.replay_ends:
+                await self.router.send_multipart([ident, empty, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self._server.cancel()
@@ -158,6 +166,73 @@ def test_a_gap_is_repaired_through_the_replay_endpoint():
         assert index.longest_prefix([1], ["engine-a"]) == {"engine-a": 1}
         assert index.blocks_of("engine-a") == 3  # 1, 7 (replayed), 8
     run(scenario)
+
+
+def held(index: KVIndex, block: int) -> bool:
+    """Whether the index says engine-a holds this block."""
+    return index.longest_prefix([block], ["engine-a"]).get("engine-a", 0) == 1
+
+
+# A replay either ends with its end marker or stops answering (REPLAY_TIMEOUT_S per message,
+# shortened here): each way, what it brought must be applied the same way.
+REPLAY_ENDINGS = [pytest.param(True, id="end-marker"), pytest.param(False, id="timeout")]
+
+
+@pytest.mark.parametrize("ends", REPLAY_ENDINGS)
+def test_a_replay_applies_each_batch_from_its_start_once_and_in_order(ends, monkeypatch):
+    """A replay endpoint that sends more than asked (a batch before the start), twice, or out of
+    order: only the batches from the start on count, each once, in sequence order. Applied as
+    sent, the old store of 2 (since removed) or the second copy of the store of 7 (removed after
+    it) would claim a block the engine no longer holds."""
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT_S", 1.0)
+
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1, 2)))
+        await publisher.send(1, batch(removed(2)))
+        await until(lambda: stream.stats.batches == 2)
+        publisher.replay_ends = ends
+        publisher.replay_script = [(3, batch(removed(7))), (0, batch(stored(1, 2))), (2, batch(stored(7))),
+                                   (4, batch(stored(9))), (2, batch(stored(7)))]
+        await publisher.send(4, batch(stored(9)))  # 2 and 3 were lost on the way
+        await until(lambda: stream.stats.batches >= 5)
+        await publisher.send(5, batch(stored(10)))  # the stream goes on from 5
+        await until(lambda: held(index, 10))
+        assert stream.stats.batches == 6  # 0, 1, then 2, 3, 4 replayed (the live 4 is not news), 5
+        assert publisher.replays == [2] and stream.stats.resyncs == 1 and stream.stats.forgotten == 0
+        assert [h for h in (1, 2, 7, 9, 10) if held(index, h)] == [1, 9, 10]
+        assert index.blocks_of("engine-a") == 3
+    run(scenario)
+
+
+@pytest.mark.parametrize("ends", REPLAY_ENDINGS)
+@pytest.mark.parametrize("replayed,missed", [
+    pytest.param([1, 3], "2..2", id="a-hole"),
+    pytest.param([1, 2], "3..3", id="stopping-short"),
+])
+def test_a_replay_that_skips_a_batch_forgets_the_deployment(ends, replayed, missed, monkeypatch, caplog):
+    """A replay with a hole in it, or one that stops before the batch that asked for it: the batch
+    it did not bring may have removed any block, so the deployment's blocks are forgotten there,
+    and only what follows counts."""
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT_S", 1.0)
+
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1)))
+        await until(lambda: stream.stats.batches == 1)
+        publisher.replay_ends = ends
+        publisher.replay_script = [(seq, batch(stored(100 + seq))) for seq in replayed]
+        await publisher.send(4, batch(stored(8)))
+        await until(lambda: stream.stats.batches == 4)
+        assert stream.stats.forgotten == 1 and not held(index, 1)
+        after = [100 + seq for seq in replayed if seq > int(missed.split("..")[0])] + [8]
+        assert index.blocks_of("engine-a") == len(after)
+        assert all(held(index, h) for h in after)
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("engine-a" in r.message and f"batches {missed} were missed" in r.message for r in caplog.records)
 
 
 def test_a_gap_without_replay_forgets_the_deployment_rather_than_keep_stale_blocks(caplog):
