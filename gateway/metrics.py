@@ -255,8 +255,8 @@ def _kv_index_metrics(registry):
     held = GaugeMetricFamily("kvgate_kv_index_deployment_blocks", "KV blocks the index says a deployment holds.",
                              labels=["model", "deployment"])
     tokenize_failures = CounterMetricFamily("kvgate_kv_route_tokenize_failures", "Prompts a backend's /tokenize "
-                                            "did not turn into ids in time for routing (routed by affinity).",
-                                            labels=["model"])
+                                            "or the gateway's tokenizing threads did not turn into ids in time "
+                                            "for routing (routed by affinity).", labels=["model"])
     counters = {name: CounterMetricFamily(f"kvgate_kv_events_{name}", doc, labels=["model", "deployment"])
                 for name, doc in KV_EVENT_COUNTERS.items()}
     for pool in registry.pools:
@@ -265,7 +265,7 @@ def _kv_index_metrics(registry):
             continue
         size.add_metric([pool.name], len(feed.index))
         evicted.add_metric([pool.name], feed.index.evicted)
-        tokenize_failures.add_metric([pool.name], feed.tokens.remote_failures)
+        tokenize_failures.add_metric([pool.name], feed.tokens.failures)
         for name, stream in feed.streams.items():
             held.add_metric([pool.name, name], feed.index.blocks_of(name))
             for field, family in counters.items():

@@ -6,15 +6,17 @@ into token ids before it, in an async step (`PromptTokens.prepare`), never stall
     a token-id prompt                 the ids as sent
     a tokenizer in this process       backend.prompt_token_ids(request) (native: the engine's
       (backend.prompt_token_ids)      tokenizer and chat template): inline up to INLINE_CHARS,
-                                      past that on this module's threads
+                                      past that on this module's threads, waited for timeout_s
     a tokenizer behind the backend    backend.tokenize(...): vLLM's POST /tokenize (chat: messages
       (backend.tokenize: vLLM, SGLang) and tools through the server's own template), within timeout_s
 
 The ids go into a small LRU keyed by a hash of the prompt, where `choose` finds them, as do a
 disaggregated request's prefill hop, the other choices of an n > 1 request and a retried take.
-Any failure (a timeout, an error, an answer that is not token ids) leaves the prompt without ids:
-the policy then routes by approximate affinity. A deployment whose /tokenize failed is not asked
-again for FAILURE_BACKOFF_S, so a server without /tokenize costs one timeout, not one per request.
+Requests with the same prompt arriving together share one tokenization (the first one's; the
+others wait for it). Any failure (a timeout, an error, an answer that is not token ids) leaves the
+prompt without ids: the policy then routes by approximate affinity. A deployment whose /tokenize
+failed is not asked again for FAILURE_BACKOFF_S, so a server without /tokenize costs one timeout,
+not one per request; those back-offs are dropped once over (deployments come and go).
 """
 
 from __future__ import annotations
@@ -82,9 +84,16 @@ class PromptTokens:
         self.kept = kept
         self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
         self._backoff: dict[str, float] = {}  # deployment -> monotonic time its /tokenize may be asked again
+        self._pending: dict[bytes, asyncio.Future] = {}  # prompt key -> done when its tokenization ends
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False  # a reload replaced the policy: late requests get no threads
         self.remote_failures = 0
+        self.local_timeouts = 0  # long prompts the threads did not tokenize within timeout_s
+
+    @property
+    def failures(self) -> int:
+        """Prompts not turned into ids in time for routing (routed by affinity)."""
+        return self.remote_failures + self.local_timeouts
 
     def ids(self, request, deployments) -> list[int] | None:
         """The request's prompt ids if known now: a token-id prompt, a prepared one, or a short one
@@ -114,9 +123,18 @@ class PromptTokens:
         chars = prompt_chars(request)
         if chars > self.max_chars:
             return
-        ids = await self._tokenized(request, deployments, chars > INLINE_CHARS, key)
-        if ids:
-            self._keep(key, ids)
+        shared = self._pending.get(key)
+        if shared is not None:  # another request is tokenizing this prompt: its ids serve this one too
+            await asyncio.shield(shared)  # this request's cancellation must not end the other's wait
+            return
+        self._pending[key] = shared = asyncio.get_running_loop().create_future()
+        try:
+            ids = await self._tokenized(request, deployments, chars > INLINE_CHARS, key)
+            if ids:
+                self._keep(key, ids)
+        finally:  # ids or none, even when this request was cancelled: the others go on to choose
+            del self._pending[key]
+            shared.set_result(None)
 
     def close(self) -> None:
         """Stop the threads; prompts queued for them get no ids (their requests go on)."""
@@ -161,7 +179,16 @@ class PromptTokens:
             self._threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kvgate-route-tokenize")
         job = self._threads.submit(tokenize, request)
         try:
-            return await asyncio.wrap_future(job)
+            # Bounded as a backend's /tokenize is: a burst of long prompts queued behind busy
+            # threads, or a tokenizer that hangs, costs a request timeout_s, then affinity.
+            # (A job still queued is cancelled; one running finishes on its thread, unread.)
+            return await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
+        except TimeoutError:
+            self.local_timeouts += 1
+            if self.local_timeouts == 1 or self.local_timeouts % 1000 == 0:
+                log.warning("precise_prefix: %d long prompts were not tokenized within %g s; "
+                            "routed by prefix affinity", self.local_timeouts, self.timeout_s)
+            return None
         except asyncio.CancelledError:
             if job.cancelled() and not asyncio.current_task().cancelling():
                 return None  # `close` dropped it from the queue: this request itself goes on
@@ -189,7 +216,9 @@ class PromptTokens:
             if isinstance(exc, APIError) and request_fault(exc):
                 return None  # the prompt itself was refused (its generation will say why): not the server's fault
             self.remote_failures += 1
-            self._backoff[d.name] = time.monotonic() + FAILURE_BACKOFF_S
+            now = time.monotonic()
+            self._backoff = {name: until for name, until in self._backoff.items() if until > now}
+            self._backoff[d.name] = now + FAILURE_BACKOFF_S
             log.warning("precise_prefix: /tokenize on deployment %s failed (%s); routing by prefix affinity "
                         "without asking it for %g s", d.name, _why(exc), FAILURE_BACKOFF_S)
             return None
