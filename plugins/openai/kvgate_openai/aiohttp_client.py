@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import ssl
+import weakref
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
@@ -25,16 +26,36 @@ _NEW_CONNECTION: contextvars.ContextVar[list | None] = contextvars.ContextVar("k
 
 
 class _Connector(aiohttp.TCPConnector):
-    """Says whether a request went out on a new connection. aiohttp's trace hooks say it too,
-    but a session with any trace config runs its hooks (an awaited signal and an attrs object
-    each) at every step of every request and per response chunk read: 34 of the 1,132 Python
-    calls of a non-streamed request (bench/request_cost.py)."""
+    """Says whether a request went out on a new connection, through aiohttp's public API only:
+    `connect` (documented: a connection from the pool, or a new one) and `Connection.protocol`
+    (one object per TCP connection, the same each time it is reused). A protocol not seen before,
+    or a `connect` that failed, is a new connection.
 
-    async def _create_connection(self, req, traces, timeout):
+    Not `_create_connection` (an underscored method, which aiohttp's reference does list as the
+    one to override, but whose real arguments differ from the documented ones), and not aiohttp's
+    trace hooks: a session with any trace config runs its hooks (an awaited signal and an attrs
+    object each) at every step of every request and per response chunk read: 34 of the 1,132
+    Python calls of a non-streamed request (bench/request_cost.py).
+    tests/plugins/test_openai_aiohttp_client.py fails if aiohttp changes what this relies on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # protocols of connections already used
+
+    async def connect(self, *args, **kwargs):
         mark = _NEW_CONNECTION.get()
-        if mark is not None:
-            mark.append(True)
-        return await super()._create_connection(req, traces, timeout)
+        try:
+            connection = await super().connect(*args, **kwargs)
+        except BaseException:
+            if mark is not None:
+                mark.append(True)  # no connection: nothing was sent on a reused one
+            raise
+        protocol = connection.protocol
+        if protocol not in self._seen:
+            self._seen.add(protocol)
+            if mark is not None:
+                mark.append(True)
+        return connection
 
 
 class _Body:
