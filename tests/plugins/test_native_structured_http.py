@@ -267,6 +267,36 @@ def test_streamed_tool_calls_come_as_openai_fragments(client):
         jsonschema.validate(arguments, WEATHER["function"]["parameters"])
 
 
+def test_a_llama3_json_deployment_calls_in_its_format(gw, client, monkeypatch):
+    """`tool_call_parser: llama3_json` (set on the running deployment, as its setting does at
+    start: no second engine): `required` is constrained into Llama 3's bare JSON calls, which
+    that parser reads back into valid OpenAI calls."""
+    from kvgate_native.tool_parsers import tool_parser
+
+    outputs = []  # each choice's text as the model wrote it
+
+    class Recording(tool_parser("llama3_json")):
+        def __init__(self, max_calls=None):
+            super().__init__(max_calls)
+            self.pieces = []
+            outputs.append(self.pieces)
+
+        def push(self, text):
+            self.pieces.append(text)
+            return super().push(text)
+
+    monkeypatch.setattr(gw.backend("native-0"), "tool_parser", Recording)
+    out = chat(client, "What is the weather in Oslo?", seed=8, n=2, tools=TOOLS, tool_choice="required",
+               parallel_tool_calls=False, **SAMPLED)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls)
+    assert len(outputs) == 2
+    for pieces in outputs:
+        assert re.fullmatch(r'\{"name": "get_\w+", "parameters": \{.*\}\}', "".join(pieces)), pieces
+
+
 def test_a_tool_round_trip(client):
     """The call, its result as a tool message, and the model's answer (tools still on offer)."""
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate_native.tools import HermesParser, chat_prompt_ids, tool_grammar, with_tools
+from kvgate_native.tool_parsers.hermes import HermesParser
+from kvgate_native.tools import chat_prompt_ids, with_tools
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.grammar import GrammarCompiler
 from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
@@ -19,6 +20,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
     "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: no arguments
+
+
+tool_grammar = HermesParser.grammar
 
 
 def parse_stream(pieces: list[str], parser=None):

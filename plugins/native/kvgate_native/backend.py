@@ -24,7 +24,7 @@ import os
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.backend import (
     TRANSFER_PARAMS, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
@@ -34,7 +34,8 @@ from gateway.errors import BackendError, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
 from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
 from kvgate_native.engine_errors import api_error
-from kvgate_native.tools import HermesParser, chat_prompt_ids, tool_grammar, uses_tools
+from kvgate_native.tool_parsers import DEFAULT as DEFAULT_TOOL_PARSER, ToolParser, tool_parser
+from kvgate_native.tools import chat_prompt_ids, uses_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.architectures import architecture_on_disk, check_architecture
 from native_backend.config.cache_dir import tokenizer_cache_dir
@@ -117,7 +118,7 @@ class KVEventsSettings(BaseModel):
 
 
 # Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
 
 
 class NativeSettings(BaseModel):
@@ -189,6 +190,16 @@ class NativeSettings(BaseModel):
                                              description="Watchdog and restarts of the engine process.")
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings,
                                           description="/v1/embeddings from the model's pooled hidden states.")
+    tool_call_parser: str = Field(DEFAULT_TOOL_PARSER, description="The format of the model's tool calls (vLLM's "
+                                  "--tool-call-parser): hermes, llama3_json, mistral, or one a package registers "
+                                  "in the kvgate.tool_parsers entry-point group. It parses the output, constrains "
+                                  "tool_choice required / named, and words the tools' system prompt.")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _a_known_parser(cls, name: str) -> str:
+        tool_parser(name)  # ValueError naming the known ones
+        return name
 
     @model_validator(mode="after")
     def _valid_for_the_engine(self):
@@ -244,6 +255,7 @@ class NativeBackend:
         self.config = settings.engine_config()
         self.supervisor = EngineSupervisor(self._new_client, name, settings.supervision)
         self.tokenizer: Tokenizer | None = None
+        self.tool_parser: type[ToolParser] = tool_parser(settings.tool_call_parser)
         # Tokenizing and chat templates run here, never on the event loop: the largest prompt the
         # limits allow takes tens of milliseconds of CPU, a stall of every stream the gateway
         # serves. A few threads of its own: a burst of long prompts queues here, and does not
@@ -254,9 +266,9 @@ class NativeBackend:
     def capabilities(self) -> Capabilities:
         """Chat and completions with logprobs and n, structured outputs (response_format
         json_object / json_schema, vLLM's structured_outputs: grammar-constrained sampling in the
-        engine), tools (Hermes-style prompt and parser; `required` and named functions enforced by
-        a grammar: kvgate_native/tools.py), /tokenize with the engine's tokenizer and chat
-        template, and /v1/embeddings unless `embeddings.enabled` is false."""
+        engine), tools (the tool_call_parser's format: prompt, parser, and `required` and named
+        functions enforced by its grammar: kvgate_native/tools.py, tool_parsers/), /tokenize with
+        the engine's tokenizer and chat template, and /v1/embeddings unless `embeddings.enabled` is false."""
         return EMBEDDING_CAPABILITIES if self.settings.embeddings.enabled else NATIVE_CAPABILITIES
 
     def use_limits(self, limits) -> None:
@@ -328,13 +340,13 @@ class NativeBackend:
             sampling=_engine_sampling(request),
             priority=request.priority,
             trace_context=dict(request.trace_context),
-            grammar=_constraint(request),
+            grammar=_constraint(request, self.tool_parser),
             kv_transfer_params=request.extra.get(TRANSFER_PARAMS),
         )
         want_logprobs = request.sampling.logprobs is not None
         parser = None
         if uses_tools(request.tools, request.tool_choice):
-            parser = HermesParser(max_calls=1 if request.parallel_tool_calls is False else None)
+            parser = self.tool_parser(max_calls=1 if request.parallel_tool_calls is False else None)
         try:
             async with contextlib.aclosing(client.generate(engine_request)) as outputs:
                 async for out in outputs:
@@ -371,7 +383,7 @@ class NativeBackend:
         try:
             if chat:  # the tools counted as a chat request with tool_choice auto counts them
                 ids = chat_prompt_ids(tokenizer, request.messages, request.tools, "auto",
-                                      add_generation_prompt=request.add_generation_prompt)
+                                      add_generation_prompt=request.add_generation_prompt, parser=self.tool_parser)
                 if request.add_special_tokens and tokenizer.bos_token_id is not None:
                     ids = [tokenizer.bos_token_id] + ids  # on top of the template's, as vLLM does
             else:
@@ -432,7 +444,8 @@ class NativeBackend:
         param = "messages" if request.messages is not None else "prompt"
         try:
             if request.messages is not None:
-                return chat_prompt_ids(tokenizer, request.messages, request.tools, request.tool_choice)
+                return chat_prompt_ids(tokenizer, request.messages, request.tools, request.tool_choice,
+                                       parser=self.tool_parser)
             if isinstance(request.prompt, list):
                 return _checked_token_ids(request.prompt, tokenizer.vocab_size)
             return tokenizer.encode(request.prompt or "")
@@ -496,10 +509,10 @@ def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _constraint(request: GenerationRequest):
-    """The output's grammar: the tool calls' (tool_choice required or named) or the request's
-    response_format / structured_outputs; never both."""
-    tools = tool_grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+def _constraint(request: GenerationRequest, parser: type[ToolParser]):
+    """The output's grammar: the tool calls' (tool_choice required or named, in the parser's
+    format) or the request's response_format / structured_outputs; never both."""
+    tools = parser.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
     constraint = grammar_spec(request)
     if tools is not None and constraint is not None:
         raise InvalidRequestError("tool_choice 'required' or a named function already constrains the output; "
@@ -508,7 +521,7 @@ def _constraint(request: GenerationRequest):
     return tools or constraint
 
 
-def _with_tool_calls(event: TokenEvent, parser: HermesParser) -> TokenEvent:
+def _with_tool_calls(event: TokenEvent, parser: ToolParser) -> TokenEvent:
     """The event's text split into content and tool-call fragments; a request that called tools
     and stopped ends with finish_reason tool_calls."""
     text, deltas = parser.push(event.text)

@@ -1,0 +1,101 @@
+"""Hermes (NousResearch's format, vLLM's `hermes`; Qwen 2.5 and Hermes 2/3 templates ask for it):
+
+    text <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    </tool_call>
+
+Text before and between calls is content; a body that is no call object stays text, tags and all;
+an unterminated call at the end counts when its body parses."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.backend import ToolCallDelta
+from kvgate_native.tool_parsers.base import ToolParser, call_parts, call_schema, compact, partial_tag, tools_json
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
+    "tags. You may call one or more functions to assist with the user query. Don't make assumptions about what "
+    "values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\nFor each function "
+    "call return a json object with function name and arguments within <tool_call></tool_call> XML tags as "
+    "follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>")
+
+
+class HermesParser(ToolParser):
+    """A possible start of `<tool_call>` at the end of what came so far is held back until the
+    next piece decides; so is whitespace, which is dropped when only tool calls surround it."""
+
+    name = "hermes"
+
+    def __init__(self, max_calls: int | None = None):
+        super().__init__(max_calls)
+        self._pending = ""  # text not yet decided
+        self._in_call = False
+
+    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._pending += text
+        content, deltas = "", []
+        while True:
+            if self._in_call:
+                end = self._pending.find(CLOSE)
+                if end < 0:
+                    return content, deltas
+                body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
+                self._in_call = False
+                found, text_instead = self._call(body)
+                deltas += found
+                content += text_instead
+                continue
+            start = self._pending.find(OPEN)
+            if start >= 0:
+                content += self._content(self._pending[:start])
+                self._pending = self._pending[start + len(OPEN):]
+                self._in_call = True
+                continue
+            keep = partial_tag(self._pending, OPEN)
+            decided = self._pending[: len(self._pending) - keep]
+            if decided.strip():
+                content += decided
+                self._pending = self._pending[len(decided):]
+            return content, deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """At the end: an unterminated call is parsed if it can be; other text is content."""
+        rest, self._pending = self._pending, ""
+        if self._in_call:
+            self._in_call = False
+            deltas, text = self._call(rest, closed=False)
+            return text, deltas
+        return self._content(rest), []
+
+    def _content(self, text: str) -> str:
+        return "" if self.seen_calls and not text.strip() else text
+
+    def _call(self, body: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
+        try:
+            parts = call_parts(json.loads(body))
+        except ValueError:
+            parts = None
+        if parts is None:
+            return [], f"{OPEN}{body}{CLOSE if closed else ''}"  # not a call after all: the model's text
+        return self.emit(*parts), ""
+
+    @classmethod
+    def lark(cls, allowed: list[dict], single: bool) -> str:
+        repeat = "" if single else "+"
+        return f'start: call{repeat}\ncall: "{OPEN}\\n" %json {compact(call_schema(allowed))} "\\n{CLOSE}\\n"\n'
+
+    @classmethod
+    def system_prompt(cls, tools: list[dict]) -> str:
+        return SYSTEM_PROMPT.format(tools=tools_json(tools))
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[str, object]]) -> str:
+        return "".join(f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}"
+                       for name, arguments in calls)
+
+    @classmethod
+    def render_result(cls, content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"

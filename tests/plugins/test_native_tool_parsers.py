@@ -1,0 +1,278 @@
+"""The native engine's tool-call parsers (settings.tool_call_parser, like vLLM's --tool-call-parser):
+each format streamed in every split gives the calls of the whole text; text that is no call stays
+content; parallel_tool_calls false keeps one call; each parser's grammar (compiled by llguidance
+against SmolLM2's tokenizer) admits what that parser reads and refuses the rest; the registry finds
+ours and a third party's through the `kvgate.tool_parsers` entry-point group."""
+
+import json
+import textwrap
+from importlib.metadata import entry_points
+
+import pydantic
+import pytest
+
+from kvgate_native.backend import NativeBackend, NativeSettings, make_native_backend
+from kvgate_native.tool_parsers import BUILTIN, ENTRY_POINT_GROUP, tool_parser
+from kvgate_native.tool_parsers.hermes import HermesParser
+from kvgate_native.tool_parsers.llama3_json import Llama3JsonParser
+from kvgate_native.tool_parsers.mistral import MistralParser
+from kvgate_native.tools import with_tools
+from native_backend.model.loader import default_gguf_path
+from native_backend.text.grammar import GrammarCompiler
+from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: no arguments
+OSLO = ("get_weather", {"city": "Oslo; {not} [a] \"call\""})  # separators and brackets inside a string
+NOW = ("get_time", {})
+
+
+def parse(parser, pieces):
+    content, deltas = "", []
+    for piece in pieces:
+        text, found = parser.push(piece)
+        content, deltas = content + text, deltas + found
+    text, found = parser.finish()
+    return content + text, deltas + found
+
+
+def calls(deltas):
+    """The fragments put together the way a client does: by index; each call's first fragment
+    carries its id and name and no arguments, the later ones arguments alone."""
+    out = {}
+    for d in deltas:
+        if d.index not in out:
+            assert d.id and d.name and not d.arguments
+            out[d.index] = [d.name, ""]
+        else:
+            assert d.id is None and d.name is None
+            out[d.index][1] += d.arguments
+    return [(name, json.loads(arguments)) for name, arguments in (out[i] for i in sorted(out))]
+
+
+def every_split(cls, text):
+    """The whole text, every cut in two, and one character at a time: (content, calls) of each."""
+    ways = [[text], list(text)] + [[text[:cut], text[cut:]] for cut in range(1, len(text))]
+    results = []
+    for pieces in ways:
+        content, deltas = parse(cls(), pieces)
+        results.append((content, calls(deltas)))
+    return results
+
+
+def hermes(*found):
+    return "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>\n' for n, a in found)
+
+
+def llama(*found):
+    return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in found)
+
+
+def mistral(*found):
+    return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in found])
+
+
+# (parser, text, content, calls): what each format reads
+CASES = [
+    (HermesParser, "Let me see. " + hermes(OSLO, NOW), "Let me see. ", [OSLO, NOW]),
+    (Llama3JsonParser, llama(OSLO, NOW), "", [OSLO, NOW]),
+    (Llama3JsonParser, "<|python_tag|>" + llama(OSLO), "", [OSLO]),
+    (Llama3JsonParser, '\n {"name": "get_time", "arguments": {}};\n' + llama(OSLO), "", [NOW, OSLO]),
+    (Llama3JsonParser, llama(NOW) + "\n\nThat is all.", "That is all.", [NOW]),
+    (MistralParser, "Let me see. " + mistral(OSLO, NOW), "Let me see. ", [OSLO, NOW]),
+    (MistralParser, '[TOOL_CALLS] {"name": "get_time", "arguments": "{}"}', "", [NOW]),  # one object, text args
+    (MistralParser, mistral(OSLO) + " " + mistral(NOW), "", [OSLO, NOW]),
+    (MistralParser, " " + mistral(OSLO).removeprefix("[TOOL_CALLS]"), "", [OSLO]),  # the marker skipped as special
+]
+# (parser, text): no call, all content, as the model wrote it
+NOT_CALLS = [
+    (HermesParser, "<tool_call>not json</tool_call>"),
+    (Llama3JsonParser, 'I would call {"name": "get_time", "parameters": {}} now.'),  # not at the start
+    (Llama3JsonParser, '{"city": "Oslo"} is a city.'),  # no name
+    (Llama3JsonParser, '<|python_tag|>print("hi")'),  # code, not JSON
+    (Llama3JsonParser, '  {"name": "get_time", "parameters": {}'),  # still open at the end
+    (Llama3JsonParser, '{"name": "get_time", "parameters": [1]}'),  # arguments no object
+    (Llama3JsonParser, "<|python"),
+    (MistralParser, "Use [TOOL_CALLS] like this: nothing."),
+    (MistralParser, '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"no": "name"}]'),  # one bad: all text
+    (MistralParser, '[TOOL_CALLS][{"name": "get_time"'),  # still open at the end
+    (MistralParser, "[TOOL_"),
+    (MistralParser, "[1, 2] are numbers, [TOOL_CALLS] a marker."),
+    (MistralParser, 'I would say [{"name": "get_time", "arguments": {}}]'),  # an array not at the start
+]
+
+
+@pytest.mark.parametrize("cls, text, content, expected", CASES, ids=lambda v: getattr(v, "name", None))
+def test_every_split_of_the_stream_gives_the_calls_of_the_whole(cls, text, content, expected):
+    for result in every_split(cls, text):
+        assert result == (content, expected)
+
+
+@pytest.mark.parametrize("cls, text", NOT_CALLS, ids=lambda v: getattr(v, "name", None))
+def test_text_that_is_no_call_stays_content(cls, text):
+    for result in every_split(cls, text):
+        assert result == (text, [])
+
+
+@pytest.mark.parametrize("cls, text", [
+    (Llama3JsonParser, '{"name": "get_time", "parameters": {}}; {"broken'),
+    (Llama3JsonParser, '{"name": "get_time", "parameters": {}}; {"name": 5}'),
+])
+def test_after_a_call_what_is_no_call_is_content(cls, text):
+    for content, found in every_split(cls, text):
+        assert found == [NOW] and content == text.split("; ", 1)[1]
+
+
+@pytest.mark.parametrize("cls, text", [
+    (HermesParser, hermes(NOW, OSLO, NOW)), (Llama3JsonParser, llama(NOW, OSLO, NOW)),
+    (MistralParser, mistral(NOW, OSLO, NOW)),
+], ids=lambda v: getattr(v, "name", None))
+def test_parallel_tool_calls_false_keeps_the_first_call(cls, text):
+    content, deltas = parse(cls(max_calls=1), list(text))
+    assert content == "" and calls(deltas) == [NOW]
+    content, deltas = parse(cls(), [text])
+    assert calls(deltas) == [NOW, OSLO, NOW] and len({d.id for d in deltas if d.id}) == 3
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    _, deltas = parse(MistralParser(), [mistral(NOW)])
+    assert len(deltas[0].id) == 9 and deltas[0].id.isalnum()
+
+
+# ------------------------------------------------------------------------------ the grammars
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    tokenizer = Tokenizer.from_pretrained(gguf_tokenizer_dir(default_gguf_path(), tmp_path_factory.mktemp("tok")))
+    return tokenizer, GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids[0])
+
+
+def accepts(compiler, cls, choice, parallel, text) -> bool:
+    tokenizer, grammars = compiler
+    matcher = grammars.compile(cls.grammar([WEATHER, TIME], choice, parallel)).matcher()
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ARGS = {"city": "Oslo", "unit": "c"}
+# (parser, tool_choice, parallel_tool_calls, text, accepted)
+GRAMMAR_CASES = [
+    (Llama3JsonParser, "required", None, llama(("get_weather", ARGS), NOW), True),
+    (Llama3JsonParser, "required", False, llama(NOW), True),
+    (Llama3JsonParser, "required", False, llama(NOW, NOW), False),
+    (Llama3JsonParser, NAMED, None, llama(NOW), False),
+    (Llama3JsonParser, "required", None, '{"name": "get_weather", "parameters": {"unit": "c"}}', False),  # city
+    (Llama3JsonParser, "required", None, '{"name": "get_time", "arguments": {}}', False),  # its key: parameters
+    (Llama3JsonParser, "required", None, "Sure! " + llama(NOW), False),
+    (MistralParser, "required", None, mistral(("get_weather", ARGS), NOW), True),
+    (MistralParser, NAMED, None, mistral(("get_weather", {"city": "Rome"})), True),
+    (MistralParser, NAMED, None, mistral(("get_weather", {"city": "Rome"}), NOW), False),
+    (MistralParser, "required", False, mistral(NOW, NOW), False),
+    (MistralParser, "required", None, "[TOOL_CALLS][]", False),
+    (MistralParser, "required", None, '[TOOL_CALLS][{"name": "get_time", "arguments": {"x": 1}}]', False),
+    (MistralParser, "required", None, llama(NOW), False),
+]
+
+
+@pytest.mark.parametrize("cls, choice, parallel, text, ok", GRAMMAR_CASES, ids=lambda v: getattr(v, "name", None))
+def test_each_parsers_grammar_admits_its_own_format_only(compiler, cls, choice, parallel, text, ok):
+    assert accepts(compiler, cls, choice, parallel, text) is ok
+    if ok:  # what the grammar lets out, the same parser reads as calls, no content
+        content, deltas = parse(cls(), [text])
+        assert content == "" and calls(deltas) and all(name in ("get_weather", "get_time") for name, _ in calls(deltas))
+
+
+def test_no_grammar_without_a_tool_choice_that_requires_a_call():
+    for cls in (HermesParser, Llama3JsonParser, MistralParser):
+        assert all(cls.grammar([WEATHER], choice, None) is None for choice in ("auto", "none", None))
+
+
+# ------------------------------------------------------------------------------ the prompt side
+
+MESSAGES = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+]
+
+
+@pytest.mark.parametrize("cls, call, asks", [
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', '"parameters"'),
+    (MistralParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "[TOOL_CALLS]"),
+])
+def test_without_a_tool_template_the_prompt_asks_for_the_parsers_format(cls, call, asks):
+    system, user, assistant, tool = with_tools(MESSAGES, [WEATHER], "auto", cls)
+    assert asks in system["content"] and json.dumps(WEATHER["function"]) in system["content"]
+    assert "<tool_call>" not in system["content"] and assistant["content"] == call
+    assert tool == {"role": "tool", "content": "12 C"}
+    content, deltas = parse(cls(), [call])  # what it shows the model, the parser reads back
+    assert content == "" and calls(deltas) == [("get_weather", {"city": "Oslo"})]
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+def test_ours_are_registered_as_entry_points():
+    declared = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    assert {name: declared.get(name) for name in BUILTIN} == BUILTIN
+    assert tool_parser("llama3_json") is Llama3JsonParser and tool_parser("mistral") is MistralParser
+
+
+def test_the_setting_picks_the_deployments_parser():
+    assert NativeSettings().tool_call_parser == "hermes"
+    backend = NativeBackend(NativeSettings(tool_call_parser="llama3_json"), name="native-0")
+    try:
+        assert backend.tool_parser is Llama3JsonParser
+    finally:
+        backend._tokenize_pool.shutdown()
+
+
+def test_an_unknown_parser_is_a_settings_error_naming_the_known_ones():
+    with pytest.raises(ValueError) as info:
+        make_native_backend({"tool_call_parser": "hermes2"}, "native-0")
+    assert str(info.value) == ("settings.tool_call_parser: unknown tool call parser 'hermes2'; "
+                               "known: hermes, llama3_json, mistral")
+
+
+ACME = '''
+from kvgate_native.tool_parsers.llama3_json import Llama3JsonParser
+
+
+class AcmeParser(Llama3JsonParser):
+    name = "acme"
+
+
+class NotAParser:
+    pass
+'''
+
+
+@pytest.fixture
+def acme(tmp_path, monkeypatch):
+    """A third party's distribution on sys.path: a module and its dist-info declaring parsers."""
+    (tmp_path / "acme_tools.py").write_text(textwrap.dedent(ACME))
+    info = tmp_path / "acme_tools-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-tools\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nacme = acme_tools:AcmeParser\nbroken = acme_tools:NotAParser\n"
+        "missing = acme_tools:Nowhere\nhermes = acme_tools:AcmeParser\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+
+
+def test_a_third_party_parser_is_found_through_its_entry_point(acme):
+    parser = tool_parser("acme")
+    assert parser.__name__ == "AcmeParser" and NativeSettings(tool_call_parser="acme").tool_call_parser == "acme"
+    with pytest.raises(pydantic.ValidationError, match="known: acme, broken, hermes, llama3_json, missing, mistral"):
+        NativeSettings(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="'broken' .* lacks push, finish, grammar"):
+        tool_parser("broken")
+    with pytest.raises(ValueError, match="'missing' .* cannot be loaded"):
+        tool_parser("missing")
+    with pytest.raises(ValueError, match="'hermes' is registered twice"):  # never one of two at random
+        tool_parser("hermes")
