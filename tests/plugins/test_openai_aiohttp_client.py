@@ -6,6 +6,9 @@ Telling the two apart rests on aiohttp's `BaseConnector.connect` (called for eve
 `Connection.protocol` (one object per TCP connection). These tests fail if aiohttp changes either:
 a new connection taken for a reused one is retried, a reused one taken for new is not. Plain http
 on loopback here (the client serves any URL; TLS is aiohttp's own business).
+
+As h1.py, it never takes bytes an upstream sent unasked (a second answer to one request) for the
+next request's answer (tests shared with tests/plugins/test_openai_h1.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import pytest
 
 from kvgate_openai.aiohttp_client import AiohttpClient
 from kvgate_openai.transport import UpstreamUnreachable
-from tests.plugins.test_openai_h1 import Upstream, _drop_reused, fetch, fixed
+from tests.plugins.test_openai_h1 import (
+    Upstream,
+    _drop_reused,
+    check_a_second_answer_is_nobodys,
+    check_an_unsolicited_answer_is_nobodys,
+    fetch,
+    fixed,
+    two_answers_to_the_first_request,
+)
 
 
 def client() -> AiohttpClient:
@@ -86,6 +97,28 @@ def test_a_refused_connection_is_unreachable_and_not_retried():
             with pytest.raises(UpstreamUnreachable):
                 await c.send("POST", url, b"{}", {})
             assert c.reuse_retries == 0
+        finally:
+            await c.aclose()
+    run(main())
+
+
+def test_a_whole_second_answer_in_the_same_segment_is_never_read_into_the_first():
+    async def main():
+        async with Upstream(two_answers_to_the_first_request) as up:
+            c = client()
+            try:
+                await check_a_second_answer_is_nobodys(up, c)
+            finally:
+                await c.aclose()
+    run(main())
+
+
+@pytest.mark.parametrize("loop_busy", [False, True], ids=["read", "unread"])
+def test_an_unsolicited_answer_on_an_idle_connection_is_never_the_next_requests(loop_busy):
+    async def main():
+        c = client()
+        try:
+            await check_an_unsolicited_answer_is_nobodys(c, loop_busy)
         finally:
             await c.aclose()
     run(main())

@@ -348,21 +348,29 @@ def test_bytes_after_the_answer_make_the_connection_unusable():
     run(main())
 
 
-def test_a_whole_second_answer_in_the_same_segment_is_never_read_into_the_first():
-    """Two complete answers to one request, in one segment: the first is the request's answer
-    (its status and its body only), the second is nobody's, and its connection is closed."""
-    async def answer(conn, head, body, reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-                     + (b"HTTP/1.1 500 Oops\r\ncontent-length: 4\r\n\r\nboom" if len(conn.requests) == 1 else b""))
-        await writer.drain()
-        return True
+async def two_answers_to_the_first_request(conn, head, body, reader, writer):
+    """`ok`, followed on the first request of each connection by a whole second answer in the
+    same segment."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                 + (b"HTTP/1.1 500 Oops\r\ncontent-length: 4\r\n\r\nboom" if len(conn.requests) == 1 else b""))
+    await writer.drain()
+    return True
 
+
+async def check_a_second_answer_is_nobodys(up: Upstream, c) -> None:
+    """The first request gets the first answer (its status and its body only), the second
+    request its own, on a new connection: the first one was closed."""
+    assert await fetch(c, up.url) == (200, b"ok")
+    assert await fetch(c, up.url) == (200, b"ok")
+    assert len(up.connections) == 2 and [len(conn.requests) for conn in up.connections] == [1, 1]
+    await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+
+
+def test_a_whole_second_answer_in_the_same_segment_is_never_read_into_the_first():
+    """Two complete answers to one request, in one segment: the second is nobody's."""
     async def main():
-        async with serving(answer) as (up, c):
-            assert await fetch(c, up.url) == (200, b"ok")
-            assert await fetch(c, up.url) == (200, b"ok")
-            assert len(up.connections) == 2 and [len(conn.requests) for conn in up.connections] == [1, 1]
-            await asyncio.wait_for(up.connections[0].eof.wait(), 2)
+        async with serving(two_answers_to_the_first_request) as (up, c):
+            await check_a_second_answer_is_nobodys(up, c)
     run(main())
 
 
@@ -413,28 +421,35 @@ class ThreadedUpstream:
         self.listener.close()
 
 
-def test_an_unsolicited_answer_waiting_on_an_idle_connection_is_never_the_next_requests():
+async def check_an_unsolicited_answer_is_nobodys(c, loop_busy: bool) -> None:
     """An upstream sends a second answer to one request after the first was read to its end,
-    while its connection is idle. When the event loop is busy, those bytes wait unread in the
-    socket as the next request takes the connection; they must not be read as that request's
-    answer: a connection with bytes waiting is closed, never reused."""
+    while its connection is idle. The event loop reads those bytes, or (`loop_busy`) they wait
+    unread in the socket as the next request takes the connection; either way they must not be
+    read as that request's answer: a connection with bytes nobody asked for is closed, never reused."""
     up = ThreadedUpstream()
+    try:
+        assert await fetch(c, up.url) == (200, b"first")
+        up.unsolicited.set()
+        assert up.sent.wait(5)
+        if loop_busy:
+            time.sleep(0.1)  # the loop stays blocked: the bytes are in the socket, not read yet
+        else:
+            await asyncio.sleep(0.1)  # the loop reads them while the connection is idle
+        assert await fetch(c, up.url) == (200, b"second")
+        assert up.connections == 2 and c.reuse_retries == 0
+    finally:
+        up.close()
 
+
+@pytest.mark.parametrize("loop_busy", [False, True], ids=["read", "unread"])
+def test_an_unsolicited_answer_on_an_idle_connection_is_never_the_next_requests(loop_busy):
     async def main():
         c = client()
         try:
-            assert await fetch(c, up.url) == (200, b"first")
-            up.unsolicited.set()
-            assert up.sent.wait(5)
-            time.sleep(0.1)  # the loop stays blocked: the bytes are in the socket, not read yet
-            assert await fetch(c, up.url) == (200, b"second")
-            assert up.connections == 2 and c.reuse_retries == 0
+            await check_an_unsolicited_answer_is_nobodys(c, loop_busy)
         finally:
             await c.aclose()
-    try:
-        run(main())
-    finally:
-        up.close()
+    run(main())
 
 
 def test_no_keep_alive_asks_the_upstream_to_close():

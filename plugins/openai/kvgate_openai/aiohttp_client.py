@@ -8,6 +8,7 @@ a retry under the keep-alive rule always opens a new connection, which serves th
 from __future__ import annotations
 
 import contextvars
+import select
 import ssl
 import weakref
 
@@ -31,6 +32,12 @@ class _Connector(aiohttp.TCPConnector):
     (one object per TCP connection, the same each time it is reused). A protocol not seen before,
     or a `connect` that failed, is a new connection.
 
+    And never hands out a pooled connection that holds bytes nobody asked for (an upstream's
+    second answer to one request, or garbage after it): aiohttp keeps what arrives on an idle
+    connection and reads it as the next request's answer. Such a connection is closed and another
+    taken: its bytes read already (its protocol's `should_close`, not underscored, says so), or waiting in
+    the socket for a busy event loop (poll(2), as h1.py does).
+
     Not `_create_connection` (an underscored method, which aiohttp's reference does list as the
     one to override, but whose real arguments differ from the documented ones), and not aiohttp's
     trace hooks: a session with any trace config runs its hooks (an awaited signal and an attrs
@@ -40,22 +47,40 @@ class _Connector(aiohttp.TCPConnector):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._seen: weakref.WeakSet = weakref.WeakSet()  # protocols of connections already used
+        # the connections handed out before, by protocol: a poll object on each one's socket
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def connect(self, *args, **kwargs):
         mark = _NEW_CONNECTION.get()
-        try:
-            connection = await super().connect(*args, **kwargs)
-        except BaseException:
-            if mark is not None:
-                mark.append(True)  # no connection: nothing was sent on a reused one
-            raise
-        protocol = connection.protocol
-        if protocol not in self._seen:
-            self._seen.add(protocol)
-            if mark is not None:
-                mark.append(True)
-        return connection
+        while True:
+            try:
+                connection = await super().connect(*args, **kwargs)
+            except BaseException:
+                if mark is not None:
+                    mark.append(True)  # no connection: nothing was sent on a reused one
+                raise
+            protocol = connection.protocol
+            poller = self._seen.get(protocol)
+            if poller is None:
+                self._seen[protocol] = _poller(connection)
+                if mark is not None:
+                    mark.append(True)
+                return connection
+            if not (protocol.should_close or poller.poll(0)):
+                return connection
+            connection.close()  # bytes nobody asked for: not this request's answer, nor any other's
+
+
+def _poller(connection: aiohttp.connector.Connection) -> select.poll:
+    """A poll object on the connection's socket (under TLS too: the TCP socket; a TLS record
+    that is not data, such as a late session ticket, then costs a new connection, never a wrong
+    answer). A connection already lost has no socket: nothing to poll, it fails on its own."""
+    poller = select.poll()
+    transport = connection.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        poller.register(sock.fileno(), select.POLLIN)
+    return poller
 
 
 class _Body:
