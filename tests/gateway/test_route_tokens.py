@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 
 import pytest
 
@@ -165,20 +164,26 @@ def test_a_local_tokenizer_that_does_not_answer_in_time_routes_by_affinity(caplo
 
 
 def test_back_offs_are_dropped_once_over_so_deployments_that_came_and_went_are_not_kept(monkeypatch):
-    monkeypatch.setattr(route_tokens, "FAILURE_BACKOFF_S", 0.05)
+    class Clock:  # route_tokens' own clock, moved by the test (the event loop keeps the real one)
+        now = 1000.0
+
+        @staticmethod
+        def monotonic() -> float:
+            return Clock.now
+    monkeypatch.setattr(route_tokens, "time", Clock)
 
     async def scenario():
         tokens = PromptTokens(max_chars=100_000, timeout_s=1.0, kept=16)
         generations = [[deployment(GatedRemote(f"{g}-{i}", down=True), f"{g}-{i}") for i in range(20)]
                        for g in ("gone", "now")]
         for generation in generations:
-            time.sleep(0.06)  # the previous generation's back-offs are over
             for i, d in enumerate(generation):
                 await tokens.prepare(long_prompt(i), [d])
+            Clock.now += route_tokens.FAILURE_BACKOFF_S + 1  # this generation's back-offs are over
+        Clock.now -= 2  # the last generation's are not quite
         assert tokens.remote_failures == 40
-        assert sorted(tokens._backoff) == sorted(d.name for d in generations[1])
-        # still backed off: not asked again
-        await tokens.prepare(long_prompt(99), generations[1][:1])
+        await tokens.prepare(long_prompt(99), generations[1][:1])  # still backed off: not asked again
         assert generations[1][0].backend.calls == 1
+        assert sorted(tokens._backoff) == sorted(d.name for d in generations[1])
 
     asyncio.run(scenario())
