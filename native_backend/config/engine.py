@@ -277,10 +277,6 @@ class EngineConfig:
     def __post_init__(self):
         if self.transfer.kv_role is None:
             return
-        # Blocks move rank 0 to rank 0 only: a sharded cache would need every rank's slice moved.
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError("transfer.kv_role: prefill/decode disaggregation moves the KV of one rank; it does "
-                             "not run with tensor_parallel_size > 1 yet (use tensor_parallel_size 1, or no kv_role)")
         # A separate draft model keeps a KV cache of its own that a transfer does not fill.
         if self.speculative is not None and self.speculative.draft_model is not None:
             raise ValueError("transfer.kv_role: a speculative draft_model keeps its own KV cache, which remote "

@@ -34,8 +34,6 @@ from typing import Protocol
 from native_backend.core.kv_params import Endpoint, KVLoad, RemotePrefill, parse_transfer_params
 from native_backend.core.sequence import Sequence
 
-TP_SIZE = 1  # ranks a producer's blocks are split over (tensor parallelism is refused with a kv_role)
-
 
 class LoadResult(Protocol):
     load: KVLoad
@@ -50,6 +48,7 @@ class KVTransferPort(Protocol):
 
     endpoint: Endpoint | None  # None: this engine does not produce
     held: HeldBlocks
+    tp_size: int  # ranks this engine's blocks are split over (its tensor_parallel_size): the answer's tp_size
 
     def start_loads(self, loads: list[KVLoad]) -> None:
         """Start reading each load's blocks off the step loop."""
@@ -224,7 +223,7 @@ class KVConnectorScheduler:
         seq.kv_transfer_params = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": where.engine_id,
             "remote_block_ids": list(seq.block_table), "remote_request_id": seq.request_id,
-            "remote_host": where.host, "remote_port": where.port, "tp_size": TP_SIZE,
+            "remote_host": where.host, "remote_port": where.port, "tp_size": self.port.tp_size,
             "remote_num_tokens": seq.num_computed_tokens}
         return True
 

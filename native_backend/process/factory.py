@@ -19,6 +19,7 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.engine import LLMEngine
 from native_backend.execution.factory import make_executor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
+from native_backend.execution.parallel.executor import TensorParallelExecutor
 from native_backend.process.kv_publisher import KVEventPublisher
 from native_backend.process.output_processor import OutputProcessor
 from native_backend.text.grammar import GrammarCompiler
@@ -33,9 +34,8 @@ def make_engine_core(config: EngineConfig) -> OutputProcessor:
     executor = make_executor(config, tokenizer)  # its fp8 calibration and draft check use this one too
     # Bound before the engine starts, so a taken port fails start-up (and is reported) at once.
     publisher = KVEventPublisher(config.kv_events) if config.kv_events is not None else None
-    # Bound here, so a taken port fails start-up at once. Only a kv_role reads the executor's cache:
-    # a tensor-parallel executor has none in this process (check-config refuses kv_role with TP).
-    kv_transfer = make_kv_transfer(config.transfer, executor.kv_cache) if config.transfer.kv_role is not None else None
+    # Bound here, so a taken port fails start-up at once.
+    kv_transfer = make_kv_transfer(config.transfer, kv_blocks(executor)) if config.transfer.kv_role else None
     core = LLMEngine(config, executor, kv_events=publisher.publish if publisher else None,
                      extra_eos_token_ids=tokenizer.eos_token_ids,
                      grammar_compiler=functools.partial(GrammarCompiler, tokenizer), kv_transfer=kv_transfer)
@@ -44,3 +44,9 @@ def make_engine_core(config: EngineConfig) -> OutputProcessor:
     engine = OutputProcessor(core, tokenizer)
     log.info("engine ready in %.1f s: %s", time.monotonic() - started, engine.describe())
     return engine
+
+
+def kv_blocks(executor):
+    """What a KV transfer moves: under tensor parallelism every rank's blocks (rank 0's process
+    holds only its own KV heads; parallel.kv_relay), else the executor's cache."""
+    return executor.kv_blocks() if isinstance(executor, TensorParallelExecutor) else executor.kv_cache

@@ -98,8 +98,8 @@ def test_bad_values_are_refused_naming_the_field(field, value):
 
 
 def test_a_kv_role_is_refused_where_its_blocks_could_not_move_whole():
-    with pytest.raises(pydantic.ValidationError, match="kv_role.*tensor_parallel_size > 1"):
-        NativeSettings(kv_role="producer", tensor_parallel_size=2)
+    # Under tensor parallelism every rank's shard moves (test_kv_connector_tp.py): accepted.
+    assert NativeSettings(kv_role="producer", tensor_parallel_size=3).engine_config().transfer.produces
     with pytest.raises(pydantic.ValidationError, match="kv_role.*draft_model"):
         NativeSettings(kv_role="consumer", speculative={"method": "draft", "draft_model": "default"})
     assert NativeSettings(kv_role="both", kv_transfer_host="::").engine_config().transfer.advertised_host == "::1"

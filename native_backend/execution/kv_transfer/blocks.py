@@ -6,6 +6,9 @@
 fp8's per-layer scales are not in the payload: they are the same for every block, so they travel
 in the layout (`layout()`), and a consumer whose layout differs (another dtype, shape, or fp8
 scales) refuses the read and recomputes instead of misreading the bytes.
+
+Under tensor parallelism the payload is every rank's, one after the other (rank 0's first), and
+the layout lists each rank's (parallel.kv_relay); `LocalBlocks` is the one-rank case.
 """
 
 from __future__ import annotations
@@ -63,3 +66,34 @@ def write_blocks(cache: KVCache, block_ids: list[int], payload: bytearray) -> No
             size = n * target[0].numel()
             target.index_copy_(0, index, raw[offset:offset + size].view(n, *target.shape[1:]).to(cache.device))
             offset += size
+
+
+class LocalBlocks:
+    """The blocks of one cache in this process (an engine without tensor parallelism): what the
+    server reads and the loader's commit writes (parallel.kv_relay.TensorParallelBlocks: every rank's)."""
+
+    tp_size = 1
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.block_bytes = block_bytes(cache)
+
+    def layout(self) -> dict:
+        return layout(self.cache)
+
+    def read(self, block_ids: list[int]):
+        return read_blocks(self.cache, block_ids)
+
+    def write(self, block_ids: list[int], payload: bytearray) -> None:
+        write_blocks(self.cache, block_ids, payload)
+
+
+def layout_difference(ours: dict, theirs) -> str:
+    """Why a consumer's layout is refused: the tensor-parallel sizes first (a shard of other KV
+    heads), else the whole layout."""
+    tp = ours.get("tensor_parallel_size", 1)
+    their_tp = theirs.get("tensor_parallel_size", 1) if isinstance(theirs, dict) else None
+    if their_tp != tp:
+        return (f"the consumer runs tensor_parallel_size {their_tp}, this producer {tp}: its ranks hold other "
+                "KV heads (producer and consumer need the same size)")
+    return f"the consumer's KV layout differs from this producer's {ours}"

@@ -1,5 +1,6 @@
 """The KV connector's worker side behind the core's KVTransferPort: a producer's server, a
-consumer's loader, or both (kv_role), over this engine's KV cache."""
+consumer's loader, or both (kv_role), over this engine's KV blocks: its cache's, or under tensor
+parallelism every rank's (parallel.kv_relay.TensorParallelBlocks, which the factory passes)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,26 @@ import uuid
 from native_backend.config.engine import KVTransferOptions
 from native_backend.core.kv_connector import HeldBlocks
 from native_backend.core.kv_params import Endpoint, KVLoad
-from native_backend.execution.kv_transfer.blocks import block_bytes, layout, write_blocks
+from native_backend.execution.kv_transfer.blocks import LocalBlocks
 from native_backend.execution.kv_transfer.loader import KVBlockLoader, LoadOutcome
 from native_backend.execution.kv_transfer.server import KVBlockServer
 from native_backend.model.kv_cache import KVCache
 
 
 class KVConnectorWorker:
-    def __init__(self, options: KVTransferOptions, cache: KVCache):
-        self.cache = cache
+    def __init__(self, options: KVTransferOptions, blocks):
+        self.blocks = blocks  # LocalBlocks, or TensorParallelBlocks: layout, block_bytes, read, write
+        self.tp_size = blocks.tp_size  # the answer's tp_size
         # A new id per engine process: params from before a restart name an engine that is gone.
         engine_id = uuid.uuid4().hex
         self.held = HeldBlocks(engine_id)
-        described = json.loads(json.dumps(layout(cache)))  # as a peer compares it: through JSON
+        described = json.loads(json.dumps(blocks.layout()))  # as a peer compares it: through JSON
         self.server = None
         self.endpoint = None
         if options.produces:
-            self.server = KVBlockServer(cache, self.held, described, options.kv_transfer_host, options.kv_transfer_port)
+            self.server = KVBlockServer(blocks, self.held, options.kv_transfer_host, options.kv_transfer_port)
             self.endpoint = Endpoint(engine_id, options.advertised_host, self.server.port)
-        self.loader = KVBlockLoader(described, block_bytes(cache), options.kv_transfer_timeout_s) \
+        self.loader = KVBlockLoader(described, blocks.block_bytes, options.kv_transfer_timeout_s) \
             if options.consumes else None
 
     def describe(self) -> str:
@@ -44,7 +46,7 @@ class KVConnectorWorker:
 
     def commit(self, result: LoadOutcome) -> None:
         payload, result.payload = result.payload, None
-        write_blocks(self.cache, result.load.local_block_ids, payload)
+        self.blocks.write(result.load.local_block_ids, payload)
 
     def wait(self, timeout: float) -> None:
         if self.loader is not None:
@@ -55,6 +57,9 @@ class KVConnectorWorker:
             self.server.close()
 
 
-def make_kv_transfer(options: KVTransferOptions, cache: KVCache) -> KVConnectorWorker | None:
-    """The connector's worker side for a kv_role; None without one."""
-    return KVConnectorWorker(options, cache) if options.kv_role is not None else None
+def make_kv_transfer(options: KVTransferOptions, blocks) -> KVConnectorWorker | None:
+    """The connector's worker side for a kv_role over `blocks` (a KVCache: this process's one
+    rank; or TensorParallelExecutor.kv_blocks()); None without a kv_role."""
+    if options.kv_role is None:
+        return None
+    return KVConnectorWorker(options, LocalBlocks(blocks) if isinstance(blocks, KVCache) else blocks)

@@ -4,7 +4,9 @@ A read is served only when HeldBlocks grants it (this engine's id, a request who
 held, those very block ids at those positions, the hashes of their tokens) and the consumer's
 cache layout is this one's; anything else is answered with the reason and counted, and no byte of
 the cache leaves. The blocks go back to the step loop once sent (a consumer reads once), or when
-the send breaks (the consumer recomputes).
+the send breaks (the consumer recomputes). Under tensor parallelism the blocks are every rank's
+(parallel.kv_relay: the workers' shards come through rank 0); a rank that fails to give its shard
+breaks the send, so the consumer recomputes the whole prompt, never a partial KV.
 """
 
 from __future__ import annotations
@@ -15,19 +17,18 @@ import socket
 import threading
 
 from native_backend.core.kv_connector import HeldBlocks
-from native_backend.execution.kv_transfer.blocks import block_bytes, read_blocks
+from native_backend.execution.kv_transfer.blocks import layout_difference
 from native_backend.execution.kv_transfer.wire import recv_header, send_header
-from native_backend.model.kv_cache import KVCache
 
 log = logging.getLogger("kvgate.kv_transfer")
 READ_TIMEOUT_S = 30.0  # a consumer that stops reading for this long loses its read
 
 
 class KVBlockServer:
-    def __init__(self, cache: KVCache, held: HeldBlocks, layout: dict, host: str, port: int):
-        self.cache = cache
+    def __init__(self, blocks, held: HeldBlocks, host: str, port: int):
+        self.blocks = blocks  # blocks.LocalBlocks, or parallel.kv_relay.TensorParallelBlocks
         self.held = held
-        self.layout = json.loads(json.dumps(layout))  # as a peer's arrives: through JSON
+        self.layout = json.loads(json.dumps(blocks.layout()))  # as a peer's arrives: through JSON
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family)
         self.port = self._sock.getsockname()[1]
@@ -70,18 +71,18 @@ class KVBlockServer:
             return None, f"malformed read request: {type(exc).__name__}"
         if header.get("layout") != self.layout:
             self.held.note_refused()
-            return None, f"the consumer's KV layout differs from this producer's {self.layout}"
+            return None, layout_difference(self.layout, header.get("layout"))
         hold, refusal = self.held.claim(engine_id, request_id, block_ids, hashes, first_block)
         return ((hold, block_ids), None) if refusal is None else (None, refusal)
 
     def _send(self, conn: socket.socket, hold, block_ids: list[int]) -> None:
         served = False
         try:
-            send_header(conn, {"ok": True, "nbytes": len(block_ids) * block_bytes(self.cache)})
-            for buffer in read_blocks(self.cache, block_ids):
+            send_header(conn, {"ok": True, "nbytes": len(block_ids) * self.blocks.block_bytes})
+            for buffer in self.blocks.read(block_ids):
                 conn.sendall(buffer)
             served = True
-        except OSError as exc:
+        except OSError as exc:  # a tensor-parallel rank's shard that failed too (kv_relay raises OSError)
             log.info("request %s: sending its KV blocks broke off: %s", hold.seq.request_id, exc)
         finally:
             self.held.release(hold, served)

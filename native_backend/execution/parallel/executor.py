@@ -10,6 +10,9 @@
       join       the process group (gloo / NCCL, loopback port, collective timeout)
       execute    rank 0's proposer fills the step's draft slots; then the step's delta (drafts
                  included) goes to every worker, and rank 0's ModelRunner runs it (it samples)
+      KV relay   with a kv_role: kv_blocks() gives the KV connector every rank's blocks (kv_relay:
+                 a producer's workers answer shard reads on a KV pipe of their own; a consumer's
+                 shards go to the workers on the step pipe, ahead of the next step)
       faults     a worker that died or stopped fails the step (TensorParallelError naming the
                  rank and why), so the engine process reports a fatal error and exits; its
                  supervisor restarts it. An idle engine notices through check_health().
@@ -32,6 +35,7 @@ from native_backend.core.batch import RunnerOutput, SchedulerOutput
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
 from native_backend.execution.parallel.group import backend_for, join_group, leave_group, open_rendezvous, rank_device
+from native_backend.execution.parallel.kv_relay import ShardPipe, TensorParallelBlocks
 from native_backend.execution.parallel.report import describe_rank
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.execution.parallel.worker import run_worker
@@ -55,6 +59,7 @@ class _Worker:
     rank: int
     process: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
+    kv_conn: multiprocessing.connection.Connection | None = None  # a producer's KV pipe (kv_relay)
     error: str | None = None  # what it reported before exiting
 
 
@@ -92,11 +97,14 @@ class TensorParallelExecutor:
         port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
-            process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs),
+            kv_ours, kv_theirs = ctx.Pipe(duplex=True) if self.config.transfer.produces else (None, None)
+            process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs, kv_theirs),
                                   name=f"kvgate-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
-            self.workers.append(_Worker(rank, process, ours))
+            if kv_theirs is not None:
+                kv_theirs.close()
+            self.workers.append(_Worker(rank, process, ours, kv_ours))
         self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False,
                                       tokenizer=self.tokenizer)
         blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
@@ -104,7 +112,9 @@ class TensorParallelExecutor:
         self._send_all(("plan", min(blocks), ids))
         join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s, listener)
         self.rank.allocate_cache(min(blocks), ids)
-        self.reports = [self.rank.memory_report(), *(m[1] for m in self._hear_from_all("ready"))]
+        ready = self._hear_from_all("ready")
+        self.reports = [self.rank.memory_report(), *(m[1] for m in ready)]
+        self.worker_kv_layouts = [m[2] for m in ready]  # kv_relay: each worker's KV layout and block bytes
 
     # ------------------------------------------------------------------ steps
 
@@ -140,6 +150,21 @@ class TensorParallelExecutor:
         """Rank 0's count over its share of the KV heads (the ranks' scales are alike: every rank
         takes each layer's largest, so a clamp on one rank's heads is as likely as on another's)."""
         return self.rank.kv_clamped()
+
+    # ------------------------------------------------------------------ prefill/decode disaggregation
+
+    def kv_blocks(self) -> TensorParallelBlocks:
+        """Every rank's KV blocks, for the KV connector (process.factory, with a kv_role)."""
+        pipes = [ShardPipe(w.rank, w.kv_conn, layout["block_bytes"])
+                 for w, layout in zip(self.workers, self.worker_kv_layouts) if w.kv_conn is not None]
+        return TensorParallelBlocks(self.rank.kv_cache, pipes, self.worker_kv_layouts, self._send_kv_shard)
+
+    def _send_kv_shard(self, rank: int, block_ids: list[int], payload: memoryview) -> None:
+        """A consumer's commit (the step loop's thread, between steps): the worker writes its
+        shard before it reads the next step. OSError: the worker is gone (that read recomputes)."""
+        worker = self.workers[rank - 1]
+        worker.conn.send(("kv_write", block_ids))
+        worker.conn.send_bytes(payload)
 
     # ------------------------------------------------------------------ health
 
@@ -241,6 +266,8 @@ class TensorParallelExecutor:
                 worker.process.kill()
                 worker.process.join(STOP_TIMEOUT_S)
             worker.conn.close()
+            if worker.kv_conn is not None:
+                worker.kv_conn.close()
         leave_group()
 
     # ------------------------------------------------------------------ reports

@@ -2,9 +2,13 @@
 
     start:  load its shard ──("loaded", blocks it could hold)──> rank 0
             <──("plan", blocks every rank holds, fp8 calibration ids)── rank 0
-            join the process group, allocate its KV heads' cache ──("ready", memory report)──>
+            join the process group, allocate its KV heads' cache ──("ready", memory report,
+            its KV layout)──>
     serve:  <──("step", StepDelta)── rank 0: rebuild the chunks, run the same forward pass (its
-            all-reduces and the LM head gather pair with rank 0's); ("stop",): exit
+            all-reduces and the LM head gather pair with rank 0's); ("kv_write", block ids) and
+            the bytes: a consumer's shard of blocks read from a producer (kv_relay), written
+            before the next step; ("stop",): exit
+    KV pipe (a producer's): a thread answers rank 0's reads of its shard of held blocks (kv_relay)
 
 It never samples and never answers per step: rank 0 hears from it only through the collectives.
 An exception is sent to rank 0 as ("error", summary, traceback) and the process exits, which fails
@@ -25,16 +29,18 @@ from native_backend.config.engine import EngineConfig
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, DeltaDecoder, StepDelta
 from native_backend.execution.parallel.group import die_with_parent, join_group, rank_device
+from native_backend.execution.parallel.kv_relay import start_shard_server, worker_layout, write_shard
 from native_backend.model.layers.sharding import ShardSpec
 
 
-def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection) -> None:
-    """Entry point of a spawned worker process."""
+def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection,
+               kv_conn: Connection | None = None) -> None:
+    """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     code = 0
     try:
-        executor = _start(config, rank, size, port, conn)
+        executor = _start(config, rank, size, port, conn, kv_conn)
         _serve(executor, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # rank 0 went away: nobody is left to follow
@@ -44,7 +50,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Conn
     os._exit(code)  # no interpreter teardown: the group's peers may already be gone
 
 
-def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connection):
+def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connection, kv_conn: Connection | None):
     device = rank_device(config.model.device, rank)
     executor = InProcessExecutor(config, ShardSpec(rank, size), device, allocate=False)
     conn.send(("loaded", executor.plan.num_blocks))
@@ -53,7 +59,9 @@ def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connecti
         raise RuntimeError(f"expected rank 0's plan, got {tag!r}")
     join_group(rank, size, port, device, config.parallel.collective_timeout_s)
     executor.allocate_cache(num_blocks, calibration_ids)
-    conn.send(("ready", executor.memory_report()))
+    if kv_conn is not None:
+        start_shard_server(executor.kv_cache, kv_conn)
+    conn.send(("ready", executor.memory_report(), worker_layout(executor.kv_cache)))
     return executor
 
 
@@ -63,6 +71,9 @@ def _serve(executor, conn: Connection) -> None:
         message = conn.recv()
         if message[0] == "stop":
             return
+        if message[0] == "kv_write":
+            write_shard(executor.kv_cache, conn, message[1])
+            continue
         delta: StepDelta = message[1]
         follow(executor.runner, decoder.decode(delta), delta.mode)
 

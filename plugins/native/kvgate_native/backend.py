@@ -173,7 +173,8 @@ class NativeSettings(BaseModel):
     kv_role: Literal["producer", "consumer", "both"] | None = Field(
         None, description="Prefill/decode disaggregation (vLLM's kv_role): producer computes prompts and serves "
         "their KV blocks to decode engines over TCP; consumer reads them before decoding; both: either, per "
-        "request. Off when absent. Not with tensor_parallel_size > 1.")
+        "request. Off when absent. Under tensor parallelism the decode engine needs the prefill engine's "
+        "tensor_parallel_size (else it recomputes the prompt).")
     kv_transfer_host: str = Field("127.0.0.1", description="Producer: the address its KV block server binds "
                                   "(0.0.0.0 or :: for every interface).")
     kv_transfer_port: int = Field(0, description="Producer: the KV block server's port; 0: one the system picks.")
