@@ -11,11 +11,14 @@ from importlib.metadata import entry_points
 import pydantic
 import pytest
 
+from gateway.errors import InvalidRequestError
+
 from kvgate_native.backend import NativeBackend, NativeSettings, make_native_backend
 from kvgate_native.tool_parsers import BUILTIN, ENTRY_POINT_GROUP, tool_parser
 from kvgate_native.tool_parsers.hermes import HermesParser
 from kvgate_native.tool_parsers.llama3_json import Llama3JsonParser
 from kvgate_native.tool_parsers.mistral import MistralParser
+from kvgate_native.tool_parsers.pythonic import PythonicParser
 from kvgate_native.tools import with_tools
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.grammar import GrammarCompiler
@@ -74,6 +77,10 @@ def mistral(*found):
     return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in found])
 
 
+def pythonic(*found):
+    return PythonicParser.render_calls(list(found))
+
+
 # (parser, text, content, calls): what each format reads
 CASES = [
     (HermesParser, "Let me see. " + hermes(OSLO, NOW), "Let me see. ", [OSLO, NOW]),
@@ -85,6 +92,10 @@ CASES = [
     (MistralParser, '[TOOL_CALLS] {"name": "get_time", "arguments": "{}"}', "", [NOW]),  # one object, text args
     (MistralParser, mistral(OSLO) + " " + mistral(NOW), "", [OSLO, NOW]),
     (MistralParser, " " + mistral(OSLO).removeprefix("[TOOL_CALLS]"), "", [OSLO]),  # the marker skipped as special
+    (PythonicParser, pythonic(OSLO, NOW), "", [OSLO, NOW]),
+    (PythonicParser, "\n[get_weather(city='Oslo', unit=\"c\", days=[1, 2], hot=True, cold=false, x=None)]  \n",
+     "", [("get_weather", {"city": "Oslo", "unit": "c", "days": [1, 2], "hot": True, "cold": False, "x": None})]),
+    (PythonicParser, "[get_time()]\n\nDone.", "Done.", [NOW]),
 ]
 # (parser, text): no call, all content, as the model wrote it
 NOT_CALLS = [
@@ -101,6 +112,13 @@ NOT_CALLS = [
     (MistralParser, "[TOOL_"),
     (MistralParser, "[1, 2] are numbers, [TOOL_CALLS] a marker."),
     (MistralParser, 'I would say [{"name": "get_time", "arguments": {}}]'),  # an array not at the start
+    (PythonicParser, "Call [get_time()] now."),  # not at the start
+    (PythonicParser, "[1, 2] are numbers."),
+    (PythonicParser, "[get_time(), 5]"),  # one element no call
+    (PythonicParser, "[get_time('positional')]"),
+    (PythonicParser, "[get_weather(city=input())]"),  # no literal
+    (PythonicParser, "[os.system(cmd='x')]"),  # no plain name
+    (PythonicParser, "[get_weather(city=')]'"),  # still open at the end
 ]
 
 
@@ -127,7 +145,7 @@ def test_after_a_call_what_is_no_call_is_content(cls, text):
 
 @pytest.mark.parametrize("cls, text", [
     (HermesParser, hermes(NOW, OSLO, NOW)), (Llama3JsonParser, llama(NOW, OSLO, NOW)),
-    (MistralParser, mistral(NOW, OSLO, NOW)),
+    (MistralParser, mistral(NOW, OSLO, NOW)), (PythonicParser, pythonic(NOW, OSLO, NOW)),
 ], ids=lambda v: getattr(v, "name", None))
 def test_parallel_tool_calls_false_keeps_the_first_call(cls, text):
     content, deltas = parse(cls(max_calls=1), list(text))
@@ -174,6 +192,14 @@ GRAMMAR_CASES = [
     (MistralParser, "required", None, "[TOOL_CALLS][]", False),
     (MistralParser, "required", None, '[TOOL_CALLS][{"name": "get_time", "arguments": {"x": 1}}]', False),
     (MistralParser, "required", None, llama(NOW), False),
+    (PythonicParser, "required", None, '[get_weather(city="Oslo", unit="c"), get_time()]', True),
+    (PythonicParser, "required", None, '[get_weather(unit="c", city="Oslo")]', False),  # the schema's order
+    (PythonicParser, "required", None, '[get_weather(unit="c")]', False),  # city is required
+    (PythonicParser, "required", None, '[get_weather(city=5)]', False),
+    (PythonicParser, "required", None, '[get_time(zone="UTC")]', False),  # takes none
+    (PythonicParser, NAMED, None, '[get_weather(city="Rome")]', True),
+    (PythonicParser, NAMED, None, '[get_weather(city="Rome"), get_time()]', False),
+    (PythonicParser, "required", False, '[get_time(), get_time()]', False),
 ]
 
 
@@ -186,7 +212,7 @@ def test_each_parsers_grammar_admits_its_own_format_only(compiler, cls, choice, 
 
 
 def test_no_grammar_without_a_tool_choice_that_requires_a_call():
-    for cls in (HermesParser, Llama3JsonParser, MistralParser):
+    for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser):
         assert all(cls.grammar([WEATHER], choice, None) is None for choice in ("auto", "none", None))
 
 
@@ -203,6 +229,7 @@ MESSAGES = [
 @pytest.mark.parametrize("cls, call, asks", [
     (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', '"parameters"'),
     (MistralParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "[TOOL_CALLS]"),
+    (PythonicParser, '[get_weather(city="Oslo")]', "Python list"),
 ])
 def test_without_a_tool_template_the_prompt_asks_for_the_parsers_format(cls, call, asks):
     system, user, assistant, tool = with_tools(MESSAGES, [WEATHER], "auto", cls)
@@ -220,6 +247,7 @@ def test_ours_are_registered_as_entry_points():
     declared = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
     assert {name: declared.get(name) for name in BUILTIN} == BUILTIN
     assert tool_parser("llama3_json") is Llama3JsonParser and tool_parser("mistral") is MistralParser
+    assert tool_parser("pythonic") is PythonicParser
 
 
 def test_the_setting_picks_the_deployments_parser():
@@ -235,7 +263,7 @@ def test_an_unknown_parser_is_a_settings_error_naming_the_known_ones():
     with pytest.raises(ValueError) as info:
         make_native_backend({"tool_call_parser": "hermes2"}, "native-0")
     assert str(info.value) == ("settings.tool_call_parser: unknown tool call parser 'hermes2'; "
-                               "known: hermes, llama3_json, mistral")
+                               "known: hermes, llama3_json, mistral, pythonic")
 
 
 ACME = '''
@@ -268,7 +296,7 @@ def acme(tmp_path, monkeypatch):
 def test_a_third_party_parser_is_found_through_its_entry_point(acme):
     parser = tool_parser("acme")
     assert parser.__name__ == "AcmeParser" and NativeSettings(tool_call_parser="acme").tool_call_parser == "acme"
-    with pytest.raises(pydantic.ValidationError, match="known: acme, broken, hermes, llama3_json, missing, mistral"):
+    with pytest.raises(pydantic.ValidationError, match="known: acme, broken, hermes, llama3_json, missing, mistral, pythonic"):
         NativeSettings(tool_call_parser="nope")
     with pytest.raises(ValueError, match="'broken' .* lacks push, finish, grammar"):
         tool_parser("broken")
@@ -276,3 +304,22 @@ def test_a_third_party_parser_is_found_through_its_entry_point(acme):
         tool_parser("missing")
     with pytest.raises(ValueError, match="'hermes' is registered twice"):  # never one of two at random
         tool_parser("hermes")
+
+
+def test_pythonic_refuses_tools_it_cannot_write():
+    bad = {"type": "function", "function": {"name": "get-time"}}
+    with pytest.raises(InvalidRequestError, match="get-time") as info:
+        PythonicParser.grammar([bad], "required", None)
+    assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize("cls, text", [
+    (HermesParser, "<tool_call>{}</tool_call>"), (Llama3JsonParser, '{"name": "f", "parameters": {}}'),
+    (MistralParser, "[TOOL_CALLS]{}"), (PythonicParser, "[{}]"),
+], ids=lambda v: getattr(v, "name", None))
+def test_nesting_deeper_than_the_json_parser_takes_is_content(cls, text):
+    """(json.loads and ast.parse raise RecursionError, not ValueError, on such text.)"""
+    deep = "[" * 100_000 + "]" * 100_000
+    text = text.replace("{}", "{\"a\": " + deep + "}", 1)
+    content, deltas = parse(cls(), [text[:500], text[500:]])
+    assert content == text and deltas == []

@@ -192,9 +192,9 @@ class NativeSettings(BaseModel):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings,
                                           description="/v1/embeddings from the model's pooled hidden states.")
     tool_call_parser: str = Field(DEFAULT_TOOL_PARSER, description="The format of the model's tool calls (vLLM's "
-                                  "--tool-call-parser): hermes, llama3_json, mistral, or one a package registers "
-                                  "in the kvgate.tool_parsers entry-point group. It parses the output, constrains "
-                                  "tool_choice required / named, and words the tools' system prompt.")
+                                  "--tool-call-parser): hermes, llama3_json, mistral, pythonic, or one a package "
+                                  "registers in the kvgate.tool_parsers entry-point group. It parses the output, "
+                                  "constrains tool_choice required / named, and words the tools' system prompt.")
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -1,7 +1,7 @@
 """Tool-call parsers of the native engine, chosen per deployment (`settings.tool_call_parser`,
 like vLLM's --tool-call-parser) from the `kvgate.tool_parsers` entry-point group.
 
-kvgate's own (hermes, llama3_json, mistral) are declared in that group by the native plugin's
+kvgate's own (hermes, llama3_json, mistral, pythonic) are declared in that group by the native plugin's
 pyproject.toml, as a third party declares one:
 
     [project.entry-points."kvgate.tool_parsers"]
@@ -22,6 +22,7 @@ BUILTIN = {
     "hermes": "kvgate_native.tool_parsers.hermes:HermesParser",
     "llama3_json": "kvgate_native.tool_parsers.llama3_json:Llama3JsonParser",
     "mistral": "kvgate_native.tool_parsers.mistral:MistralParser",
+    "pythonic": "kvgate_native.tool_parsers.pythonic:PythonicParser",
 }
 REQUIRED = ("push", "finish", "grammar", "system_prompt", "render_calls", "render_result")
 

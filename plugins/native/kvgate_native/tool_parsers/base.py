@@ -132,33 +132,48 @@ def call_parts(parsed, keys: tuple[str, ...] = ("arguments", "parameters")) -> t
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             return None
     return (parsed["name"], arguments) if isinstance(arguments, dict) else None
 
 
-def json_end(text: str, start: int = 0) -> int | None:
-    """The index just past the JSON object or array that opens at text[start], or None while it
-    is still open (strings and escapes skipped; the text between is not validated here)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class BracketScanner:
+    """Where the bracketed value that opens at text[0] closes ({...} or [...] in JSON; with
+    quotes="'\"" a Python expression), across pushes: each character is looked at once, however
+    the text arrives (rescanning from the start at every token would be quadratic in the call's
+    length). The text between is not validated here."""
+
+    def __init__(self, quotes: str = '"'):
+        self.quotes = quotes
+        self.opens, self.closes = ("{[(", ")]}") if "'" in quotes else ("{[", "]}")
+        self.depth = 0
+        self.quote = None  # the quote of the string we are in
+        self.escaped = False
+        self.pos = 0  # text[:pos] already scanned
+
+    def end(self, text: str) -> int | None:
+        """The index just past the value in `text` (which only grows between calls), or None
+        while it is still open."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == self.quote:
+                    self.quote = None
+            elif c in self.quotes:
+                self.quote = c
+            elif c in self.opens:
+                self.depth += 1
+            elif c in self.closes:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -33,16 +33,19 @@ class HermesParser(ToolParser):
         super().__init__(max_calls)
         self._pending = ""  # text not yet decided
         self._in_call = False
+        self._searched = 0  # in a call: _pending[:_searched] holds no </tool_call>
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
         content, deltas = "", []
         while True:
             if self._in_call:
-                end = self._pending.find(CLOSE)
-                if end < 0:
+                end = self._pending.find(CLOSE, self._searched)
+                if end < 0:  # the next search starts where the tag could still begin
+                    self._searched = max(0, len(self._pending) - len(CLOSE) + 1)
                     return content, deltas
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
+                self._searched = 0
                 self._in_call = False
                 found, text_instead = self._call(body)
                 deltas += found
@@ -76,7 +79,7 @@ class HermesParser(ToolParser):
     def _call(self, body: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
         try:
             parts = call_parts(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             parts = None
         if parts is None:
             return [], f"{OPEN}{body}{CLOSE if closed else ''}"  # not a call after all: the model's text

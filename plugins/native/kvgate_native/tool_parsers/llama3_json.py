@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from gateway.backend import ToolCallDelta
-from kvgate_native.tool_parsers.base import ToolParser, call_parts, call_schema, compact, json_end, tools_json
+from kvgate_native.tool_parsers.base import BracketScanner, ToolParser, call_parts, call_schema, compact, tools_json
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -32,7 +32,8 @@ class Llama3JsonParser(ToolParser):
         super().__init__(max_calls)
         self._state = START
         self._pending = ""
-        self._head = ""  # what START consumed (whitespace, the tag): content again if no call follows
+        self._head = ""  # what came before the first object (whitespace, the tag): content again if it is no call
+        self._scan: BracketScanner | None = None  # the object being read (it starts _pending)
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
@@ -74,29 +75,35 @@ class Llama3JsonParser(ToolParser):
 
     def _calls(self) -> tuple[list[ToolCallDelta], bool]:
         """The next call, if complete: (its deltas, True to go on); ([], False) to wait."""
-        stripped = _next_call(self._pending) if self.seen_calls else self._pending.lstrip()
-        if not stripped:
-            return [], False
-        if stripped[0] != "{":
-            self._to_text(stripped)
-            return [], True
-        end = json_end(stripped)
+        if self._scan is None:
+            stripped = _next_call(self._pending) if self.seen_calls else self._pending.lstrip()
+            if not stripped:
+                return [], False
+            if not self.seen_calls:
+                self._head += self._pending[: len(self._pending) - len(stripped)]
+            self._pending = stripped
+            if stripped[0] != "{":
+                self._to_text()
+                return [], True
+            self._scan = BracketScanner()
+        end = self._scan.end(self._pending)
         if end is None:
             return [], False
+        self._scan = None
         try:
-            parts = call_parts(json.loads(stripped[:end]), keys=("parameters", "arguments"))
-        except ValueError:
+            parts = call_parts(json.loads(self._pending[:end]), keys=("parameters", "arguments"))
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             parts = None
         if parts is None:
-            self._to_text(stripped)
+            self._to_text()
             return [], True
-        self._pending = stripped[end:]
+        self._pending = self._pending[end:]
         return self.emit(*parts), True
 
-    def _to_text(self, rest: str) -> None:
+    def _to_text(self) -> None:
         """What is left is no call: content from here on (with the head when nothing was a call)."""
         self._state = TEXT
-        self._pending = rest if self.seen_calls else self._head + self._pending
+        self._pending = self._pending if self.seen_calls else self._head + self._pending
 
     @classmethod
     def lark(cls, allowed: list[dict], single: bool) -> str:

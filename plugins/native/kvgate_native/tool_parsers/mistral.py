@@ -20,7 +20,7 @@ import string
 
 from gateway.backend import ToolCallDelta
 from kvgate_native.tool_parsers.base import (
-    ToolParser, call_parts, call_schema, compact, json_end, partial_tag, tools_json)
+    BracketScanner, ToolParser, call_parts, call_schema, compact, partial_tag, tools_json)
 
 TAG = "[TOOL_CALLS]"
 ID_ALPHABET = string.ascii_letters + string.digits
@@ -39,6 +39,7 @@ class MistralParser(ToolParser):
         self._in_calls = False  # after [TOOL_CALLS], before its array closed
         self._marker = TAG  # what opened the section: TAG, or nothing for an array at the start
         self._started = False  # past the output's start (where an array alone is calls)
+        self._scan: BracketScanner | None = None  # the array being read (it starts _pending)
 
     def new_id(self) -> str:
         return "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
@@ -71,7 +72,7 @@ class MistralParser(ToolParser):
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         rest, self._pending = self._pending, ""
         if self._in_calls:
-            self._in_calls = False
+            self._in_calls, self._scan = False, None
             return self._marker + rest, []
         return self._content(rest), []
 
@@ -92,19 +93,24 @@ class MistralParser(ToolParser):
     def _section(self) -> tuple[bool, list[ToolCallDelta], str]:
         """The calls after the marker, once their JSON closed: (True, deltas, text that was no
         call); (False, ...) while it is open."""
-        stripped = self._pending.lstrip()
-        if not stripped:
-            return False, [], ""
-        end = json_end(stripped) if stripped[0] in "[{" else 0
+        if self._scan is None:
+            stripped = self._pending.lstrip()
+            if not stripped:
+                return False, [], ""
+            self._marker += self._pending[: len(self._pending) - len(stripped)]  # as written, if no call
+            self._pending = stripped
+            if stripped[0] not in "[{":
+                self._in_calls = False
+                return True, [], self._marker
+            self._scan = BracketScanner()
+        end = self._scan.end(self._pending)
         if end is None:
             return False, [], ""
-        self._in_calls = False
-        calls = _calls(stripped[:end])
+        self._in_calls, self._scan = False, None
+        calls = _calls(self._pending[:end])
+        written, self._pending = self._pending[:end], self._pending[end:]
         if calls is None:
-            written = self._pending[: len(self._pending) - len(stripped) + end]
-            self._pending = self._pending[len(written):]
             return True, [], self._marker + written
-        self._pending = stripped[end:]
         return True, [delta for call in calls for delta in self.emit(*call)], ""
 
     @classmethod
@@ -126,7 +132,7 @@ def _calls(text: str) -> list[tuple[str, dict]] | None:
     when it is not that."""
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
         return None
     items = parsed if isinstance(parsed, list) else [parsed]
     calls = [call_parts(item) for item in items]
