@@ -296,7 +296,8 @@ def acme(tmp_path, monkeypatch):
 def test_a_third_party_parser_is_found_through_its_entry_point(acme):
     parser = tool_parser("acme")
     assert parser.__name__ == "AcmeParser" and NativeSettings(tool_call_parser="acme").tool_call_parser == "acme"
-    with pytest.raises(pydantic.ValidationError, match="known: acme, broken, hermes, llama3_json, missing, mistral, pythonic"):
+    known = "known: acme, broken, hermes, llama3_json, missing, mistral, pythonic"
+    with pytest.raises(pydantic.ValidationError, match=known):
         NativeSettings(tool_call_parser="nope")
     with pytest.raises(ValueError, match="'broken' .* lacks push, finish, grammar"):
         tool_parser("broken")
