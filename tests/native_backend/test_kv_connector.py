@@ -24,6 +24,7 @@ from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.kv_connector import HeldBlocks
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.core.sequence import Sequence
+from native_backend.execution import kv_scales
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
 from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
@@ -116,6 +117,51 @@ def test_a_request_decoded_from_the_producers_blocks_gives_the_solo_engines_toke
     assert sum(stats.kv_transfer_bytes_histogram) == sum(stats.kv_transfer_seconds_histogram) == 1
     assert all_blocks_back(producer) and all_blocks_back(consumer)
     assert producer.stats().kv_transfers_served == 1  # counted as the hold is handed back
+
+
+def build_calibrated_fp8_engine(checkpoint: str, role, offset_seed: int, **settings) -> LLMEngine:
+    """An fp8 engine whose keys are stored minus a per-layer offset (KVLayer.k_offset), as a
+    calibrated cache stores them; another seed stands for another calibration (or model file)."""
+    config = EngineConfig.build(path=checkpoint, kv_cache_bytes=2 << 20, block_size=BLOCK, kv_role=role,
+                                max_num_batched_tokens=16, kv_cache_dtype="fp8_e4m3", kv_scales="unit", **settings)
+    executor = InProcessExecutor(config)
+    cache = executor.kv_cache
+    offsets = torch.randn(cache.num_layers, cache.num_kv_heads, cache.head_dim,
+                          generator=torch.Generator().manual_seed(offset_seed))
+    kv_scales.apply(cache, [(1.0, 1.0)] * cache.num_layers, offsets)
+    return LLMEngine(config, executor, kv_transfer=make_kv_transfer(config.transfer, cache))
+
+
+def test_fp8_engines_whose_key_offsets_differ_refuse_the_read_and_recompute(checkpoint):
+    """Same dtype, shape and scales, other k_offsets: the bytes would mean other keys (issue 30)."""
+    producer = build_calibrated_fp8_engine(checkpoint, "producer", offset_seed=1)
+    consumer = build_calibrated_fp8_engine(checkpoint, "consumer", offset_seed=2, enable_prefix_caching=False)
+    try:
+        ids = prompt(15)
+        expected, _ = run(consumer, EngineRequest("own", ids, GREEDY))  # its own prompt KV, its own offsets
+        tokens, last = run(consumer, EngineRequest("o", ids, GREEDY, kv_transfer_params=prefill(producer, "o", ids)))
+        assert last.timings.get("kv_transfer_failed") == 1
+        assert tokens == expected
+        assert producer.stats().kv_transfers_refused == 1 and consumer.stats().kv_transfer_failures == 1
+        producer.kv.held.evict_oldest()  # a refused read leaves the hold to its own timeout
+        assert all_blocks_back(producer) and all_blocks_back(consumer)
+    finally:
+        producer.kv.port.close()
+        consumer.kv.port.close()
+
+
+def test_fp8_engines_with_the_same_key_offsets_share_blocks(checkpoint):
+    producer = build_calibrated_fp8_engine(checkpoint, "producer", offset_seed=3)
+    consumer = build_calibrated_fp8_engine(checkpoint, "consumer", offset_seed=3, enable_prefix_caching=False)
+    try:
+        ids = prompt(16)
+        expected, _ = run(consumer, EngineRequest("own", ids, GREEDY))
+        tokens, last = run(consumer, EngineRequest("s", ids, GREEDY, kv_transfer_params=prefill(producer, "s", ids)))
+        assert tokens == expected and last.timings["kv_transfer_tokens"] > 0
+        assert "kv_transfer_failed" not in last.timings
+    finally:
+        producer.kv.port.close()
+        consumer.kv.port.close()
 
 
 @pytest.fixture(scope="module")

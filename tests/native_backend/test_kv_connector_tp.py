@@ -6,7 +6,8 @@ The consumer's greedy tokens are the solo engine's for fp32 KV and for int8 KV (
 travel with each rank's shard), over a prompt the producer prefills in several chunks; every
 rank's shard moves (the bytes are each rank's share); a rank whose shard fails breaks the whole
 read, and the consumer recomputes (counted) with the same tokens; a consumer of another TP size
-is refused by the producer, naming the sizes, and recomputes.
+is refused by the producer, naming the sizes, and recomputes; a rank whose fp8 key offsets differ
+makes the layouts differ (so the read is refused, as one rank's would be).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution import kv_scales
 from native_backend.execution.factory import make_executor
-from native_backend.execution.kv_transfer.blocks import block_bytes
+from native_backend.execution.kv_transfer.blocks import block_bytes, layout_difference
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
 from native_backend.execution.parallel.group import die_with_parent
+from native_backend.execution.parallel.kv_relay import TensorParallelBlocks, worker_layout
+from native_backend.model.kv_cache import KVCache
 from native_backend.process.factory import kv_blocks
 from tests.support.checks.tensor_parallel_checks import tiny_gqa_llama
 
@@ -239,3 +243,26 @@ def test_a_consumer_of_another_tp_size_is_refused_and_recomputes(engines, solo, 
     assert producer.ask("stats").kv_transfers_refused == refused + 1
     assert "tensor_parallel_size 1, this producer 2" in caplog.text
     assert all_blocks_back(solo["auto"])
+
+
+def calibrated_fp8_shard(offset_seed: int) -> KVCache:
+    """One rank's fp8 cache whose keys are stored minus per-layer offsets (a calibration's)."""
+    cache = KVCache(num_layers=2, num_blocks=4, block_size=BLOCK, num_kv_heads=1, head_dim=8, dtype="fp8_e4m3")
+    offsets = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(offset_seed))
+    kv_scales.apply(cache, [(0.5, 0.25)] * 2, offsets)
+    return cache
+
+
+def tp2_layout(rank1_offset_seed: int) -> dict:
+    return TensorParallelBlocks(calibrated_fp8_shard(0), [], [worker_layout(calibrated_fp8_shard(rank1_offset_seed))],
+                                send_write=None).layout()
+
+
+def test_a_tp_layout_carries_each_ranks_fp8_key_offsets():
+    """Two TP 2 engines with the same scales whose rank 1 stores keys minus other offsets: their
+    layouts differ (the producer refuses the read; test_kv_connector: the same at TP 1)."""
+    ours, theirs = tp2_layout(1), tp2_layout(2)
+    assert ours == tp2_layout(1) and ours["ranks"][0] == theirs["ranks"][0]
+    assert ours["ranks"][1]["scales"] == theirs["ranks"][1]["scales"]
+    assert ours["ranks"][1]["k_offsets"] != theirs["ranks"][1]["k_offsets"]
+    assert "in ranks" in layout_difference(ours, theirs)

@@ -4,14 +4,17 @@
                               [int8: K scales, V scales  (n, block_size, kv_heads) float32]
 
 fp8's per-layer scales are not in the payload: they are the same for every block, so they travel
-in the layout (`layout()`), and a consumer whose layout differs (another dtype, shape, or fp8
-scales) refuses the read and recomputes instead of misreading the bytes.
+in the layout (`layout()`), with a digest of a calibrated cache's key offsets (KVLayer.k_offset:
+its keys are stored minus them), and a consumer whose layout differs (another dtype, shape, fp8
+scales or key offsets) is refused the read and recomputes instead of misreading the bytes.
 
 Under tensor parallelism the payload is every rank's, one after the other (rank 0's first), and
 the layout lists each rank's (parallel.kv_relay); `LocalBlocks` is the one-rank case.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -27,7 +30,25 @@ def layout(cache: KVCache) -> dict:
         described["scales"] = [[layer.k_scale, layer.v_scale] for layer in cache.layers]
     elif first.key_scales is not None:
         described["row_scales"] = True
+    if any(layer.k_offset is not None for layer in cache.layers):
+        described["k_offsets"] = key_offsets_digest(cache)
     return described
+
+
+def key_offsets_digest(cache: KVCache) -> str:
+    """sha256 of every layer's key offset (float32, as stored): two caches whose offsets differ by
+    one bit store other bytes for the same keys. A digest, not the values: a large model's offsets
+    (layers x kv_heads x head_dim floats) would not fit a read's header (wire.MAX_HEADER_BYTES)."""
+    digest = hashlib.sha256()
+    for layer in cache.layers:
+        offset = layer.k_offset
+        if offset is None:
+            digest.update(b"none;")
+            continue
+        offset = offset.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(repr(tuple(offset.shape)).encode() + b";")
+        digest.update(offset.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _tensors(layer: KVLayer) -> list[torch.Tensor]:
@@ -96,4 +117,7 @@ def layout_difference(ours: dict, theirs) -> str:
     if their_tp != tp:
         return (f"the consumer runs tensor_parallel_size {their_tp}, this producer {tp}: its ranks hold other "
                 "KV heads (producer and consumer need the same size)")
+    if isinstance(theirs, dict):
+        fields = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+        return f"the consumer's KV layout differs from this producer's in {', '.join(fields)}: {ours}"
     return f"the consumer's KV layout differs from this producer's {ours}"

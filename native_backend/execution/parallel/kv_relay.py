@@ -5,7 +5,8 @@ Each rank holds its own KV heads of every block (the same block ids on every ran
 producer of TP N and a consumer of TP N move shard r to rank r:
 
     payload = rank 0's blocks.read_blocks bytes, then rank 1's, ..., rank N-1's
-    layout  = {tensor_parallel_size: N, ranks: [each rank's blocks.layout()]}   (dtype, heads, fp8 scales)
+    layout  = {tensor_parallel_size: N, ranks: [each rank's blocks.layout()]}
+              (dtype, heads, fp8 scales and the digest of its key offsets: each rank's heads' own)
 
     producer: the server's thread reads rank 0's shard itself, then asks each worker for its
               shard over the worker's KV pipe (a thread of the worker answers it, beside its
