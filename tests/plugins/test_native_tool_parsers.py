@@ -100,10 +100,11 @@ CASES = [
 # (parser, text): no call, all content, as the model wrote it
 NOT_CALLS = [
     (HermesParser, "<tool_call>not json</tool_call>"),
+    (HermesParser, '<tool_call>{"name": "get_time", "argu'),  # cut before its arguments began
     (Llama3JsonParser, 'I would call {"name": "get_time", "parameters": {}} now.'),  # not at the start
     (Llama3JsonParser, '{"city": "Oslo"} is a city.'),  # no name
     (Llama3JsonParser, '<|python_tag|>print("hi")'),  # code, not JSON
-    (Llama3JsonParser, '  {"name": "get_time", "parameters": {}'),  # still open at the end
+    (Llama3JsonParser, '  {"name": "get_time", "parame'),  # still open at the end, before its arguments
     (Llama3JsonParser, '{"name": "get_time", "parameters": [1]}'),  # arguments no object
     (Llama3JsonParser, "<|python"),
     (MistralParser, "Use [TOOL_CALLS] like this: nothing."),
@@ -152,6 +153,51 @@ def test_parallel_tool_calls_false_keeps_the_first_call(cls, text):
     assert content == "" and calls(deltas) == [NOW]
     content, deltas = parse(cls(), [text])
     assert calls(deltas) == [NOW, OSLO, NOW] and len({d.id for d in deltas if d.id}) == 3
+
+
+LONG = {"city": "Oslo", "note": "a " * 200 + "}{ \\\" </tool_call", "days": [[1, 2], {"x": None}]}
+
+
+def arguments_text(deltas):
+    return "".join(d.arguments for d in deltas)
+
+
+@pytest.mark.parametrize("cls, text", [
+    (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
+    (Llama3JsonParser, '<|python_tag|>{"name": "get_weather", "parameters": %s}; {"name": "get_time"'),
+], ids=lambda v: getattr(v, "name", None))
+def test_arguments_stream_as_they_are_written(cls, text):
+    """Pieces of 7 characters (a model's tokens): the id and name as soon as the arguments begin,
+    then their text in many fragments before the call closes, exactly the model's text (no closing
+    brace or tag of the call in it: those are held back until the next piece decides)."""
+    written = json.dumps(LONG, indent=1)  # newlines and spaces as the model wrote them
+    text = text % written
+    parser, before_close, deltas = cls(), None, []
+    for cut in range(0, len(text), 7):
+        deltas += parser.push(text[cut:cut + 7])[1]
+        if before_close is None and len(arguments_text(deltas)) == len(written):
+            before_close = len(deltas)
+    deltas += parser.finish()[1]
+    assert deltas[0].name == "get_weather" and deltas[0].id and arguments_text(deltas) == written
+    assert before_close > 30 and all(d.arguments for d in deltas[1:])
+    assert calls(deltas) == [("get_weather", LONG)]
+
+
+@pytest.mark.parametrize("cls, text, content", [
+    (HermesParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os', ""),
+    (HermesParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os</tool_call>Hi', "Hi"),
+    (HermesParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os"}, x}</tool_call>', ""),
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Os', ""),
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Os"}, x}', ""),
+], ids=lambda v: getattr(v, "name", None))
+def test_once_its_arguments_began_a_call_is_a_call(cls, text, content):
+    """What streamed cannot be taken back, so from its arguments' `{` on the text is that call:
+    cut (the end, a closing tag) it has the arguments written so far; what follows them in the
+    object is not read. Any split gives the same."""
+    for pieces in [[text], list(text)]:
+        got, deltas = parse(cls(), pieces)
+        assert got == content and deltas[0].name == "get_weather"
+        assert arguments_text(deltas) == '{"city": "Os' + ('"}' if "x}" in text else "")
 
 
 def test_mistral_call_ids_are_nine_letters_and_digits():
@@ -315,8 +361,8 @@ def test_pythonic_refuses_tools_it_cannot_write():
 
 
 @pytest.mark.parametrize("cls, text", [
-    (HermesParser, "<tool_call>{}</tool_call>"), (Llama3JsonParser, '{"name": "f", "parameters": {}}'),
-    (MistralParser, "[TOOL_CALLS]{}"), (PythonicParser, "[{}]"),
+    (HermesParser, "<tool_call>{}</tool_call>"), (MistralParser, "[TOOL_CALLS]{}"), (PythonicParser, "[{}]"),
+    (Llama3JsonParser, '{"parameters": {}, "name": "f"}'),  # its arguments first: read whole, not streamed
 ], ids=lambda v: getattr(v, "name", None))
 def test_nesting_deeper_than_the_json_parser_takes_is_content(cls, text):
     """(json.loads and ast.parse raise RecursionError, not ValueError, on such text.)"""

@@ -22,9 +22,10 @@ class ToolParser:
     """One request's output split into content and tool calls, as it streams.
 
     push(text) -> (content, deltas) takes the next piece of text; finish() -> (content, deltas)
-    at the end; num_calls: the calls found so far. Each call becomes two ToolCallDeltas: its id
-    and name, then its arguments (JSON text). With max_calls (parallel_tool_calls false: 1),
-    calls after the first max_calls are dropped. Text that is no call stays content."""
+    at the end; num_calls: the calls found so far. Each call becomes ToolCallDeltas: its id and
+    name, then its arguments (JSON text), in one fragment or, streamed (StreamedCall), in several
+    whose concatenation is that text. With max_calls (parallel_tool_calls false: 1), calls after
+    the first max_calls are dropped. Text that is no call stays content."""
 
     name = ""  # the name it is registered under (tool_call_parser)
 
@@ -77,12 +78,19 @@ class ToolParser:
     def new_id(self) -> str:
         return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
-    def emit(self, name: str, arguments: dict) -> list[ToolCallDelta]:
-        """A found call's two deltas (id and name, then its arguments); none past max_calls."""
+    def start_call(self) -> int | None:
+        """A found call's index; None past max_calls (the call is dropped)."""
         self.seen_calls += 1
         if self.max_calls is not None and self.num_calls >= self.max_calls:
-            return []
+            return None
         index, self.num_calls = self.num_calls, self.num_calls + 1
+        return index
+
+    def emit(self, name: str, arguments: dict) -> list[ToolCallDelta]:
+        """A whole call's two deltas (id and name, then its arguments); none past max_calls."""
+        index = self.start_call()
+        if index is None:
+            return []
         return [ToolCallDelta(index, id=self.new_id(), name=name),
                 ToolCallDelta(index, arguments=json.dumps(arguments))]
 
@@ -137,24 +145,133 @@ def call_parts(parsed, keys: tuple[str, ...] = ("arguments", "parameters")) -> t
     return (parsed["name"], arguments) if isinstance(arguments, dict) else None
 
 
+PREFIX_LIMIT = 1000  # a call whose arguments open later than this in its text is read whole (bounds rescans)
+
+
+def call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | bool | None:
+    """Whether `text` (a call object's text so far, whitespace before its `{` allowed) begins
+    `{"name": <string>, <one of keys>: {`, the layout a call is streamed in: (the name, where the
+    arguments object begins) once it does; None while the text so far cannot tell; False when
+    it cannot (another layout, or the arguments opening past PREFIX_LIMIT)."""
+    found = _call_start(text, keys)
+    if found is None and len(text) > PREFIX_LIMIT or found and found[1] > PREFIX_LIMIT:
+        return False
+    return found
+
+
+def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | bool | None:
+    i, name = 0, None
+    for step in ("{", '"name"', ":", "name", ",", "key", ":", "{"):
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        if i == len(text):
+            return None
+        if step in ("name", "key"):
+            end = _string_end(text, i)
+            if end is None:
+                return None
+            try:
+                value = json.loads(text[i:end])
+            except ValueError:  # not a string, or a bad escape
+                return False
+            if not isinstance(value, str) or (step == "key" and value not in keys):
+                return False
+            name = value if step == "name" else name
+            i = end
+            continue
+        if not text.startswith(step[: len(text) - i], i):
+            return False
+        if len(text) - i < len(step):
+            return None
+        i += len(step)
+    return name, i - 1
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index past the JSON string that opens at text[i]; None while it is still open
+    (i + 1 when text[i] is no quote: json.loads then refuses that character)."""
+    if text[i] != '"':
+        return i + 1
+    escaped = False
+    for j in range(i + 1, len(text)):
+        if escaped:
+            escaped = False
+        elif text[j] == "\\":
+            escaped = True
+        elif text[j] == '"':
+            return j + 1
+    return None
+
+
+class StreamedCall:
+    """One call object of a JSON format as its text arrives, its arguments streamed: once the
+    text is certain to be a call, `{"name": "get_weather", "arguments": {` (the layout models and
+    our grammars write), its id and name go out, then each piece of the arguments object's text as
+    it arrives, up to and with its closing brace; their concatenation is the arguments exactly as
+    the model wrote them (JSON that parses to what a whole reading gives). From that point on it
+    is a call, whatever follows (a client streaming OpenAI's fragments cannot take one back): an
+    end before the arguments close leaves them cut, what follows them in the object is not read.
+    Any other layout (arguments first or as a string, none) is `whole`: the parser reads the
+    object once it closed, as before."""
+
+    def __init__(self, parser: ToolParser, keys: tuple[str, ...] = ("arguments", "parameters")):
+        self.parser, self.keys = parser, keys
+        self.whole = False
+        self.started = False  # its id and name went out (or it was dropped past max_calls)
+        self.index: int | None = None
+        self.sent = 0  # the object's text[:sent] is sent (or, before the arguments, read)
+        self.closed = False  # the arguments' closing brace was sent
+        self._scan: BracketScanner | None = None
+
+    def feed(self, text: str, stop: int | None = None) -> list[ToolCallDelta]:
+        """The deltas text[:stop] adds (text: the object's text so far, which only grows between
+        calls; stop: where what may still be past the call begins, a closing tag's possible start)."""
+        stop = len(text) if stop is None else stop
+        deltas = []
+        if self.whole or self.closed:
+            return deltas
+        if not self.started:
+            found = call_start(text[:stop], self.keys)
+            if not found:
+                self.whole = found is False
+                return deltas
+            name, self.sent = found
+            self.started, self.index = True, self.parser.start_call()
+            self._scan = BracketScanner(start=self.sent)
+            if self.index is not None:
+                deltas.append(ToolCallDelta(self.index, id=self.parser.new_id(), name=name))
+        end = self._scan.end(text, stop)
+        self.closed = end is not None
+        return deltas + self._arguments(text, stop if end is None else end)
+
+    def cut(self, text: str) -> list[ToolCallDelta]:
+        """At the call's end before its arguments closed (end of output, a closing tag): the rest."""
+        return [] if self.whole or self.closed or not self.started else self._arguments(text, len(text))
+
+    def _arguments(self, text: str, upto: int) -> list[ToolCallDelta]:
+        piece, self.sent = text[self.sent:upto], max(self.sent, upto)
+        return [ToolCallDelta(self.index, arguments=piece)] if piece and self.index is not None else []
+
+
 class BracketScanner:
     """Where the bracketed value that opens at text[0] closes ({...} or [...] in JSON; with
     quotes="'\"" a Python expression), across pushes: each character is looked at once, however
     the text arrives (rescanning from the start at every token would be quadratic in the call's
     length). The text between is not validated here."""
 
-    def __init__(self, quotes: str = '"'):
+    def __init__(self, quotes: str = '"', start: int = 0):
         self.quotes = quotes
         self.opens, self.closes = ("{[(", ")]}") if "'" in quotes else ("{[", "]}")
         self.depth = 0
         self.quote = None  # the quote of the string we are in
         self.escaped = False
-        self.pos = 0  # text[:pos] already scanned
+        self.pos = start  # text[:pos] already scanned (the value opens at text[start])
 
-    def end(self, text: str) -> int | None:
+    def end(self, text: str, stop: int | None = None) -> int | None:
         """The index just past the value in `text` (which only grows between calls), or None
-        while it is still open."""
-        for i in range(self.pos, len(text)):
+        while it is still open (in text[:stop], when stop is given)."""
+        stop = len(text) if stop is None else stop
+        for i in range(self.pos, stop):
             c = text[i]
             if self.quote:
                 if self.escaped:
@@ -172,7 +289,7 @@ class BracketScanner:
                 if self.depth == 0:
                     self.pos = i + 1
                     return i + 1
-        self.pos = len(text)
+        self.pos = max(self.pos, stop)
         return None
 
 

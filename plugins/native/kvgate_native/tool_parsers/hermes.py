@@ -5,14 +5,16 @@
     </tool_call>
 
 Text before and between calls is content; a body that is no call object stays text, tags and all;
-an unterminated call at the end counts when its body parses."""
+an unterminated call at the end counts when its body parses. A body that begins
+`{"name": "...", "arguments": {` is a call from there on, its arguments streamed (StreamedCall)."""
 
 from __future__ import annotations
 
 import json
 
 from gateway.backend import ToolCallDelta
-from kvgate_native.tool_parsers.base import ToolParser, call_parts, call_schema, compact, partial_tag, tools_json
+from kvgate_native.tool_parsers.base import (
+    StreamedCall, ToolParser, call_parts, call_schema, compact, partial_tag, tools_json)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SYSTEM_PROMPT = (
@@ -32,22 +34,22 @@ class HermesParser(ToolParser):
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
         self._pending = ""  # text not yet decided
-        self._in_call = False
+        self._call: StreamedCall | None = None  # the block we are in (its body starts _pending)
         self._searched = 0  # in a call: _pending[:_searched] holds no </tool_call>
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
         content, deltas = "", []
         while True:
-            if self._in_call:
+            if self._call is not None:
                 end = self._pending.find(CLOSE, self._searched)
                 if end < 0:  # the next search starts where the tag could still begin
                     self._searched = max(0, len(self._pending) - len(CLOSE) + 1)
-                    return content, deltas
+                    stop = len(self._pending) - partial_tag(self._pending, CLOSE)
+                    return content, deltas + self._call.feed(self._pending, stop)
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
                 self._searched = 0
-                self._in_call = False
-                found, text_instead = self._call(body)
+                found, text_instead = self._end_call(body)
                 deltas += found
                 content += text_instead
                 continue
@@ -55,7 +57,7 @@ class HermesParser(ToolParser):
             if start >= 0:
                 content += self._content(self._pending[:start])
                 self._pending = self._pending[start + len(OPEN):]
-                self._in_call = True
+                self._call = StreamedCall(self)
                 continue
             keep = partial_tag(self._pending, OPEN)
             decided = self._pending[: len(self._pending) - keep]
@@ -67,16 +69,21 @@ class HermesParser(ToolParser):
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end: an unterminated call is parsed if it can be; other text is content."""
         rest, self._pending = self._pending, ""
-        if self._in_call:
-            self._in_call = False
-            deltas, text = self._call(rest, closed=False)
+        if self._call is not None:
+            deltas, text = self._end_call(rest, closed=False)
             return text, deltas
         return self._content(rest), []
 
     def _content(self, text: str) -> str:
         return "" if self.seen_calls and not text.strip() else text
 
-    def _call(self, body: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
+    def _end_call(self, body: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
+        """The block's last deltas (or text, when it was no call), its body complete."""
+        call, self._call = self._call, None
+        if not call.whole:
+            deltas = call.feed(body)
+            if call.started:
+                return deltas + call.cut(body), ""
         try:
             parts = call_parts(json.loads(body))
         except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes

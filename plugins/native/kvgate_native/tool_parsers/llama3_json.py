@@ -6,14 +6,16 @@ An output is calls when it begins (after whitespace) with `{` or `<|python_tag|>
 `;`-separated object with a string `name` and `parameters` (or `arguments`) is a call. An
 output that begins otherwise is content throughout, as it is in vLLM; so is everything from the
 first object that is no call (or from text that is neither `;` nor an object) on. An object still
-open at the end is content."""
+open at the end is content, unless it began `{"name": "...", "parameters": {`: an object that does is
+a call from there on, its arguments streamed (StreamedCall)."""
 
 from __future__ import annotations
 
 import json
 
 from gateway.backend import ToolCallDelta
-from kvgate_native.tool_parsers.base import BracketScanner, ToolParser, call_parts, call_schema, compact, tools_json
+from kvgate_native.tool_parsers.base import (
+    BracketScanner, StreamedCall, ToolParser, call_parts, call_schema, compact, tools_json)
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -22,6 +24,7 @@ SYSTEM_PROMPT = (
     "object of this form: {{\"name\": <function-name>, \"parameters\": <dictionary of argument names and "
     "values>}}. To call several, separate the objects with \"; \". Use values, not variables.\n\n{tools}")
 
+KEYS = ("parameters", "arguments")  # where a call's arguments are (the first present)
 START, CALLS, TEXT = "start", "calls", "text"  # undecided; reading calls; content to the end
 
 
@@ -34,6 +37,7 @@ class Llama3JsonParser(ToolParser):
         self._pending = ""
         self._head = ""  # what came before the first object (whitespace, the tag): content again if it is no call
         self._scan: BracketScanner | None = None  # the object being read (it starts _pending)
+        self._call: StreamedCall | None = None  # the same object as a call, its arguments streamed
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
@@ -54,6 +58,8 @@ class Llama3JsonParser(ToolParser):
         rest, self._pending = self._pending, ""
         if self._state == START:
             return self._head + rest, []
+        if self._call is not None and self._call.started:  # cut inside a call: the call, cut
+            return "", self._call.cut(rest)
         if self._state == CALLS and self.seen_calls:
             rest = _next_call(rest).rstrip()
         elif self._state == CALLS:
@@ -85,13 +91,17 @@ class Llama3JsonParser(ToolParser):
             if stripped[0] != "{":
                 self._to_text()
                 return [], True
-            self._scan = BracketScanner()
+            self._scan, self._call = BracketScanner(), StreamedCall(self, keys=KEYS)
         end = self._scan.end(self._pending)
+        streamed = self._call.feed(self._pending, end)
         if end is None:
-            return [], False
-        self._scan = None
+            return streamed, False
+        call, self._scan, self._call = self._call, None, None
+        if call.started:  # its arguments closed before the object did: all sent
+            self._pending = self._pending[end:]
+            return streamed, True
         try:
-            parts = call_parts(json.loads(self._pending[:end]), keys=("parameters", "arguments"))
+            parts = call_parts(json.loads(self._pending[:end]), keys=KEYS)
         except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             parts = None
         if parts is None:
