@@ -333,7 +333,8 @@ KV_TRANSFER_SERIES = (
      "kv_blocks_held"),
     ("kvgate_engine_kv_transfers_served", "Producer: reads of held blocks served.", "counter", "kv_transfers_served"),
     ("kvgate_engine_kv_transfers_refused", "Producer: reads refused (stale or forged params: unknown request, "
-     "block ids or hashes, another engine's id, another KV layout).", "counter", "kv_transfers_refused"),
+     "block ids or hashes, another engine's id, another KV layout; or over kv_transfer_max_connections).",
+     "counter", "kv_transfers_refused"),
     ("kvgate_engine_kv_holds_expired", "Producer: held blocks freed unread (kv_hold_timeout_s, or for room).",
      "counter", "kv_holds_expired"),
 )

@@ -143,6 +143,9 @@ class KVTransferOptions:
     kv_transfer_advertise_host: str | None = None
     kv_transfer_timeout_s: float = 30.0  # a consumer's read of one prompt's blocks, at most; then it recomputes
     kv_hold_timeout_s: float = 120.0  # a producer keeps unread blocks this long, then frees them
+    # A producer serves this many reads at once (a thread each); a connection beyond is refused at
+    # once (its consumer recomputes), so a flood of connections cannot pile up threads.
+    kv_transfer_max_connections: int = 64
 
     def __post_init__(self):
         if self.kv_role is not None:
@@ -150,7 +153,8 @@ class KVTransferOptions:
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"transfer.kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
         _positive("transfer", kv_transfer_timeout_s=self.kv_transfer_timeout_s,
-                  kv_hold_timeout_s=self.kv_hold_timeout_s)
+                  kv_hold_timeout_s=self.kv_hold_timeout_s,
+                  kv_transfer_max_connections=self.kv_transfer_max_connections)
 
     @property
     def produces(self) -> bool:

@@ -74,7 +74,7 @@ class _Hold:
 @dataclass
 class HoldStats:
     served: int = 0  # reads served
-    refused: int = 0  # reads refused: unknown request, block ids or hashes (stale or forged params)
+    refused: int = 0  # reads refused: unknown request, block ids or hashes (stale or forged params), over the cap
     expired: int = 0  # holds freed unread after kv_hold_timeout_s, or for room
 
 

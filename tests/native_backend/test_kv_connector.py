@@ -27,6 +27,7 @@ from native_backend.core.sequence import Sequence
 from native_backend.execution import kv_scales
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
+from native_backend.execution.kv_transfer.wire import recv_header
 from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -364,3 +365,45 @@ def test_a_request_prefilled_again_while_its_blocks_are_read_keeps_the_new_hold(
     assert held.claim("e", "r", [2], [b"b"], 1)[1] == "block ids that are not this request's"
     assert held.claim("e", "r", [4], [b"d"], 2)[1] == "block positions outside the request's full blocks"
     assert held.claim("e", "r", [4], [b"d"], 1)[1] is None
+
+
+def kv_read_threads() -> int:
+    return sum(thread.name == "kvgate-kv-read" for thread in threading.enumerate())
+
+
+def wait_until(condition, wait_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_connections_over_the_cap_are_refused_at_once_and_the_consumer_recomputes(make_engine, pair):
+    """A flood of connections to a producer's block server: at most kv_transfer_max_connections
+    are served (a thread each), the others are answered with a refusal at once (counted), and a
+    consumer refused so recomputes; once the slots free, reads go through again."""
+    _, _, solo = pair
+    producer = make_engine("producer", kv_transfer_max_connections=2)
+    consumer = make_engine("consumer", enable_prefix_caching=False)
+    server = producer.kv.port.server
+    ids = prompt(17)
+    expected, _ = run(solo, EngineRequest("c", ids, GREEDY))
+    params = prefill(producer, "c", ids)
+    threads_before, refused = kv_read_threads(), producer.stats().kv_transfers_refused
+    flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]  # send nothing
+    try:
+        for sock in flood[2:]:  # the two first hold the slots, the others are told why at once
+            sock.settimeout(10)
+            assert "kv_transfer_max_connections" in recv_header(sock)["error"]
+        assert kv_read_threads() - threads_before <= 2
+        assert producer.stats().kv_transfers_refused == refused + 10
+        tokens, last = run(consumer, EngineRequest("c", ids, GREEDY, kv_transfer_params=params))
+        assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+        assert producer.stats().kv_transfers_refused == refused + 11
+    finally:
+        for sock in flood:
+            sock.close()
+    assert wait_until(lambda: kv_read_threads() == threads_before)  # the slots are free again
+    tokens, last = run(consumer, EngineRequest("c2", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == expected and "kv_transfer_failed" not in last.timings  # the hold outlived the refusal
+    assert all_blocks_back(producer) and all_blocks_back(consumer)

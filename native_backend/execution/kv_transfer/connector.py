@@ -27,7 +27,8 @@ class KVConnectorWorker:
         self.server = None
         self.endpoint = None
         if options.produces:
-            self.server = KVBlockServer(blocks, self.held, options.kv_transfer_host, options.kv_transfer_port)
+            self.server = KVBlockServer(blocks, self.held, options.kv_transfer_host, options.kv_transfer_port,
+                                        options.kv_transfer_max_connections)
             self.endpoint = Endpoint(engine_id, options.advertised_host, self.server.port)
         self.loader = KVBlockLoader(described, blocks.block_bytes, options.kv_transfer_timeout_s) \
             if options.consumes else None

@@ -7,6 +7,10 @@ the cache leaves. The blocks go back to the step loop once sent (a consumer read
 the send breaks (the consumer recomputes). Under tensor parallelism the blocks are every rank's
 (parallel.kv_relay: the workers' shards come through rank 0); a rank that fails to give its shard
 breaks the send, so the consumer recomputes the whole prompt, never a partial KV.
+
+At most `max_connections` reads are served at once, a thread each (kv_transfer_max_connections):
+a connection beyond is answered with the refusal at once, from the accepting thread, and closed
+(counted as refused; its consumer recomputes), so a flood of connections cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from native_backend.execution.kv_transfer.wire import recv_header, send_header
 
 log = logging.getLogger("kvgate.kv_transfer")
 READ_TIMEOUT_S = 30.0  # a consumer that stops reading for this long loses its read
+REFUSAL_TIMEOUT_S = 1.0  # sending the refusal of a connection over the cap: never blocks the accepting thread long
 
 
 class KVBlockServer:
-    def __init__(self, blocks, held: HeldBlocks, host: str, port: int):
+    def __init__(self, blocks, held: HeldBlocks, host: str, port: int, max_connections: int = 64):
         self.blocks = blocks  # blocks.LocalBlocks, or parallel.kv_relay.TensorParallelBlocks
         self.held = held
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)  # one per connection being served
         self.layout = json.loads(json.dumps(blocks.layout()))  # as a peer's arrives: through JSON
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family)
@@ -40,7 +47,31 @@ class KVBlockServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="kvgate-kv-read", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                self._refuse_over_cap(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve_in_slot, args=(conn,), name="kvgate-kv-read", daemon=True).start()
+            except RuntimeError:  # no thread to be had: the read is refused, as over the cap
+                self._slots.release()
+                self._refuse_over_cap(conn)
+
+    def _refuse_over_cap(self, conn: socket.socket) -> None:
+        """Answer a connection beyond kv_transfer_max_connections without reading it, and close it."""
+        self.held.note_refused()
+        with conn:
+            try:
+                conn.settimeout(REFUSAL_TIMEOUT_S)
+                send_header(conn, {"ok": False, "error": f"the producer serves {self.max_connections} reads at "
+                                   "once (kv_transfer_max_connections); try again or recompute"})
+            except OSError:
+                pass  # the consumer sees the connection close: it recomputes all the same
+
+    def _serve_in_slot(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         self._sock.close()

@@ -185,6 +185,9 @@ class NativeSettings(BaseModel):
                                          "without progress; then the prompt is recomputed (counted).")
     kv_hold_timeout_s: float = Field(120.0, description="Producer: seconds a finished prefill's blocks wait for "
                                      "a decode engine to read them before they are freed.")
+    kv_transfer_max_connections: int = Field(64, description="Producer: reads of KV blocks served at once (a "
+                                             "thread each); a connection beyond is refused at once and its decode "
+                                             "engine recomputes the prompt (counted).")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
