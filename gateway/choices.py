@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 from gateway.admission import Ticket
 from gateway.backend import GenerationRequest, TokenEvent, batched_events
+from gateway.breaker import HALF_OPEN
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from gateway.models import Deployment, ModelPool, ModelRegistry
@@ -159,13 +160,15 @@ async def open_choice(registry: ModelRegistry, pool: ModelPool, index: int, requ
     return await with_failover(registry, pool, request, ticket, recorder, attempt)
 
 
-async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticket: Ticket, recorder, attempt):
+async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticket: Ticket, recorder, attempt,
+                        admitted: Deployment | None = None):
     """What `attempt(pool, deployment, request as sent, span, attempt number)` returns on the
     first deployment where it succeeds: `request` admitted to `pool` (waiting in its queue if
-    needed), then on its other deployments, then on the fallback models' (without queueing).
+    needed; `admitted`: the deployment its admission already gave, gateway.disagg), then on its
+    other deployments, then on the fallback models' (without queueing).
     The deployment's slot is released here when an attempt fails; on success it is the
     attempt's to keep or release. An error the request caused ends the search at once."""
-    deployment = await admit(pool, request, ticket, recorder)
+    deployment = admitted if admitted is not None else await admit(pool, request, ticket, recorder)
     last_error: APIError | None = None
     attempts = 0
     for current in pools_to_try(registry, pool):
@@ -214,6 +217,19 @@ async def admit(pool: ModelPool, request: GenerationRequest, ticket: Ticket, rec
     waited = time.monotonic() - started
     recorder.queued(waited, waited > 0.0005)
     return deployment
+
+
+def give_back(pool: ModelPool, deployment: Deployment, probe: bool) -> None:
+    """An admitted deployment's slot, unused: released, and its breaker's probe too when the
+    grant claimed it (`probe`; else no request would ever probe the deployment back in)."""
+    if probe:
+        deployment.breaker.release_probe()
+    pool.release(deployment)
+
+
+def holds_probe(deployment: Deployment) -> bool:
+    """Whether the slot just taken on `deployment` is its breaker's half-open probe."""
+    return deployment.breaker.state == HALF_OPEN and deployment.breaker.probe_in_flight
 
 
 def scores(pool: ModelPool, role: str = "decode") -> dict[str, float]:

@@ -1,14 +1,19 @@
 """Prefill/decode disaggregation, driven by the gateway (issue 30).
 
 A model whose deployments have roles (`role: prefill | decode`) serves each choice in two hops,
-as vLLM's P/D proxy does:
+as vLLM's P/D proxy does, once the decode pool has admitted it:
 
+0. admission: the request takes a slot on a decode deployment (waiting in the pool's queue if
+   it must) before any prefill: a request the decode pool sheds (queue full, class shed, nothing
+   up) makes no prefill hop, so no prefill engine holds its blocks for a decode that never comes
+   (a vLLM engine's held blocks cannot be freed from outside; they would wait for
+   VLLM_NIXL_ABORT_REQUEST_TIMEOUT, ours for kv_hold_timeout_s);
 1. prefill: the request with max_tokens 1, not streamed, carrying `kv_transfer_params:
    {do_remote_decode: true, ...}`, on a prefill deployment chosen by the model's policy (load,
    or prefix affinity); one that fails hands the hop to another prefill deployment;
 2. decode: the request as the client sent it, plus the `kv_transfer_params` the prefill
-   answered, on a decode deployment: admitted, chosen and failed over before its first token as
-   any request is (another decode engine reads the same blocks, or recomputes them).
+   answered, on the admitted decode deployment, failed over before its first token as any
+   request is (another decode engine reads the same blocks, or recomputes them).
 
 The client sees one response; both hops carry its request id and are spans of its trace. The
 decode pool serves the request colocated (the prompt computed there, counted by reason) when
@@ -24,7 +29,8 @@ import time
 from dataclasses import replace
 
 from gateway.backend import TRANSFER_PARAMS, GenerationRequest, TokenEvent
-from gateway.choices import OpenChoice, open_choice, open_on, request_fault, scores, traced, with_failover
+from gateway.choices import (OpenChoice, admit, give_back, holds_probe, open_choice, open_on, request_fault, scores,
+                             traced, with_failover)
 from gateway.errors import APIError
 from gateway.models import Deployment, ModelPool
 
@@ -45,8 +51,15 @@ def opener(pool: ModelPool):
 
 async def open_disaggregated(registry, pool: ModelPool, index: int, request: GenerationRequest, ticket,
                              recorder) -> OpenChoice:
-    """The choice's prefill hop, then its decode hop opened up to the first token."""
-    params = await prefill_hop(pool, index, request, recorder)
+    """The choice admitted to the decode pool, its prefill hop, then its decode hop opened up to
+    the first token."""
+    admitted = await admit(pool, request, ticket, recorder)  # a shed request makes no prefill hop
+    probe = holds_probe(admitted)
+    try:
+        params = await prefill_hop(pool, index, request, recorder)
+    except BaseException:  # the request's fault (a 400), or the client left: the decode slot goes back
+        give_back(pool, admitted, probe)
+        raise
     metrics, model = recorder.metrics, recorder.model
 
     async def attempt(current: ModelPool, deployment: Deployment, sent: GenerationRequest, span, attempts: int):
@@ -64,7 +77,8 @@ async def open_disaggregated(registry, pool: ModelPool, index: int, request: Gen
         choice.attempts, choice.span, choice.recorder = attempts, span, recorder
         return choice
 
-    return await with_failover(registry, pool, with_transfer(request, params), ticket, recorder, attempt)
+    return await with_failover(registry, pool, with_transfer(request, params), ticket, recorder, attempt,
+                               admitted=admitted)
 
 
 async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, recorder) -> dict | None:

@@ -213,6 +213,41 @@ def test_a_client_that_leaves_during_the_prefill_frees_every_slot(gw, engines):
     assert len(prefills(engines)) == 1 and decodes(engines) == []
 
 
+@pytest.fixture()
+def gw_without_queue(engines):
+    """The P/D model whose decode deployments take one request each and whose queue holds none."""
+    for engine in engines.values():
+        engine.reset()
+    listed = "\n".join("      - " + ENGINE.format(name=n, role=r, base=engines[n].base_url) for n, r in ROLES.items())
+    no_queue = "    queue: {{max_size: 0, max_in_flight_per_deployment: 1}}"
+    config = CONFIG.replace("    breaker: {{failures: 100}}", "    breaker: {{failures: 100}}\n" + no_queue)
+    with GatewayServer(config.format(min_chars=MIN_PROMPT_CHARS, engines=listed, solo=engines["solo"].base_url)) as gw:
+        yield gw
+
+
+def test_a_request_the_decode_pool_sheds_makes_no_prefill_hop(gw_without_queue, engines):
+    """Admission to the decode pool comes before the prefill hop: a request the decode pool sheds
+    (every decode deployment busy, the queue full) leaves no prefill engine holding its blocks
+    until kv_hold_timeout_s (a vLLM engine's cannot be freed from outside)."""
+    gw = gw_without_queue
+    decode = [d for d in gw.state.registry.resolve("pd").deployments if d.role == "decode"]
+    for deployment in decode:
+        deployment.in_flight += 1  # busy with a stream of another client's
+    try:
+        response = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,
+                              json={"model": "pd", "messages": ASK, "max_tokens": 50})
+        assert response.status_code == 503 and "queue" in response.json()["error"]["message"]
+        assert prefills(engines) == [] and decodes(engines) == []
+        assert all(not engines[n].held for n in ("P0", "P1"))
+    finally:
+        for deployment in decode:
+            deployment.in_flight -= 1
+    # Room again: both hops as usual, and the decode slot claimed before the prefill is given back.
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
+    assert answer.choices[0].message.content == LONG and len(prefills(engines)) == len(loaded(engines)) == 1
+    assert gw.state.registry.resolve("pd").in_flight == 0
+
+
 def test_completions_and_the_status_page_of_a_disaggregated_model(gw, engines):
     answer = gw.openai(timeout=30).completions.create(model="pd", prompt=LONG, max_tokens=50)
     assert answer.choices[0].text == LONG
