@@ -23,6 +23,7 @@ from kvgate_native.tools import with_tools
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.grammar import GrammarCompiler
 from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
+from tests.support.tool_calls import parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -30,15 +31,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: no arguments
 OSLO = ("get_weather", {"city": "Oslo; {not} [a] \"call\""})  # separators and brackets inside a string
 NOW = ("get_time", {})
-
-
-def parse(parser, pieces):
-    content, deltas = "", []
-    for piece in pieces:
-        text, found = parser.push(piece)
-        content, deltas = content + text, deltas + found
-    text, found = parser.finish()
-    return content + text, deltas + found
 
 
 def calls(deltas):

@@ -15,6 +15,7 @@ from kvgate_native.tools import chat_prompt_ids, with_tools
 from native_backend.model.loader import default_gguf_path
 from native_backend.text.grammar import GrammarCompiler
 from native_backend.text.tokenizer import Tokenizer, gguf_tokenizer_dir
+from tests.support.tool_calls import parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -26,13 +27,7 @@ tool_grammar = HermesParser.grammar
 
 
 def parse_stream(pieces: list[str], parser=None):
-    parser = parser or HermesParser()
-    content, deltas = "", []
-    for piece in pieces:
-        text, found = parser.push(piece)
-        content, deltas = content + text, deltas + found
-    text, found = parser.finish()
-    return content + text, deltas + found
+    return parse(parser or HermesParser(), pieces)
 
 
 def calls(deltas):
