@@ -41,7 +41,7 @@ def _worker(conn, path: str, overrides: dict, threads: int, kv_bytes: int) -> No
     import torch
 
     torch.set_num_threads(threads)
-    from engine_throughput import _b1_numbers, _kvgate_run
+    from engine_runs import b1_numbers, kvgate_run
 
     from native_backend.config.cache_dir import tokenizer_cache_dir
     from native_backend.config.engine import EngineConfig
@@ -56,16 +56,16 @@ def _worker(conn, path: str, overrides: dict, threads: int, kv_bytes: int) -> No
         if cmd[0] == "stop":
             return
         if cmd[0] == "warmup":
-            _kvgate_run(engine, cmd[1], [8] * len(cmd[1]), "warmup-")
+            kvgate_run(engine, cmd[1], [8] * len(cmd[1]), "warmup-")
             conn.send(None)
         elif cmd[0] == "b1":
-            run = _kvgate_run(engine, [cmd[1]], [cmd[2]], f"b1-{time.monotonic_ns()}-")
-            conn.send(_b1_numbers(run["start"], run["times"][run["ids"][0]]))
+            run = kvgate_run(engine, [cmd[1]], [cmd[2]], f"b1-{time.monotonic_ns()}-")
+            conn.send(b1_numbers(run["start"], run["times"][run["ids"][0]]))
         elif cmd[0] == "ttft":
-            run = _kvgate_run(engine, [cmd[1]], [1], f"ttft-{time.monotonic_ns()}-")
+            run = kvgate_run(engine, [cmd[1]], [1], f"ttft-{time.monotonic_ns()}-")
             conn.send({"ttft_s": run["times"][run["ids"][0]][0] - run["start"], "prompt_tokens": len(cmd[1])})
         elif cmd[0] == "c2":
-            run = _kvgate_run(engine, cmd[1], cmd[2], f"c2-{time.monotonic_ns()}-")
+            run = kvgate_run(engine, cmd[1], cmd[2], f"c2-{time.monotonic_ns()}-")
             out = sum(len(t) for t in run["tokens"].values())
             conn.send({"out_tokens": out, "wall_s": run["wall"], "out_tok_s": out / run["wall"],
                        "lengths_ok": [len(run["tokens"][r]) for r in run["ids"]] == list(cmd[2])})
@@ -117,7 +117,7 @@ def measure(models: dict[str, tuple[str, dict]], args, llama_cpp: tuple[str, str
     llama_cpp: (its venv's python, the GGUF) adds the anchor row, batch-1 decode and TTFT only,
     interleaved with the others."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from engine_throughput import build_workload
+    from engine_runs import build_workload
 
     w_args = argparse.Namespace(seed=0, requests=args.requests, prompt_min=64, prompt_max=512, output_min=64,
                                 output_max=256, b1_prompt=128, b1_repeats=args.b1_repeats)

@@ -41,7 +41,7 @@ for folder in (ROOT, ROOT / "bench"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from bench.engine_throughput import _kvgate_run, build_workload  # noqa: E402
+from bench.engine_runs import build_workload, kvgate_run  # noqa: E402
 from bench.kernel_paths import batch1, c2, text_ids  # noqa: E402
 
 DEFAULT_SETTINGS = {"quantization": "gguf", "dtype": "float32", "max_num_seqs": 32, "max_num_batched_tokens": 512,
@@ -167,7 +167,7 @@ def main() -> None:
         for v in variants:
             v.enter()
             print(f"{name} {v.name}: {v.engine.describe()}", flush=True)
-            _kvgate_run(v.engine, workload["warmup_prompts"], [8, 8], f"warmup-{name}-{v.name}-")
+            kvgate_run(v.engine, workload["warmup_prompts"], [8, 8], f"warmup-{name}-{v.name}-")
     load_start = os.getloadavg()
     rounds: dict[str, list] = {name: [] for name in comparisons}
     loads = []

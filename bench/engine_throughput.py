@@ -48,7 +48,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -61,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from engine_runs import b1_numbers, build_workload, compare, kvgate_run, kvgate_warmup, make_engine  # noqa: E402
 from serve_metrics import RequestSample, serve_metrics  # noqa: E402
 
 # From /work/shared/ANCHORS.md (2-core box): output tok/s.
@@ -71,7 +71,6 @@ ANCHORS = {
     "llama_cpp_sequential_mixed64": 69.0,
 }
 
-WARMUP_REGION = 4096  # the first tokens of the text: warm-up and batch-1 prompts; requests come after
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -130,57 +129,6 @@ def git_info() -> dict:
     }
 
 
-def build_workload(args, model_path: str) -> dict:
-    """Token ids of real English text, cut into prompts at distinct offsets; fixed seed."""
-    from pydoc_data.topics import topics
-
-    from native_backend.config.cache_dir import tokenizer_cache_dir
-    from native_backend.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(model_path, cache_dir=str(tokenizer_cache_dir()))
-    ids = tok.encode("\n\n".join(topics.values()), add_special_tokens=False)
-    rng = random.Random(args.seed)
-    n = args.requests
-    prompt_lens = [rng.randint(args.prompt_min, args.prompt_max) for _ in range(n)]
-    output_lens = [rng.randint(args.output_min, args.output_max) for _ in range(n)]
-    stride = (len(ids) - WARMUP_REGION - args.prompt_max) // n
-    if stride < 1:
-        raise SystemExit(f"text too short for {n} requests ({len(ids)} tokens)")
-    # Non-overlapping windows when the text allows (no shared prefixes: the prefix cache stays cold).
-    jitter = max(0, stride - args.prompt_max)
-    offsets = [WARMUP_REGION + i * stride + rng.randint(0, jitter) for i in range(n)]
-    prompts = [ids[o:o + length] for o, length in zip(offsets, prompt_lens)]
-    b1_stride = 3 * args.b1_prompt // 2
-    if args.b1_repeats * b1_stride + args.b1_prompt > WARMUP_REGION - 512:
-        raise SystemExit("--b1-prompt x --b1-repeats too large for the reserved text region")
-    workload = {
-        "prompts": prompts,
-        "output_lens": output_lens,
-        "offsets": offsets,
-        "warmup_prompts": [ids[WARMUP_REGION - 480:WARMUP_REGION - 432], ids[WARMUP_REGION - 400:WARMUP_REGION - 320]],
-        "b1_prompts": [ids[r * b1_stride:r * b1_stride + args.b1_prompt] for r in range(args.b1_repeats)],
-        "text_tokens": len(ids),
-    }
-    blob = json.dumps([prompts, output_lens, workload["b1_prompts"]]).encode()
-    workload["sha256"] = hashlib.sha256(blob).hexdigest()[:16]
-    return workload
-
-
-def first_divergence(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-def compare(ours: dict[int, list[int]], theirs: dict[int, list[int]]) -> dict:
-    common = sorted(set(ours) & set(theirs))
-    divergent = []
-    for i in common:
-        if ours[i] != theirs[i]:
-            divergent.append({"request": i, "matching_prefix": first_divergence(ours[i], theirs[i]),
-                              "length": len(theirs[i])})
-    return {"compared": len(common), "identical": len(common) - len(divergent), "divergent": divergent}
 
 
 # ---------------------------------------------------------------------------------------- children
@@ -201,61 +149,14 @@ def child_main(name: str, spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(result))
 
 
-def _engine(spec):
-    from native_backend.config.cache_dir import tokenizer_cache_dir
-    from native_backend.config.engine import EngineConfig
-    from native_backend.process.factory import make_engine_core
-
-    started = time.perf_counter()
-    engine = make_engine_core(EngineConfig.build(path=spec["model"], num_threads=spec["threads"],
-                                          tokenizer_cache_dir=str(tokenizer_cache_dir()), **spec["engine_overrides"]))
-    return engine, time.perf_counter() - started
-
-
-def _greedy(max_tokens: int):
-    from native_backend.core.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def _kvgate_run(engine, prompts: list[list[int]], output_lens: list[int], tag: str) -> dict:
-    """Add every request at once, step until done; per-request tokens and token arrival times."""
-    from native_backend.core.interface import EngineRequest
-
-    ids = [f"{tag}{i}" for i in range(len(prompts))]
-    tokens = {rid: [] for rid in ids}
-    times = {rid: [] for rid in ids}
-    finish = {}
-    steps = 0
-    start = time.perf_counter()
-    for rid, prompt, n in zip(ids, prompts, output_lens):
-        engine.add_request(EngineRequest(rid, list(prompt), _greedy(n)))
-    while engine.has_unfinished():
-        outputs = engine.step()
-        steps += 1
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                tokens[out.request_id].extend(out.new_token_ids)
-                times[out.request_id].extend([now] * len(out.new_token_ids))
-            if out.finished:
-                finish[out.request_id] = out.finish_reason
-    wall = time.perf_counter() - start
-    return {"ids": ids, "tokens": tokens, "times": times, "finish": finish, "start": start, "wall": wall, "steps": steps}
-
-
-def _kvgate_warmup(engine, spec) -> None:
-    _kvgate_run(engine, spec["workload"]["warmup_prompts"], [8, 8], "warmup-")
-
-
 def kvgate_throughput(spec) -> dict:
-    engine, load_s = _engine(spec)
-    _kvgate_warmup(engine, spec)
+    engine, load_s = make_engine(spec)
+    kvgate_warmup(engine, spec)
     stats_before = dataclasses.asdict(engine.stats())
     rss_loaded = rss_mib()
     reset_ok = reset_peak_rss()
     w = spec["workload"]
-    run = _kvgate_run(engine, w["prompts"], w["output_lens"], "r")
+    run = kvgate_run(engine, w["prompts"], w["output_lens"], "r")
     stats = dataclasses.asdict(engine.stats())
     tokens = [run["tokens"][rid] for rid in run["ids"]]
     out_tokens = sum(len(t) for t in tokens)
@@ -299,26 +200,16 @@ def _b1_summary(per_prompt: list[dict]) -> dict:
     }
 
 
-def _b1_numbers(start: float, times: list[float]) -> dict:
-    n = len(times)
-    return {
-        "new_tokens": n,
-        "ttft_s": times[0] - start,
-        "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
-        "total_tok_s": n / (times[-1] - start),
-    }
-
-
 def kvgate_batch1(spec) -> dict:
-    engine, load_s = _engine(spec)
-    _kvgate_warmup(engine, spec)
+    engine, load_s = make_engine(spec)
+    kvgate_warmup(engine, spec)
     rss_loaded = rss_mib()
     reset_ok = reset_peak_rss()
     runs, tokens = [], []
     for r, prompt in enumerate(spec["workload"]["b1_prompts"]):
-        run = _kvgate_run(engine, [prompt], [spec["b1_new"]], f"b1-{r}-")
+        run = kvgate_run(engine, [prompt], [spec["b1_new"]], f"b1-{r}-")
         rid = run["ids"][0]
-        runs.append(_b1_numbers(run["start"], run["times"][rid]))
+        runs.append(b1_numbers(run["start"], run["times"][rid]))
         tokens.append(run["tokens"][rid])
     return {**_b1_summary(runs), "load_s": load_s, "tokens": tokens, "rss_after_load_mib": rss_loaded,
             "measure_peak_rss_mib": hwm_mib() if reset_ok else None}
@@ -465,7 +356,7 @@ def hf_batch1(spec) -> dict:
         clock = Clock()
         start = time.perf_counter()
         tokens.append(_hf_generate_one(model, prompt, spec["b1_new"], streamer=clock))
-        runs.append(_b1_numbers(start, clock.times))
+        runs.append(b1_numbers(start, clock.times))
     measure_peak = hwm_mib() if reset_ok else None
     w = spec["workload"]
     check = {str(i): _hf_generate_one(model, w["prompts"][i], w["output_lens"][i]) for i in spec["check_indices"]}

@@ -252,7 +252,7 @@ def engine(model_path: str, dtype: str, device: str = "cuda", **overrides):
 
 
 def workload(model_path: str, requests: int, prompt_range, output_range) -> dict:
-    from engine_throughput import build_workload
+    from engine_runs import build_workload
 
     args = SimpleNamespace(seed=0, requests=requests, prompt_min=prompt_range[0], prompt_max=prompt_range[1],
                            output_min=output_range[0], output_max=output_range[1], b1_prompt=128, b1_repeats=1)
@@ -262,13 +262,13 @@ def workload(model_path: str, requests: int, prompt_range, output_range) -> dict
 def parity(model_path: str, hf_cpu, prompts: int = 16, new_tokens: int = 32, device: str = "cuda",
            dtypes=("bfloat16", "float32")) -> dict:
     import torch
-    from engine_throughput import _kvgate_run, compare
+    from engine_runs import compare, kvgate_run
 
     w = workload(model_path, prompts, (32, 256), (new_tokens, new_tokens))
     out = {}
     for dtype in dtypes:
         ours_engine = engine(model_path, dtype, device, cpu_kernels=False)
-        run = _kvgate_run(ours_engine, w["prompts"], [new_tokens] * prompts, "p")
+        run = kvgate_run(ours_engine, w["prompts"], [new_tokens] * prompts, "p")
         ours = {i: run["tokens"][rid] for i, rid in enumerate(run["ids"])}
         del ours_engine
         hf = on_device(hf_cpu, device, getattr(torch, dtype))
@@ -285,13 +285,13 @@ def parity(model_path: str, hf_cpu, prompts: int = 16, new_tokens: int = 32, dev
 def throughput(model_path: str, hf_cpu, batch: int = 16, requests: int = 64, device: str = "cuda",
                dtype: str = "bfloat16") -> dict:
     import torch
-    from engine_throughput import _kvgate_run, compare
+    from engine_runs import compare, kvgate_run
 
     w = workload(model_path, requests, (64, 512), (64, 256))
     overrides = dict(max_num_seqs=64, max_num_batched_tokens=2048)
     ours_engine = engine(model_path, dtype, device, **overrides)
-    _kvgate_run(ours_engine, w["warmup_prompts"], [8, 8], "warmup-")
-    run = _kvgate_run(ours_engine, w["prompts"], w["output_lens"], "r")
+    kvgate_run(ours_engine, w["warmup_prompts"], [8, 8], "warmup-")
+    run = kvgate_run(ours_engine, w["prompts"], w["output_lens"], "r")
     ours = [run["tokens"][rid] for rid in run["ids"]]
     del ours_engine
     _free_cuda()

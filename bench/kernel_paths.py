@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.engine_throughput import _b1_numbers, _kvgate_run, build_workload  # noqa: E402
+from bench.engine_runs import b1_numbers, build_workload, kvgate_run  # noqa: E402
 
 MODELS = {"fp32": {}, "int4": {"quantization": "gguf"}}
 
@@ -61,18 +61,18 @@ def use_path(name: str) -> None:
 
 
 def c2(engine, workload) -> dict:
-    run = _kvgate_run(engine, workload["prompts"], workload["output_lens"], f"c2-{time.monotonic_ns()}-")
+    run = kvgate_run(engine, workload["prompts"], workload["output_lens"], f"c2-{time.monotonic_ns()}-")
     tokens = [run["tokens"][rid] for rid in run["ids"]]
     return {"out_tok_s": sum(map(len, tokens)) / run["wall"], "tokens": tokens}
 
 
 def batch1(engine, prompt: list[int], new: int) -> float:
-    run = _kvgate_run(engine, [prompt], [new], f"b1-{time.monotonic_ns()}-")
-    return _b1_numbers(run["start"], run["times"][run["ids"][0]])["decode_tok_s"]
+    run = kvgate_run(engine, [prompt], [new], f"b1-{time.monotonic_ns()}-")
+    return b1_numbers(run["start"], run["times"][run["ids"][0]])["decode_tok_s"]
 
 
 def ttft(engine, prompt: list[int]) -> float:
-    run = _kvgate_run(engine, [prompt], [1], f"ttft-{time.monotonic_ns()}-")
+    run = kvgate_run(engine, [prompt], [1], f"ttft-{time.monotonic_ns()}-")
     return run["times"][run["ids"][0]][0] - run["start"]
 
 
@@ -157,7 +157,7 @@ def main() -> None:
     engines = {fmt: make_engine(model, args.threads, overrides) for fmt, overrides in MODELS.items()}
     for fmt, engine in engines.items():
         print(f"{fmt}: {engine.describe()}", flush=True)
-        _kvgate_run(engine, workload["warmup_prompts"], [8, 8], f"warmup-{fmt}-")
+        kvgate_run(engine, workload["warmup_prompts"], [8, 8], f"warmup-{fmt}-")
     load1 = os.getloadavg()[0]
     results = []
     for r in range(rounds):

@@ -133,15 +133,15 @@ def engine(kv_dtype: str, threads: int, **overrides):
 
 
 def greedy_tokens(kv_dtype: str, prompts, new_tokens: int, threads: int) -> list[list[int]]:
-    from engine_throughput import _kvgate_run
+    from engine_runs import kvgate_run
 
     e = engine(kv_dtype, threads, max_num_seqs=16)
-    run = _kvgate_run(e, prompts, [new_tokens] * len(prompts), "g")
+    run = kvgate_run(e, prompts, [new_tokens] * len(prompts), "g")
     return [run["tokens"][rid] for rid in run["ids"]]
 
 
 def agreement(ours: list[list[int]], base: list[list[int]]) -> dict:
-    from engine_throughput import first_divergence
+    from engine_runs import first_divergence
 
     shares = [first_divergence(a, b) / len(b) for a, b in zip(ours, base)]
     return {"identical": sum(a == b for a, b in zip(ours, base)), "of": len(base),
@@ -220,12 +220,12 @@ def chat_battery(model, tokenizer, threads: int) -> dict:
 
 
 def capacity(kv_dtype: str, workload: dict, kv_bytes: int, threads: int) -> dict:
-    from engine_throughput import _kvgate_run, _kvgate_warmup
+    from engine_runs import kvgate_run, kvgate_warmup
 
     e = engine(kv_dtype, threads, kv_cache_bytes=kv_bytes)
-    _kvgate_warmup(e, {"workload": workload})
+    kvgate_warmup(e, {"workload": workload})
     before = e.stats()
-    run = _kvgate_run(e, workload["prompts"], workload["output_lens"], "c")
+    run = kvgate_run(e, workload["prompts"], workload["output_lens"], "c")
     stats = e.stats()
     out_tokens = sum(len(t) for t in run["tokens"].values())
     return {"kv_blocks": e.core.plan.num_blocks, "tokens_in_cache": e.core.plan.num_tokens, "wall_s": run["wall"],
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from engine_throughput import build_workload
+    from engine_runs import build_workload
 
     from native_backend.config.cache_dir import tokenizer_cache_dir
     from native_backend.execution.kv_scales import calibrate, calibration_ids

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.engine_throughput import build_workload  # noqa: E402
+from bench.engine_runs import build_workload  # noqa: E402
 
 PASSAGE_TOPICS = ("assert", "break", "continue", "for", "if", "return")
 

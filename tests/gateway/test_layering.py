@@ -166,8 +166,25 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                   and layer(target) not in ENGINE_LAYERS.get(layer(module), set()))
 
 
+def bench_graph(root: Path) -> dict[str, set[str]]:
+    """The benchmarks as modules: each imports the others by file name (bench/ on sys.path) or
+    as bench.NAME, at the top or inside a function."""
+    names = {path.stem for path in (root / "bench").glob("*.py")}
+    graph = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((root / "bench" / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+        graph[name] = {n.removeprefix("bench.") for n in found} & names - {name}
+    return graph
+
+
 def test_no_import_circles_in_the_tree():
     assert circles(import_graph(ROOT)) == []
+    assert circles(bench_graph(ROOT)) == []
 
 
 def test_engine_layers_import_only_downward():
