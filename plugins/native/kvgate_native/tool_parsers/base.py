@@ -86,6 +86,24 @@ class ToolParser:
         index, self.num_calls = self.num_calls, self.num_calls + 1
         return index
 
+    def outside_calls(self, text: str) -> str:
+        """Text outside any call, as content: whitespace alone is dropped once calls were seen
+        (it only separated them)."""
+        return "" if self.seen_calls and not text.strip() else text
+
+    def text_before(self, pending: str, marker: str) -> tuple[str, str, bool]:
+        """Outside a call, for a format whose calls open with `marker`: (the content decided, the
+        text still pending, whether the marker was found - `pending` then starts after it). With
+        no marker, all but a possible start of it at the end is content once it holds more than
+        whitespace; whitespace is held back (dropped later if only calls surround it)."""
+        start = pending.find(marker)
+        if start >= 0:
+            return self.outside_calls(pending[:start]), pending[start + len(marker):], True
+        decided = pending[: len(pending) - partial_tag(pending, marker)]
+        if not decided.strip():
+            return "", pending, False
+        return decided, pending[len(decided):], False
+
     def emit(self, name: str, arguments: dict) -> list[ToolCallDelta]:
         """A whole call's two deltas (id and name, then its arguments); none past max_calls."""
         index = self.start_call()

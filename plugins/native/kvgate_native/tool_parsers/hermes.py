@@ -53,18 +53,11 @@ class HermesParser(ToolParser):
                 deltas += found
                 content += text_instead
                 continue
-            start = self._pending.find(OPEN)
-            if start >= 0:
-                content += self._content(self._pending[:start])
-                self._pending = self._pending[start + len(OPEN):]
-                self._call = StreamedCall(self)
-                continue
-            keep = partial_tag(self._pending, OPEN)
-            decided = self._pending[: len(self._pending) - keep]
-            if decided.strip():
-                content += decided
-                self._pending = self._pending[len(decided):]
-            return content, deltas
+            text, self._pending, opened = self.text_before(self._pending, OPEN)
+            content += text
+            if not opened:
+                return content, deltas
+            self._call = StreamedCall(self)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end: an unterminated call is parsed if it can be; other text is content."""
@@ -72,10 +65,7 @@ class HermesParser(ToolParser):
         if self._call is not None:
             deltas, text = self._end_call(rest, closed=False)
             return text, deltas
-        return self._content(rest), []
-
-    def _content(self, text: str) -> str:
-        return "" if self.seen_calls and not text.strip() else text
+        return self.outside_calls(rest), []
 
     def _end_call(self, body: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
         """The block's last deltas (or text, when it was no call), its body complete."""

@@ -20,7 +20,7 @@ import string
 
 from gateway.backend import ToolCallDelta
 from kvgate_native.tool_parsers.base import (
-    BracketScanner, ToolParser, call_parts, call_schema, compact, partial_tag, tools_json)
+    BracketScanner, ToolParser, call_parts, call_schema, compact, tools_json)
 
 TAG = "[TOOL_CALLS]"
 ID_ALPHABET = string.ascii_letters + string.digits
@@ -56,25 +56,18 @@ class MistralParser(ToolParser):
                     return content, deltas
                 deltas, content = deltas + found, content + text_instead
                 continue
-            start = self._pending.find(TAG)
-            if start >= 0:
-                content += self._content(self._pending[:start])
-                self._pending = self._pending[start + len(TAG):]
-                self._in_calls, self._marker = True, TAG
-                continue
-            keep = partial_tag(self._pending, TAG)
-            decided = self._pending[: len(self._pending) - keep]
-            if decided.strip():
-                content += decided
-                self._pending = self._pending[len(decided):]
-            return content, deltas
+            text, self._pending, opened = self.text_before(self._pending, TAG)
+            content += text
+            if not opened:
+                return content, deltas
+            self._in_calls, self._marker = True, TAG
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         rest, self._pending = self._pending, ""
         if self._in_calls:
             self._in_calls, self._scan = False, None
             return self._marker + rest, []
-        return self._content(rest), []
+        return self.outside_calls(rest), []
 
     def _start(self) -> bool:
         """At the output's start: an array there (not the marker) opens the calls; False while
@@ -86,9 +79,6 @@ class MistralParser(ToolParser):
         if stripped[0] == "[" and not stripped.startswith(TAG):
             self._in_calls, self._marker = True, ""
         return True
-
-    def _content(self, text: str) -> str:
-        return "" if self.seen_calls and not text.strip() else text
 
     def _section(self) -> tuple[bool, list[ToolCallDelta], str]:
         """The calls after the marker, once their JSON closed: (True, deltas, text that was no
