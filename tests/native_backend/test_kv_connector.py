@@ -28,6 +28,7 @@ from native_backend.execution import kv_scales
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
 from native_backend.execution.kv_transfer.wire import recv_header
+from tests.support.checks.kv_connector_checks import all_blocks_back, finish, run
 from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -67,38 +68,10 @@ def prompt(seed: int, length: int = 37) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(engine, request: EngineRequest):
-    """(tokens, last output) of `request`, stepping `engine` until nothing is left."""
-    engine.add_request(request)
-    return finish(engine, request.request_id)
-
-
-def finish(engine, request_id: str):
-    """Step `engine` until nothing is left: (tokens, last output) of `request_id`."""
-    tokens, last = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == request_id:
-                tokens += out.new_token_ids
-                last = out
-    return tokens, last
-
-
 def prefill(producer, request_id: str, ids: list[int]) -> dict:
     _, last = run(producer, EngineRequest(request_id, ids, PREFILL, kv_transfer_params={"do_remote_decode": True}))
     assert last.finish_reason == "length"
     return last.kv_transfer_params
-
-
-def all_blocks_back(engine, wait_s: float = 10.0) -> bool:
-    """Every block free, within `wait_s`: a producer's server thread hands a served hold back
-    after its last send returns, which on a loaded box may come after the consumer has finished."""
-    bm, deadline = engine.scheduler.block_manager, time.monotonic() + wait_s
-    while True:
-        engine.scheduler.schedule()  # frees what consumers read or what expired
-        if bm.num_free_blocks == bm.num_blocks or time.monotonic() > deadline:
-            return bm.num_free_blocks == bm.num_blocks
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e4m3", "int8"])

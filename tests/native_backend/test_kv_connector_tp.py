@@ -13,7 +13,6 @@ makes the layouts differ (so the read is refused, as one rank's would be).
 from __future__ import annotations
 
 import multiprocessing
-import time
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from native_backend.execution.parallel.group import die_with_parent
 from native_backend.execution.parallel.kv_relay import TensorParallelBlocks, worker_layout
 from native_backend.model.kv_cache import KVCache
 from native_backend.process.factory import kv_blocks
+from tests.support.checks.kv_connector_checks import all_blocks_back, run
 from tests.support.checks.tensor_parallel_checks import tiny_gqa_llama
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,29 +47,6 @@ def checkpoint(tmp_path_factory):
 
 def prompt(seed: int, length: int = 37) -> list[int]:
     return torch.randint(1, 96, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(engine, request: EngineRequest):
-    """(tokens, last output) of `request`, stepping `engine` until nothing is left."""
-    engine.add_request(request)
-    tokens, last = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == request.request_id:
-                tokens += out.new_token_ids
-                last = out
-    return tokens, last
-
-
-def all_blocks_back(engine, wait_s: float = 10.0) -> bool:
-    """Every block free, within `wait_s`: a producer's server thread hands a served hold back
-    after its last send returns, which on a loaded box may come after the consumer has finished."""
-    bm, deadline = engine.scheduler.block_manager, time.monotonic() + wait_s
-    while True:
-        engine.scheduler.schedule()  # frees what consumers read or what expired
-        if bm.num_free_blocks == bm.num_blocks or time.monotonic() > deadline:
-            return bm.num_free_blocks == bm.num_blocks
-        time.sleep(0.01)
 
 
 def build_engine(checkpoint: str, role, tp: int, kv_cache_dtype: str = "auto") -> LLMEngine:
