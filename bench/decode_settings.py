@@ -103,7 +103,15 @@ def one_round(variants: list[Variant], workload: dict, prompt: list[int], b1_new
     return rows
 
 
+def round_order(variants: list[Variant], r: int) -> list[Variant]:
+    """The variants in round r's order: reversed every other round, so a drifting load favours neither."""
+    return variants if r % 2 == 0 else variants[::-1]
+
+
 def summarize(rounds: list[dict], names: list[str]) -> dict:
+    """Per row: each variant's median over the rounds, its runs, and the median of the per-round
+    ratios names[1] / names[0]."""
+
     base, other = names
     out = {}
     for row in rounds[0]:
@@ -175,8 +183,7 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
         print(f"[{time.strftime('%H:%M:%S')}] round {r + 1} of {args.rounds} (load {loads[-1]:.1f})", flush=True)
         for name, variants in comparisons.items():
-            order = variants if r % 2 == 0 else variants[::-1]
-            rounds[name].append(one_round(order, workload, prompt, args.b1_new))
+            rounds[name].append(one_round(round_order(variants, r), workload, prompt, args.b1_new))
     report = {"model": str(model), "settings": DEFAULT_SETTINGS, "threads": args.threads, "rounds": args.rounds,
               "requests": args.requests, "b1_new": args.b1_new, "workload": workload["sha256"],
               "load_average_start": load_start, "load_average_rounds": loads, "results": {}}

@@ -52,9 +52,15 @@ PAIRS = {
 
 
 def _best_time(fn, reps: int) -> float:
-    from native_backend.model.layers.prefill_matmul import best_of  # the start-up probe's own timing
-
-    return best_of(fn, reps)
+    """Seconds of fn's fastest of `reps` calls after one warm-up (oneDNN builds its kernel on the
+    first call): on a shared box the least disturbed run is the kernel's own cost."""
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def matmul_part(args) -> list[dict]:

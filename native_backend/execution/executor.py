@@ -142,12 +142,13 @@ class InProcessExecutor:
         """Nothing to stop in-process."""
 
     def memory_report(self) -> dict:
-        """This rank's resident bytes: weights by kind (split, replicated) and the KV cache."""
+        """This rank's resident bytes: weights by kind (split, replicated) and the KV cache; and what
+        its prefill matmuls run in (every rank of a group alike)."""
         kinds = weight_bytes_by_kind(self.model, self.shard.size)
         return dict(rank=self.shard.rank, weights_bytes=sum(kinds.values()), weights_by_kind=kinds,
                     kv_cache_bytes=self.kv_cache.nbytes if self.kv_cache is not None else 0,
                     kv_bytes_per_token=self.plan.bytes_per_token, num_blocks=self.plan.num_blocks,
-                    num_kv_heads=self.num_kv_heads)
+                    num_kv_heads=self.num_kv_heads, prefill=self.model.ctx.prefill_note)
 
     def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
         """ModelRunner.compute_logits (tests and tools): one step's logits, no sampling."""

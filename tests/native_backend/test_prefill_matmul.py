@@ -6,6 +6,8 @@ rounding and mostly its greedy answers on the chat battery."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,27 @@ def test_auto_for_int4_follows_the_cpu_and_the_probe(monkeypatch):
     monkeypatch.setattr(prefill_matmul, "probe_speedup", lambda: 6.0)
     on, note = prefill_matmul.resolve("auto", **args)
     assert on and note.startswith(f"prefill matmuls bf16 from {ROWS} rows (auto: AMX, bf16 6.0x fp32")
+
+
+def test_a_followed_probe_decides_without_measuring(monkeypatch):
+    """A tensor-parallel worker decides from rank 0's probe (follow): its own never runs."""
+    args = dict(device=torch.device("cpu"), dtype=torch.float32, int4=True)
+    monkeypatch.setattr(prefill_matmul, "probe_speedup", lambda: pytest.fail("the worker probed on its own"))
+    monkeypatch.setattr(prefill_matmul, "_followed", None)
+    prefill_matmul.follow(("AVX512_BF16", 3.0))
+    assert prefill_matmul.auto_probe() == ("AVX512_BF16", 3.0)
+    on, note = prefill_matmul.resolve("auto", **args)
+    assert on and "(auto: AVX512_BF16, bf16 3.0x fp32" in note
+    prefill_matmul.follow((None, None))
+    assert prefill_matmul.resolve("auto", **args) == (False, "prefill matmuls fp32 (auto: no AMX or AVX512_BF16)")
+
+
+def test_the_probe_alternates_its_two_products_and_keeps_each_ones_fastest(monkeypatch):
+    calls, clock = [], iter([0.0, 5.0, 5.0, 6.0, 6.0, 9.0, 9.0, 9.5, 9.5, 12.0, 12.0, 13.0])
+    monkeypatch.setattr(prefill_matmul, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    first, second = prefill_matmul.best_of_alternating(lambda: calls.append("a"), lambda: calls.append("b"), 3)
+    assert calls == ["a", "b"] * 4  # a warm-up each, then three rounds of one call each
+    assert (first, second) == (2.5, 0.5)  # a: 5, 3, 2.5 s; b: 1, 0.5, 1 s
 
 
 def test_the_probe_times_real_products():

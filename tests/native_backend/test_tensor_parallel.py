@@ -6,7 +6,8 @@ token; an AWQ int4 checkpoint whose shards would cut an int32 of packed columns 
 group is refused naming the sizes that keep them whole; an int8 KV cache works under TP; the step deltas rebuild the scheduler's block tables; a
 worker killed or stopped fails the step naming its rank, within the collective timeout, and
 leaves no process behind; a draft model under TP is refused naming ngram, and n-gram verification
-steps (drafts rejected, a block rolled back) sample what one rank samples."""
+steps (drafts rejected, a block rolled back) sample what one rank samples; `prefill_matmul:
+auto` is decided on every rank from rank 0's start-up probe."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from native_backend.execution.parallel.deltas import DeltaDecoder, DeltaEncoder
 from native_backend.execution.parallel.executor import TensorParallelError, check_supported
 from native_backend.execution.spec_decode.ngram import NgramProposer
 from native_backend.execution.spec_decode.proposer import propose_drafts
+from native_backend.model.layers import prefill_matmul
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tests.support.checks.tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
@@ -246,3 +248,19 @@ def test_an_idle_engine_notices_a_dead_worker(checkpoint):
             executor.check_health()
     finally:
         executor.close()
+
+
+def test_workers_decide_prefill_matmul_auto_from_rank_0s_probe(checkpoint, tmp_path, monkeypatch):
+    """auto's choice for int4 linears rests on a start-up probe; each rank probing on its own (while
+    the others load) could choose differently. Rank 0's probe is faked at 1.2x here, which no
+    worker measures on a CPU with AMX or AVX512_BF16, and none without (it says so, unprobed)."""
+    awq = str(tmp_path / "int4-g8")
+    quantize_model(checkpoint, awq, QuantizeOptions(method="rtn", group_size=8))
+    monkeypatch.setattr(prefill_matmul, "_followed", ("AMX", 1.2))  # this process is rank 0
+    executor = executor_for(awq, 2)
+    try:
+        notes = [r["prefill"] for r in executor.reports]
+    finally:
+        executor.close()
+    assert notes == [notes[0]] * 2
+    assert notes[0].startswith("prefill matmuls fp32 from") and "(auto: AMX, bf16 1.2x fp32" in notes[0]

@@ -5,6 +5,7 @@
                  GGUF Q4, in whole int32 words and groups); speculative decoding with N > 1:
                  method ngram (every rank runs the verification), draft refused with the reason
       spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
+      probe      `prefill_matmul: auto`'s start-up probe, once, here; the workers decide from it
       load       rank 0's shard here while the workers load theirs
       agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
       join       the process group (gloo / NCCL, loopback port, collective timeout)
@@ -39,6 +40,7 @@ from native_backend.execution.parallel.kv_relay import ShardPipe, TensorParallel
 from native_backend.execution.parallel.report import describe_rank
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.execution.parallel.worker import run_worker
+from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.sharding import CommStats, ShardSpec
 
 log = logging.getLogger("kvgate.engine")
@@ -95,10 +97,12 @@ class TensorParallelExecutor:
 
     def _start_group(self, listener) -> None:
         port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
+        probe = prefill_probe(self.config)  # before the workers start: nothing of ours loads the cores yet
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
             kv_ours, kv_theirs = ctx.Pipe(duplex=True) if self.config.transfer.produces else (None, None)
-            process = ctx.Process(target=run_worker, args=(self.config, rank, self.size, port, theirs, kv_theirs),
+            process = ctx.Process(target=run_worker,
+                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probe),
                                   name=f"kvgate-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
@@ -285,6 +289,16 @@ class TensorParallelExecutor:
     def collective_seconds(self) -> float:
         """Rank 0's time inside all-reduces and gathers since start (bench/tp.py)."""
         return self.comm.seconds
+
+
+def prefill_probe(config: EngineConfig) -> prefill_matmul.Probe | None:
+    """Rank 0's `prefill_matmul: auto` probe (the CPU's bf16 unit, bf16's measured speed-up), for
+    the workers to decide from: probing on their own, each while the others load, ranks of one
+    engine could choose differently and round their partial sums differently. None: no probe."""
+    mc = config.model
+    if mc.prefill_matmul != "auto" or rank_device(mc.device, 0).type != "cpu" or mc.dtype != "float32":
+        return None
+    return prefill_matmul.auto_probe()
 
 
 def check_supported(config: EngineConfig) -> None:

@@ -1,6 +1,7 @@
 """A tensor-parallel worker (ranks 1..N-1): build this rank's shard, then follow rank 0 step by step.
 
-    start:  load its shard ──("loaded", blocks it could hold)──> rank 0
+    start:  load its shard (prefill_matmul auto: decided from rank 0's probe) ──("loaded", blocks
+            it could hold)──> rank 0
             <──("plan", blocks every rank holds, fp8 calibration ids)── rank 0
             join the process group, allocate its KV heads' cache ──("ready", memory report,
             its KV layout)──>
@@ -30,14 +31,17 @@ from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, DeltaDecoder, StepDelta
 from native_backend.execution.parallel.group import die_with_parent, join_group, rank_device
 from native_backend.execution.parallel.kv_relay import start_shard_server, worker_layout, write_shard
+from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.sharding import ShardSpec
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection,
-               kv_conn: Connection | None = None) -> None:
-    """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay)."""
+               kv_conn: Connection | None = None, probe: prefill_matmul.Probe | None = None) -> None:
+    """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay); `probe`:
+    rank 0's prefill_matmul probe (executor.prefill_probe), which this rank's `auto` follows."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
+    prefill_matmul.follow(probe)
     code = 0
     try:
         executor = _start(config, rank, size, port, conn, kv_conn)

@@ -21,12 +21,18 @@ one core), leaving prefill no faster than the C kernel below 256 rows.
                     auto    int4 linears on a CPU with AMX or AVX512_BF16 where a start-up probe
                             measures bf16 at least MIN_SPEEDUP x float32; a float model keeps the
                             dtype it was asked for (`dtype: bfloat16` is the all-bf16 choice)
+
+The probe (probe_speedup) times one PROBE_SHAPE product in float32 and in bf16, on one thread,
+the two alternating PROBE_ROUNDS times, and compares the fastest of each. Under tensor
+parallelism rank 0 probes and its workers follow its result (auto_probe / follow), so the ranks
+of one engine never choose differently.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +43,19 @@ from native_backend.config.formats import PREFILL_MATMULS
 # AVX512_BF16 box bf16 is ahead of the int4 C kernel from 32 rows (bench/prefill_matmul.py's row
 # sweep), but a decode batch (up to max_num_seqs, 32 by default) keeps the float32 numerics it had.
 BF16_MIN_ROWS = 64
-MIN_SPEEDUP = 1.5  # auto: bf16 at least this much faster than float32 in the start-up probe
+# auto: bf16 at least this much faster than float32 in the start-up probe. On the AVX512_BF16 box
+# (no AMX) the probe measured 3.5-16x on one thread, 60 probes at load averages 4-5 (two cores);
+# a CPU that only emulates bf16 has no unit and is never probed. Below 1.5x the copy's memory
+# (2 bytes a weight) and bf16's rounding would buy too little.
+MIN_SPEEDUP = 1.5
 PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: a prefill chunk's product, the size of a small model's MLP
+# Alternating rounds, fastest of each kept: a shared box's load falls on both alike, and the least
+# disturbed call is the kernel's own cost. On one thread: with two threads on two loaded cores the
+# OpenMP stalls, not the kernels, set the ratio (0.8-31x for the same product; docs/engine/prefill.md).
+PROBE_ROUNDS = 5
+
+Probe = tuple[str | None, float | None]  # (the CPU's bf16 unit, bf16's speed-up; None: not measured)
+_followed: Probe | None = None  # a tensor-parallel worker: rank 0's probe (follow)
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -70,23 +87,47 @@ def bf16_unit() -> str | None:
 
 @functools.lru_cache(maxsize=1)  # once per process: every engine built in it agrees
 def probe_speedup() -> float:
-    """float32 time / bf16 time of one PROBE_SHAPE product, best of 3 each (the box may be loaded)."""
+    """float32 time / bf16 time of one PROBE_SHAPE product on one thread: the fastest of
+    PROBE_ROUNDS alternating rounds each (the box may be loaded)."""
     rows, k, n = PROBE_SHAPE
     x, w = torch.randn(rows, k), torch.randn(n, k)
     xb, wb = x.bfloat16(), w.bfloat16()
-    return best_of(lambda: F.linear(x, w)) / best_of(lambda: F.linear(xb, wb))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = best_of_alternating(lambda: F.linear(x, w), lambda: F.linear(xb, wb), PROBE_ROUNDS)
+    finally:
+        torch.set_num_threads(threads)
+    return fp32 / bf16
 
 
-def best_of(fn, reps: int = 3) -> float:
-    """Seconds of fn's fastest of `reps` calls after one warm-up: on a shared box the least
-    disturbed run is the kernel's own cost."""
-    fn()  # oneDNN builds its kernel on the first call
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def best_of_alternating(first: Callable[[], object], second: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Seconds of each function's fastest call over `rounds` rounds of one call each, after one
+    warm-up call each (oneDNN builds its kernel on the first)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for fn, spent in zip((first, second), times):
+            started = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - started)
+    return min(times[0]), min(times[1])
+
+
+def auto_probe() -> Probe:
+    """What `auto` decides from: the CPU's bf16 unit and, where it has one, bf16's speed-up over
+    float32 measured on it. A tensor-parallel worker returns rank 0's (follow)."""
+    if _followed is not None:
+        return _followed
+    unit = bf16_unit()
+    return unit, probe_speedup() if unit else None
+
+
+def follow(probe: Probe | None) -> None:
+    """Decide `auto` from `probe` (rank 0's auto_probe) instead of this process's own: the ranks of
+    one engine then choose alike, whatever each would measure while the others load. None: probe here."""
+    global _followed
+    _followed = probe
 
 
 def resolve(setting: str, *, device: torch.device, dtype: torch.dtype, int4: bool) -> tuple[bool, str]:
@@ -98,12 +139,12 @@ def resolve(setting: str, *, device: torch.device, dtype: torch.dtype, int4: boo
     if setting != "auto":
         rows = f" from {BF16_MIN_ROWS} rows" if setting == "bf16" else ""
         return setting == "bf16", f"prefill matmuls {setting}{rows} (prefill_matmul: {setting})"
-    unit = bf16_unit()
+    unit, speedup = _followed or (bf16_unit(), None)
     if unit is None:
         return False, "prefill matmuls fp32 (auto: no AMX or AVX512_BF16)"
     if not int4:
         return False, f"prefill matmuls fp32 (auto: float32 weights; {unit} with prefill_matmul: bf16)"
-    speedup = probe_speedup()
+    speedup = probe_speedup() if speedup is None else speedup  # measured only where it decides something
     chosen = "bf16" if speedup >= MIN_SPEEDUP else "fp32"
     return chosen == "bf16", (f"prefill matmuls {chosen} from {BF16_MIN_ROWS} rows (auto: {unit}, bf16 "
                               f"{speedup:.1f}x fp32 at {'x'.join(map(str, PROBE_SHAPE))})")
