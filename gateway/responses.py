@@ -145,12 +145,24 @@ def _message(c: ChoiceState, text: str) -> dict:
 def _more_delta(delta: dict, event: TokenEvent) -> dict:
     """Add an event's tool-call fragments, reasoning and refusal to a stream chunk's delta."""
     if event.tool_calls:
-        delta["tool_calls"] = [_tool_call_delta(t) for t in event.tool_calls]
+        delta["tool_calls"] = _tool_call_deltas(event.tool_calls)
     if event.reasoning:
         delta["reasoning_content"] = event.reasoning
     if event.refusal:
         delta["refusal"] = event.refusal
     return delta
+
+
+def _tool_call_deltas(deltas: tuple[ToolCallDelta, ...]) -> list[dict]:
+    """One chunk's tool-call entries: one per call index, as OpenAI sends them (a backend may give
+    a call's id and name and its first arguments as two fragments of one event; a client that
+    does not merge entries of one index would see the call twice). Indexes keep their order."""
+    merged: dict[int, ToolCallDelta] = {}
+    for t in deltas:
+        seen = merged.get(t.index)
+        merged[t.index] = t if seen is None else ToolCallDelta(
+            t.index, id=seen.id or t.id, name=seen.name or t.name, arguments=seen.arguments + t.arguments)
+    return [_tool_call_delta(t) for t in merged.values()]
 
 
 def _tool_call_delta(t: ToolCallDelta) -> dict:

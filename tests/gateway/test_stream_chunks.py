@@ -85,3 +85,17 @@ def test_the_adapter_decodes_what_orjson_refuses_and_names_what_nobody_can():
         backend._decode(b"{nope", 0)
     with pytest.raises(BackendError, match="not an object"):
         backend._decode(b"[1, 2]", 0)
+
+
+def test_a_chunk_carries_one_tool_call_entry_per_index():
+    """A call's id and name and its first arguments, two fragments of one event, are one entry
+    (OpenAI never repeats an index in a chunk); another call's fragments keep their own entry."""
+    from gateway.backend import ToolCallDelta
+
+    event = TokenEvent(tool_calls=(ToolCallDelta(0, arguments='"}'), ToolCallDelta(1, id="call-1", name="f"),
+                                   ToolCallDelta(1, arguments='{"'), ToolCallDelta(1, arguments='a')))
+    chunk = stream_chunk(ResponseShape(chat=True, id="c", model="m"), 0, event, first=False)
+    assert chunk["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": '"}'}},
+        {"index": 1, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": '{"a'}},
+    ]

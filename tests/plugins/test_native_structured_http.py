@@ -256,7 +256,10 @@ def test_streamed_tool_calls_come_as_openai_fragments(client):
     fragments, finish = [], None
     for chunk in stream:
         if chunk.choices:
-            fragments += chunk.choices[0].delta.tool_calls or []
+            calls = chunk.choices[0].delta.tool_calls or []
+            indexes = [c.index for c in calls]
+            assert len(indexes) == len(set(indexes)), f"a chunk repeats a tool call's index: {calls}"
+            fragments += calls
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     first = fragments[0]
