@@ -186,6 +186,7 @@ async def with_failover(registry: ModelRegistry, pool: ModelPool, request, ticke
                 current.release(deployment)
                 recorder.attempt_failed(span, deployment, exc, retried=not request_fault(exc))
                 if request_fault(exc):
+                    recorder.refused_as_bad()
                     raise  # the request itself is bad: another backend will say the same
                 last_error = exc
                 log.warning("request %s failed on %s before its first token (%s); failing over",

@@ -64,6 +64,13 @@ class RequestRecorder:
                 attrs["kvgate.kv_prefix_matched_tokens"] = tokens
             self.trace.child("kvgate.route", attrs).end()
 
+    def refused_as_bad(self) -> None:
+        """The deployment tried answered that the request itself is bad (a 400 of its own checks:
+        a schema keyword its grammar library lacks, a prompt over its context). That is the
+        client's mistake, not the deployment's: the answer is counted as the gateway's own
+        refusals before routing are, under no deployment."""
+        self.deployment = ""
+
     def attempt(self, deployment, upstream_model: str, number: int):
         """A CLIENT span for one backend attempt, or None; its context travels to the backend."""
         if self.trace is None:

@@ -110,3 +110,14 @@ def test_retries_and_breaker_state(gw):
     assert value(samples, "kvgate_breaker_state", model="flaky", deployment="bad") == 2  # open
     assert value(samples, "kvgate_breaker_state", model="flaky", deployment="good") == 0
     assert value(samples, "kvgate_deployment_up", deployment="good") == 1
+
+
+def test_a_400_of_the_backends_own_checks_is_not_charged_to_its_deployment(gw):
+    """The echo deployment refuses a prompt + max_tokens over its context after routing: that is
+    the client's mistake, counted under no deployment as the gateway's own refusals are."""
+    body = {"model": "echo", "prompt": "a " * 4095, "max_tokens": 10}  # echo's context: 4096 words
+    r = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    samples = scrape(gw)
+    assert value(samples, "kvgate_requests_total", model="echo", status="400", deployment="echo-0") == 0
+    assert value(samples, "kvgate_requests_total", model="echo", status="400", deployment="") == 1

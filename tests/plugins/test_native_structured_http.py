@@ -187,6 +187,23 @@ def test_refused_constraints_are_400s_while_a_batch_runs(client):
             jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
 
+def test_a_schema_keyword_the_engine_lacks_is_the_clients_400_not_the_deployments(gw, client):
+    """The engine refuses uniqueItems after routing; kvgate_requests_total counts that 400 under
+    no deployment, as the gateway's own refusals, not under native-0."""
+    def requests_400(deployment):
+        families = text_string_to_metric_families(httpx.get(gw.base_url + "/metrics").text)
+        return sum(s.value for f in families for s in f.samples if s.name == "kvgate_requests_total"
+                   and s.labels["status"] == "400" and s.labels["deployment"] == deployment)
+
+    before = requests_400("native-0"), requests_400("")
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, "Hi", max_tokens=5, response_format={"type": "json_schema", "json_schema": {
+            "name": "u", "schema": schema}})
+    assert caught.value.body["param"].startswith("response_format"), caught.value.body
+    assert (requests_400("native-0"), requests_400("")) == (before[0], before[1] + 1)
+
+
 def test_the_compile_cache_is_counted(gw, client):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
