@@ -36,8 +36,10 @@ every token's hidden state, so it never starts from a cached prefix; last-token 
 Prefill/decode disaggregation (core.kv_connector): a consumer's request with remote KV is admitted
 to WAITING_FOR_REMOTE_KV (blocks allocated past its cached prefix, the read handed to the worker
 in `SchedulerOutput.kv_loads`), never scheduled until its read ends (`remote_load_finished`), so
-the batch runs on meanwhile; a producer's prefill for a remote decode keeps its blocks when it
-ends (`_end`), until its consumer has read them or they expire.
+the batch runs on meanwhile (the worker writes the blocks as they arrive, beside the steps: a
+request that ends while its read runs keeps its blocks until the read ends, `reads_ended_after`,
+so no other request is handed blocks still being written); a producer's prefill for a remote
+decode keeps its blocks when it ends (`_end`), until its consumer has read them or they expire.
 """
 
 from __future__ import annotations
@@ -218,6 +220,8 @@ class Scheduler:
         self.kv = kv  # prefill/decode disaggregation's connector (None: off)
         # Requests waiting for a producer's blocks (WAITING_FOR_REMOTE_KV), with their read.
         self.loading: dict[str, tuple[Sequence, KVLoad]] = {}
+        # Requests that ended while their read ran: their blocks go back when the read ends.
+        self.reads_ended_after: dict[int, tuple[KVLoad, Sequence]] = {}  # by id(KVLoad)
         self.speculation = speculation or NoSpeculation()
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_hash_seed, config.record_kv_events)
@@ -267,15 +271,19 @@ class Scheduler:
             return False
         if seq in self.running:
             self.running.remove(seq)
-        elif self.loading.pop(request_id, None) is None:
+        elif (entry := self.loading.pop(request_id, None)) is not None:
+            self.reads_ended_after[id(entry[1])] = (entry[1], seq)  # the worker may still be writing them
+            self._end(seq, reason, free_blocks=False)
+            return True
+        else:
             self.waiting.remove(seq)
         self._end(seq, reason)
         return True
 
-    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+    def _end(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
         """Every way out of the scheduler passes here: blocks back (or held for a remote
-        decode), runner told next step."""
-        if not self._held_for_remote(seq, reason):
+        decode, or kept until its read ends), runner told next step."""
+        if free_blocks and not self._held_for_remote(seq, reason):
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -292,7 +300,8 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or reads of ended requests to wait out (their blocks come back then)."""
+        return bool(self.requests) or bool(self.reads_ended_after)
 
     @property
     def num_waiting(self) -> int:
@@ -453,7 +462,12 @@ class Scheduler:
     def remote_load_finished(self, load: KVLoad, ok: bool) -> Sequence | None:
         """A read ended: its request runs from the loaded blocks on (they count as computed and
         enter the prefix cache), or, failed, recomputes its prompt. None: the request ended
-        meanwhile (its blocks are already back)."""
+        meanwhile (its blocks go back now)."""
+        ended = self.reads_ended_after.get(id(load))
+        if ended is not None and ended[0] is load:
+            del self.reads_ended_after[id(load)]
+            self.block_manager.free(ended[1])
+            return None
         entry = self.loading.get(load.request_id)
         if entry is None or entry[1] is not load:
             return None

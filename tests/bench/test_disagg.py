@@ -40,6 +40,28 @@ def test_the_setups_differ_only_in_roles_and_the_kv_connector():
         assert {k: v for k, v in d.settings.items() if not disagg._connector_key(k)} == engine
 
 
+def test_disaggregated_all_sends_every_prompt_through_the_prefill_hop_and_changes_nothing_else():
+    disaggregated, dis = engines("disaggregated")
+    every, every_deployments = engines("disaggregated-all")
+    assert every.disaggregation.min_prompt_chars == 0
+    assert [(d.role, d.settings) for d in every_deployments] == [(d.role, d.settings) for d in dis]
+    assert every.policy == disaggregated.policy
+
+
+def test_each_disaggregated_setup_is_compared_with_colocated_and_itl_tails_are_reported():
+    gaps = [0.02] * 998 + [0.5, 2.0]  # 1000 gaps: two stalls, both past p99, one at p99.9
+    stream = RequestSample(0.0, [0.1 + sum(gaps[:i]) for i in range(len(gaps) + 1)], output_tokens=1001)
+    row = disagg.row_of("colocated", [stream], [], 60.0, ARGS)
+    assert row["itl_p99_ms"] == pytest.approx(20) and row["itl_max_ms"] == pytest.approx(2000)
+    assert 500 <= row["itl_p999_ms"] <= 2000
+    rows = [{"setup": s, **{c: v for c in disagg.COLUMNS}} for s, v in
+            (("colocated", 4.0), ("colocated", 2.0), ("disaggregated-all", 1.0))]
+    table = disagg.medians(rows)
+    assert list(table) == ["colocated", "disaggregated-all"] and table["colocated"]["itl_p99_ms"] == 3.0
+    assert disagg.summarize(table) == {"disaggregated-all": {f"{c.removesuffix('_ms')}_ratio": pytest.approx(1 / 3)
+                                                             for c in disagg.RATIOS}}
+
+
 def test_a_row_takes_itl_from_the_streams_and_goodput_from_every_request():
     # streams: gaps 0.1, 0.1 and 0.1, 0.5; a long prompt of TTFT 12 s (over the 10 s SLO)
     streams = [RequestSample(0.0, [0.5, 0.6, 0.7], output_tokens=3, prompt_tokens=20),

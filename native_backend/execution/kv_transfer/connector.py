@@ -30,8 +30,8 @@ class KVConnectorWorker:
             self.server = KVBlockServer(blocks, self.held, options.kv_transfer_host, options.kv_transfer_port,
                                         options.kv_transfer_max_connections)
             self.endpoint = Endpoint(engine_id, options.advertised_host, self.server.port)
-        self.loader = KVBlockLoader(described, blocks.block_bytes, options.kv_transfer_timeout_s) \
-            if options.consumes else None
+        self.loader = KVBlockLoader(described, blocks.block_bytes, options.kv_transfer_timeout_s,
+                                    getattr(blocks, "receive", None)) if options.consumes else None
 
     def describe(self) -> str:
         serving = f"serving KV blocks on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else ""
@@ -46,8 +46,10 @@ class KVConnectorWorker:
         return self.loader.take_finished() if self.loader is not None else []
 
     def commit(self, result: LoadOutcome) -> None:
+        """A read's staged payload into its blocks (nothing to do for one written as it was read)."""
         payload, result.payload = result.payload, None
-        self.blocks.write(result.load.local_block_ids, payload)
+        if payload is not None:
+            self.blocks.write(result.load.local_block_ids, payload)
 
     def wait(self, timeout: float) -> None:
         if self.loader is not None:
