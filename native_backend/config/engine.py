@@ -278,14 +278,6 @@ class EngineConfig:
     kv_events: KVEventsOptions | None = None
     grammar: GrammarOptions = field(default_factory=GrammarOptions)
 
-    def __post_init__(self):
-        if self.transfer.kv_role is None:
-            return
-        # A separate draft model keeps a KV cache of its own that a transfer does not fill.
-        if self.speculative is not None and self.speculative.draft_model is not None:
-            raise ValueError("transfer.kv_role: a speculative draft_model keeps its own KV cache, which remote "
-                             "prefill does not fill; use method ngram or draft_num_layers")
-
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's storage dtype with 'auto' resolved (the model's dtype)."""

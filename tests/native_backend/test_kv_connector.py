@@ -10,12 +10,14 @@ in flight never stalls the consumer's batch; every block comes back on both side
 
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import threading
 import time
 
 import pytest
+import tokenizers
 import torch
 
 from native_backend.config.engine import EngineConfig
@@ -104,6 +106,34 @@ def build_calibrated_fp8_engine(checkpoint: str, role, offset_seed: int, **setti
                           generator=torch.Generator().manual_seed(offset_seed))
     kv_scales.apply(cache, [(1.0, 1.0)] * cache.num_layers, offsets)
     return LLMEngine(config, executor, kv_transfer=make_kv_transfer(config.transfer, cache))
+
+
+def test_a_consumer_with_a_separate_draft_model_drafts_from_its_own_kv_of_the_read_prompt(checkpoint, tmp_path):
+    """The transfer fills the target's KV only; the draft's first pass computes its own KV of the
+    whole prompt (drafter: catch-up from `_computed`, 0 for a new request). A draft equal to the
+    target is then always accepted: draft KV left unwritten in the read blocks would not be."""
+    shutil.copytree(checkpoint, tmp_path / "model")
+    model = str(tmp_path / "model")
+    word_level = tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")
+    tokenizers.Tokenizer(word_level).save(os.path.join(model, "tokenizer.json"))  # the draft check compares vocabs
+    draft = dict(method="draft", draft_model=model, num_speculative_tokens=2, max_batch_size=None)
+    engines = [build_engine(model, "producer"), build_engine(model, "consumer", speculative=draft),
+               build_engine(model, None)]
+    producer, consumer, solo = engines
+    try:
+        ids = prompt(21)
+        params = prefill(producer, "d", ids)
+        tokens, last = run(consumer, EngineRequest("d", ids, GREEDY, kv_transfer_params=params))
+        assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK
+        assert tokens == run(solo, EngineRequest("d", ids, GREEDY))[0]
+        stats = consumer.stats()
+        assert (stats.kv_transfers, stats.kv_transfer_failures) == (1, 0)
+        assert stats.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+        assert all_blocks_back(consumer) and all_blocks_back(producer)
+    finally:
+        for engine in engines[:2]:
+            engine.kv.port.close()
 
 
 def test_fp8_engines_whose_key_offsets_differ_refuse_the_read_and_recompute(checkpoint):

@@ -99,11 +99,12 @@ def test_bad_values_are_refused_naming_the_field(field, value):
         NativeSettings(**{field: value})
 
 
-def test_a_kv_role_is_refused_where_its_blocks_could_not_move_whole():
-    # Under tensor parallelism every rank's shard moves (test_kv_connector_tp.py): accepted.
+def test_a_kv_role_goes_with_tensor_parallelism_and_a_separate_draft_model():
+    # Under tensor parallelism every rank's shard moves (test_kv_connector_tp.py); a separate draft
+    # computes its own KV of a read prompt (test_kv_connector.py): both accepted.
     assert NativeSettings(kv_role="producer", tensor_parallel_size=3).engine_config().transfer.produces
-    with pytest.raises(pydantic.ValidationError, match="kv_role.*draft_model"):
-        NativeSettings(kv_role="consumer", speculative={"method": "draft", "draft_model": "default"})
+    config = NativeSettings(kv_role="consumer", speculative={"method": "draft", "draft_model": "default"}).engine_config()
+    assert config.transfer.consumes and config.speculative.draft_model
     assert NativeSettings(kv_role="both", kv_transfer_host="::").engine_config().transfer.advertised_host == "::1"
 
 
