@@ -15,9 +15,18 @@ or turned into forgetting (a subset of the truth only costs a missed hit):
     in a replay                     each seq >= its start once (the first copy), in order, whether it
                                     ended with its marker or stopped answering; where it skips a seq,
                                     or stops before the live one that asked, forget there
-    seq == 0, or far behind         the publisher restarted: forget, then apply
-    seq a little behind             a duplicate or out of order: ignored (counted)
+    seq <= the last live one        the publisher restarted (its seqs start again at 0; we may have
+                                    missed its first ones): forget, then take the new stream as a
+                                    first batch (replay [0, seq) where there is a replay endpoint)
+    seq behind, after the last      a live copy of a batch the replay brought: ignored (counted);
+      live one                      a payload other than the replayed one's is a restarted publisher
     a frame that does not decode    its batch is lost: forget the deployment's blocks (counted)
+
+One publisher's live seqs only grow (one PUB socket, one sending thread, a connection that keeps
+order: vLLM's ZmqEventPublisher, ours), so any live seq that is not past the last one is a new
+publisher, however close it is to the expected one. Behind the expected seq but past the last
+live one is what a replay already brought (it reaches past the batch that asked for it), unless
+the publisher restarted just then: the replayed bytes tell (a publisher resends what it sent).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ log = logging.getLogger("kvgate.kv_events")
 
 END_OF_REPLAY = -1
 REPLAY_TIMEOUT_S = 2.0  # per message of a replay
-REORDER_WINDOW = 64  # a seq this close behind the expected one is late, not a restart
+MAX_REPLAYED_AHEAD = 1024  # replayed batches past the live one kept to tell their live copies from a restart
 RECEIVE_HWM = 10_000  # batches queued in the SUB socket; a flood past it is a gap, then a replay
 YIELD_EVERY = 64  # batches applied before the subscriber lets the event loop serve requests
 _U64 = (1 << 64) - 1
@@ -119,7 +128,8 @@ class EventStream:
         self.stats = StreamStats()
         self._context = context
         self._expected: int | None = None  # the next seq; None before the first batch
-        self._replayed_to = 0  # seqs below this came through a replay: late live copies are not news
+        self._last_live: int | None = None  # the seq of the last batch that came live (not replayed)
+        self._replayed_ahead: dict[int, bytes] = {}  # batches a replay brought past its live one
         self._task: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
         self._sub: zmq.asyncio.Socket | None = None
@@ -196,29 +206,40 @@ class EventStream:
             self._garbage(f"{len(frames)} frames, expected [topic, 8-byte seq, payload]")
             return
         seq, payload = int.from_bytes(frames[1], "big"), frames[2]
+        if self._last_live is not None and (seq <= self._last_live or self._differs_from_replay(seq, payload)):
+            self._restarted(seq)
+        self._last_live = seq
         expected = self._expected
         if expected is None:
             if seq > 0 and self.source.replay_endpoint:
                 await self._resync(0, seq)  # what it published before we listened
                 if self._expected is not None and self._expected > seq:
                     return  # the replay brought this one too
-        elif seq < expected:
-            if seq == 0 or seq < expected - REORDER_WINDOW:
-                self.stats.restarts += 1
-                self.forget(f"its publisher restarted (seq {seq} after {expected - 1})")
-                self._replayed_to = 0
-            else:
-                if seq >= self._replayed_to:
-                    self.stats.out_of_order += 1
-                    log.warning("KV events of deployment %s: batch %d arrived after %d, ignored",
-                                self.deployment, seq, expected - 1)
-                return
+        elif seq < expected:  # past the last live seq: the replay brought it already
+            self.stats.out_of_order += 1
+            return
         elif seq > expected:
             self.stats.gaps += 1
             await self._resync(expected, seq)
             if self._expected is not None and self._expected > seq:
                 return  # the replay brought this one too
         self._apply(seq, payload)
+
+    def _differs_from_replay(self, seq: int, payload: bytes) -> bool:
+        """Whether a live batch the replay brought already came with other bytes (a new publisher
+        at that seq); the replayed batches up to it are then no longer awaited."""
+        replayed = self._replayed_ahead.get(seq)
+        for passed in [s for s in self._replayed_ahead if s <= seq]:
+            del self._replayed_ahead[passed]
+        return replayed is not None and replayed != payload
+
+    def _restarted(self, seq: int) -> None:
+        """A new publisher (its seq went back): what the index holds of the old one is void, and
+        the new stream is taken as a first batch, from whatever seq we first hear of it."""
+        self.stats.restarts += 1
+        self.forget(f"its publisher restarted (seq {seq} after {self._last_live})")
+        self._expected = None
+        self._replayed_ahead.clear()
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self._expected = seq + 1
@@ -259,10 +280,11 @@ class EventStream:
                 self.forget(f"batches {following}..{seq - 1} were missed, {what}")
             self._apply(seq, payload)
             following, what = seq + 1, "the replay skipped them"
+            if seq > upto and len(self._replayed_ahead) < MAX_REPLAYED_AHEAD:
+                self._replayed_ahead[seq] = payload  # its live copy is still on the way
         if following < upto and (following > start or start > 0):
             self.forget(f"batches {following}..{upto - 1} were missed, "
                         + ("the replay stopped short" if batches else what))
-        self._replayed_to = self._expected or 0
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self._context.socket(zmq.DEALER)

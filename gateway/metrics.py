@@ -241,7 +241,7 @@ KV_EVENT_COUNTERS = {  # StreamStats field -> what the counter counts
     "resyncs": "KV event gaps repaired through the replay endpoint.",
     "forgotten": "Times a deployment's indexed blocks were dropped (lost events, restart, garbage).",
     "garbage": "Messages on a KV event stream that were not event batches.",
-    "out_of_order": "KV event batches that arrived late or twice (ignored).",
+    "out_of_order": "KV event batches that arrived twice: live copies of what a replay brought (ignored).",
     "restarts": "KV event publishers seen starting over.",
 }
 

@@ -251,20 +251,69 @@ def test_a_gap_without_replay_forgets_the_deployment_rather_than_keep_stale_bloc
     assert any("engine-a" in r.message and "batches 1..4 were missed" in r.message for r in caplog.records)
 
 
-def test_out_of_order_and_duplicate_batches_are_ignored(caplog):
+def test_live_copies_of_what_a_replay_brought_are_ignored():
+    """A replay reaches past the live batch that asked for it; the live copies of those batches
+    that follow are no news (counted), not a restart, and a late store does not revive a block."""
     async def scenario(context, publisher, stream_for):
         index = KVIndex()
-        stream = await stream_for(index, replay=False)
-        for seq, payload in [(0, batch(stored(1))), (1, batch(stored(2))), (2, batch(removed(2))),
-                             (1, batch(stored(2))), (2, batch(removed(2)))]:
-            await publisher.send(seq, payload)
-        await publisher.send(3, batch(stored(3)))
-        await until(lambda: stream.stats.batches == 4)
-        assert stream.stats.out_of_order == 2
-        assert index.longest_prefix([1, 2], ["engine-a"]) == {"engine-a": 1}  # the late store of 2 did not revive it
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1)))
+        await until(lambda: stream.stats.batches == 1)
+        publisher.kept.update({1: batch(stored(2)), 2: batch(removed(2))})  # lost on the way
+        publisher.kept.update({4: batch(stored(5)), 5: batch(stored(6))})  # published during the replay
+        await publisher.send(3, batch(stored(4)))
+        await until(lambda: stream.stats.batches == 6)
+        for seq in (4, 5):
+            await publisher.send(seq, publisher.kept[seq])
+        await publisher.send(6, batch(stored(7)))
+        await until(lambda: held(index, 7))
+        assert stream.stats.out_of_order == 2 and stream.stats.restarts == 0 and stream.stats.forgotten == 0
+        assert [h for h in range(1, 8) if held(index, h)] == [1, 4, 5, 6, 7]
+    run(scenario)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_publisher_restarted_a_few_seqs_behind_starts_the_deployment_over(replay, caplog):
+    """An engine restarts while the gateway keeps listening and misses its first batches (a
+    subscription travels after the reconnect): its seq is a little behind the expected one, not 0.
+    The old engine's blocks are forgotten; the new stream is taken from there, with what the replay
+    endpoint still holds of it."""
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=replay)
+        for seq in range(10):
+            await publisher.send(seq, batch(stored(10 + seq)))
+        await until(lambda: stream.stats.batches == 10)
+        publisher.kept = {0: batch(CLEARED), 1: batch(stored(60)), 2: batch(stored(61))}  # the new engine's
+        await publisher.send(3, batch(stored(62)))
+        await until(lambda: held(index, 62))
+        await publisher.send(4, batch(stored(63)))
+        await until(lambda: held(index, 63))
+        assert stream.stats.restarts == 1 and stream.stats.out_of_order == 0
+        assert [h for h in range(10, 20) if held(index, h)] == []
+        assert [h for h in (60, 61, 62, 63) if held(index, h)] == ([60, 61, 62, 63] if replay else [62, 63])
+        assert publisher.replays == ([0] if replay else [])
     with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
         run(scenario)
-    assert any("engine-a" in r.message and "arrived after" in r.message for r in caplog.records)
+    assert any("engine-a" in r.message and "publisher restarted (seq 3 after 9)" in r.message for r in caplog.records)
+
+
+def test_a_publisher_restarted_just_after_a_replay_is_told_by_its_batches():
+    """Right after a replay that reached past its live batch, a new publisher's seq can land
+    among the replayed ones: its batch is not the one replayed there, so it is a restart."""
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(0, batch(stored(1)))
+        await until(lambda: stream.stats.batches == 1)
+        publisher.kept.update({1: batch(stored(2)), 3: batch(stored(4)), 4: batch(stored(5))})
+        await publisher.send(2, batch(stored(3)))
+        await until(lambda: stream.stats.batches == 5)
+        publisher.kept = {}  # a new engine, whose batches 0..2 did not reach us
+        await publisher.send(3, batch(stored(70)))
+        await until(lambda: held(index, 70))
+        assert stream.stats.restarts == 1 and [h for h in (1, 2, 3, 4, 5, 70) if held(index, h)] == [70]
+    run(scenario)
 
 
 def test_a_restarted_publisher_starts_the_deployment_over():
