@@ -69,6 +69,11 @@ def mistral(*found):
     return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in found])
 
 
+def mistral11(*found):
+    """Mistral's v11+ form: each call its own marker, its name, [ARGS] and its arguments."""
+    return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in found)
+
+
 def pythonic(*found):
     return PythonicParser.render_calls(list(found))
 
@@ -84,6 +89,10 @@ CASES = [
     (MistralParser, '[TOOL_CALLS] {"name": "get_time", "arguments": "{}"}', "", [NOW]),  # one object, text args
     (MistralParser, mistral(OSLO) + " " + mistral(NOW), "", [OSLO, NOW]),
     (MistralParser, " " + mistral(OSLO).removeprefix("[TOOL_CALLS]"), "", [OSLO]),  # the marker skipped as special
+    (MistralParser, "Let me see. " + mistral11(OSLO, NOW), "Let me see. ", [OSLO, NOW]),
+    (MistralParser, '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS] {}' + mistral11(OSLO), "", [NOW, OSLO]),
+    (MistralParser, '[TOOL_CALLS]get_time{}\n' + mistral(OSLO), "", [NOW, OSLO]),  # no [ARGS] (vLLM reads it so)
+    (MistralParser, mistral11(NOW) + " Done.", " Done.", [NOW]),
     (PythonicParser, pythonic(OSLO, NOW), "", [OSLO, NOW]),
     (PythonicParser, "\n[get_weather(city='Oslo', unit=\"c\", days=[1, 2], hot=True, cold=false, x=None)]  \n",
      "", [("get_weather", {"city": "Oslo", "unit": "c", "days": [1, 2], "hot": True, "cold": False, "x": None})]),
@@ -105,6 +114,9 @@ NOT_CALLS = [
     (MistralParser, "[TOOL_"),
     (MistralParser, "[1, 2] are numbers, [TOOL_CALLS] a marker."),
     (MistralParser, 'I would say [{"name": "get_time", "arguments": {}}]'),  # an array not at the start
+    (MistralParser, "[TOOL_CALLS]hello there"),  # no name followed by [ARGS] or {
+    (MistralParser, "[TOOL_CALLS]get_time[ARGS] nothing"),
+    (MistralParser, "[TOOL_CALLS]get_time[CALL_ID]"),  # still open at the end, before its arguments
     (PythonicParser, "Call [get_time()] now."),  # not at the start
     (PythonicParser, "[1, 2] are numbers."),
     (PythonicParser, "[get_time(), 5]"),  # one element no call
@@ -138,7 +150,8 @@ def test_after_a_call_what_is_no_call_is_content(cls, text):
 
 @pytest.mark.parametrize("cls, text", [
     (HermesParser, hermes(NOW, OSLO, NOW)), (Llama3JsonParser, llama(NOW, OSLO, NOW)),
-    (MistralParser, mistral(NOW, OSLO, NOW)), (PythonicParser, pythonic(NOW, OSLO, NOW)),
+    (MistralParser, mistral(NOW, OSLO, NOW)), (MistralParser, mistral11(NOW, OSLO, NOW)),
+    (PythonicParser, pythonic(NOW, OSLO, NOW)),
 ], ids=lambda v: getattr(v, "name", None))
 def test_parallel_tool_calls_false_keeps_the_first_call(cls, text):
     content, deltas = parse(cls(max_calls=1), list(text))
@@ -157,6 +170,7 @@ def arguments_text(deltas):
 @pytest.mark.parametrize("cls, text", [
     (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
     (Llama3JsonParser, '<|python_tag|>{"name": "get_weather", "parameters": %s}; {"name": "get_time"'),
+    (MistralParser, "[TOOL_CALLS]get_weather[ARGS]%s"),
 ], ids=lambda v: getattr(v, "name", None))
 def test_arguments_stream_as_they_are_written(cls, text):
     """Pieces of 7 characters (a model's tokens): the id and name as soon as the arguments begin,
@@ -181,6 +195,7 @@ def test_arguments_stream_as_they_are_written(cls, text):
     (HermesParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os"}, x}</tool_call>', ""),
     (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Os', ""),
     (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Os"}, x}', ""),
+    (MistralParser, '[TOOL_CALLS]get_weather[ARGS]{"city": "Os', ""),
 ], ids=lambda v: getattr(v, "name", None))
 def test_once_its_arguments_began_a_call_is_a_call(cls, text, content):
     """What streamed cannot be taken back, so from its arguments' `{` on the text is that call:
