@@ -388,7 +388,8 @@ static inline __attribute__((always_inline)) void step_wide(kvf a[WIDE_W][4], co
 }
 
 /* y[0..lanes) = v + bias (bias may be NULL), or += v when acc; lanes 1..4, the others untouched. */
-static inline void store_lanes(float *y, __m128 v, const float *bias, int acc, int lanes) {
+static inline __attribute__((always_inline)) void store_lanes(float *y, __m128 v, const float *bias, int acc,
+                                                               int lanes) {
     if (lanes == 4 || lanes == 3) {
         (lanes == 4 ? store4 : store3)(y, v, bias, acc);
         return;
@@ -399,9 +400,13 @@ static inline void store_lanes(float *y, __m128 v, const float *bias, int acc, i
     _mm_maskstore_ps(y, mask, v);
 }
 
-/* Weight rows n0 .. n0+WIDE_W-1 against x rows m..m+3, over one slice of K. */
-static inline void tile_wide(float *y, const float *x, const float *w, const float *bias, int64_t m, int64_t n0,
-                             int64_t N, const k_slice *ks, prefetch_run *pf) {
+/* Weight rows n0 .. n0+WIDE_W-1 against x rows m..m+3, over one slice of K. Forced inline: as a
+ * call (gcc's choice for this size) the prefetch cursor went through memory at every step and the
+ * accumulators through the stack after each tile; the AVX2 build's linear was 6-10 % slower at 16-64
+ * rows than its hand-written 3 x 4 tile before the AVX-512 work (bench/kernel_floor.py). */
+static inline __attribute__((always_inline)) void tile_wide(float *y, const float *x, const float *w,
+                                                            const float *bias, int64_t m, int64_t n0, int64_t N,
+                                                            const k_slice *ks, prefetch_run *pf) {
     const int64_t ld = ks->ld, K = ks->len;
     const float *xr[4], *wr[WIDE_W];
     for (int r = 0; r < 4; r++) xr[r] = x + (m + r) * ld + ks->k0;
@@ -427,11 +432,30 @@ static inline void tile_wide(float *y, const float *x, const float *w, const flo
         }
 }
 
-/* Weight rows n0 .. n_end-1 against x rows m0 .. M-1, one dot product each (tile edges). */
+/* Weight rows n0 .. n_end-1 against x rows m0 .. M-1 (tile edges: the x rows a tile leaves over,
+ * and the lone x row of a batch-1 decode step): four weight rows at a time, each in its own
+ * accumulator, so that four FMA chains run at once where one chain would wait out the FMA's
+ * latency at every step. Each output is summed in dot()'s order, so the bits are dot()'s. */
 static void edge(float *y, const float *x, const float *w, const float *bias, int64_t m0, int64_t M, int64_t n0,
                  int64_t n_end, int64_t K, int64_t N) {
-    for (int64_t n = n0; n < n_end; n++)
-        for (int64_t m = m0; m < M; m++) store(y, N, m, n, dot(x + m * K, w + n * K, K), bias);
+    for (int64_t m = m0; m < M; m++) {
+        const float *xm = x + m * K;
+        int64_t n = n0;
+        for (; n + 4 <= n_end; n += 4) {
+            const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 xv = _mm256_loadu_ps(xm + k);
+                a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + k), a0);
+                a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w1 + k), a1);
+                a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w2 + k), a2);
+                a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w3 + k), a3);
+            }
+            store(y, N, m, n, hsum256(a0), bias), store(y, N, m, n + 1, hsum256(a1), bias);
+            store(y, N, m, n + 2, hsum256(a2), bias), store(y, N, m, n + 3, hsum256(a3), bias);
+        }
+        for (; n < n_end; n++) store(y, N, m, n, dot(xm, w + n * K, K), bias);
+    }
 }
 
 /* Long rows (the down projection's 1536) are reduced in slices, so that a tile's weight rows and
