@@ -97,6 +97,8 @@ CASES = [
     (PythonicParser, "\n[get_weather(city='Oslo', unit=\"c\", days=[1, 2], hot=True, cold=false, x=None)]  \n",
      "", [("get_weather", {"city": "Oslo", "unit": "c", "days": [1, 2], "hot": True, "cold": False, "x": None})]),
     (PythonicParser, "[get_time()]\n\nDone.", "Done.", [NOW]),
+    (PythonicParser, "<|python_start|>" + pythonic(OSLO, NOW) + "<|python_end|>", "", [OSLO, NOW]),  # Llama 4
+    (PythonicParser, " <|python_start|>\n[get_time()] <|python_end|>\n\nDone.", "Done.", [NOW]),
 ]
 # (parser, text): no call, all content, as the model wrote it
 NOT_CALLS = [
@@ -124,6 +126,9 @@ NOT_CALLS = [
     (PythonicParser, "[get_weather(city=input())]"),  # no literal
     (PythonicParser, "[os.system(cmd='x')]"),  # no plain name
     (PythonicParser, "[get_weather(city=')]'"),  # still open at the end
+    (PythonicParser, "<|python_start|>print('hi')<|python_end|>"),  # Llama 4's wrapper around no list
+    (PythonicParser, "<|python_start|>[get_time(), 5]<|python_end|>"),
+    (PythonicParser, "<|python_start|>"),
 ]
 
 

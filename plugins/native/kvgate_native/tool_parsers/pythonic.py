@@ -1,11 +1,17 @@
-"""Python-style tool calls (vLLM's `pythonic`; Llama 3.2 / 4 and ToolACE-style models):
+"""Python-style tool calls (vLLM's `pythonic` and `llama4_pythonic`; Llama 3.2 / 4 and
+ToolACE-style models):
 
     [get_weather(city="Oslo", unit="c"), get_time()]
+    <|python_start|>[get_weather(city="Oslo")]<|python_end|>     (Llama 4 may wrap the list)
 
-An output is calls when it begins (after whitespace) with a Python list whose every element is a
-call of a plain name with keyword arguments only, each a literal (JSON's true / false / null are
-read as True / False / None). Anything else is content, in full: an output that begins otherwise,
-a list that is no such list or is still open at the end. Text after the list is content."""
+An output is calls when it begins (after whitespace, and after Llama 4's `<|python_start|>`) with
+a Python list whose every element is a call of a plain name with keyword arguments only, each a
+literal (JSON's true / false / null are read as True / False / None). Anything else is content,
+in full, a wrapper with it: an output that begins otherwise, a list that is no such list or is
+still open at the end. A `<|python_end|>` right after the list is dropped; other text after it is
+content. (The two wrapper tokens are special in Llama 4's tokenizer, which the engine's text
+leaves out: the list alone is what it then reads.) The calls are sent whole once the list closed:
+their arguments are Python, re-written as JSON."""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ SYSTEM_PROMPT = (
     "variables.\n\n{tools}")
 JSON_NAMES = {"true": True, "false": False, "null": None}
 START, CALLS, AFTER, TEXT = "start", "calls", "after", "text"  # undecided; the list; past it; content to the end
+PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's wrapper of its calls
 
 
 class PythonicParser(ToolParser):
@@ -39,12 +46,12 @@ class PythonicParser(ToolParser):
         self._pending += text
         deltas = []
         if self._state == START:
-            stripped = self._pending.lstrip()
-            if not stripped:
+            body = _after_wrapper(self._pending)
+            if body is None:
                 return "", []
-            self._state = CALLS if stripped[0] == "[" else TEXT
-            if self._state == CALLS:  # the list starts _pending; the whitespace before it is no call's
-                self._lead, self._pending = self._pending[: len(self._pending) - len(stripped)], stripped
+            self._state = CALLS if body[:1] == "[" else TEXT
+            if self._state == CALLS:  # the list starts _pending; what is before it is no call's
+                self._lead, self._pending = self._pending[: len(self._pending) - len(body)], body
         if self._state == CALLS:
             end = self._scan.end(self._pending)
             if end is None:
@@ -57,7 +64,12 @@ class PythonicParser(ToolParser):
                 deltas = [delta for call in calls for delta in self.emit(*call)]
                 self._pending, self._state = self._pending[end:], AFTER
         if self._state == AFTER:  # whitespace after the calls is dropped unless text follows
-            if not self._pending.strip():
+            rest = self._pending.lstrip()
+            if rest.startswith(PY_END):  # the wrapper's end
+                self._pending = rest = rest[len(PY_END):]
+            elif rest and PY_END.startswith(rest):
+                return "", deltas  # the next piece decides
+            if not rest.strip():
                 return "", deltas
             self._pending, self._state = self._pending.lstrip(), TEXT
         content, self._pending = self._pending, ""
@@ -67,7 +79,7 @@ class PythonicParser(ToolParser):
         rest, self._pending = self._pending, ""
         if self._state == CALLS:
             rest = self._lead + rest
-        return ("" if self._state == AFTER else rest), []
+        return ("" if self._state == AFTER and not rest.strip() else rest), []
 
     @classmethod
     def lark(cls, allowed: list[dict], single: bool) -> str:
@@ -90,6 +102,19 @@ class PythonicParser(ToolParser):
             return f"{name}({', '.join(f'{k}={argument(v)}' for k, v in arguments.items())})"
 
         return f"[{', '.join(call(name, arguments) for name, arguments in calls)}]"
+
+
+def _after_wrapper(text: str) -> str | None:
+    """`text` (an output's start) from where its list would begin: after whitespace, and after
+    `<|python_start|>` and whitespace when it opens with that; None while it cannot tell."""
+    stripped = text.lstrip()
+    if PY_START.startswith(stripped):  # nothing yet, or a possible start of the wrapper
+        return None
+    if stripped.startswith(PY_START):
+        stripped = stripped[len(PY_START):].lstrip()
+        if not stripped:
+            return None
+    return stripped
 
 
 def _calls(text: str) -> list[tuple[str, dict]] | None:
