@@ -291,6 +291,13 @@ class Backend(Protocol):
     grammars it compiles): `use_limits(limits: gateway.config.RequestLimits)` is called once,
     after it is built and before `start`.
 
+    Optionally a backend whose engines hold a prefill hop's KV for a decode engine (prefill/decode
+    disaggregation, gateway.disagg) can free it early: `async release_kv(params: dict)`, with the
+    `kv_transfer_params` its prefill hop answered, called (at most once per hop, not awaited by
+    the request) when no decode engine will read those blocks: the decode hop has its first
+    token, or ended without one. It must be cheap, must leave a read in progress alone, and
+    ignores params it does not know. Without it the engine frees them on its own timeout.
+
     Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
     the events that became ready together (one network read of an upstream stream). The gateway
     then reads that instead, and passes each list through its layers once (every layer costs

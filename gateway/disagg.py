@@ -13,7 +13,13 @@ as vLLM's P/D proxy does, once the decode pool has admitted it:
    or prefix affinity); one that fails hands the hop to another prefill deployment;
 2. decode: the request as the client sent it, plus the `kv_transfer_params` the prefill
    answered, on the admitted decode deployment, failed over before its first token as any
-   request is (another decode engine reads the same blocks, or recomputes them).
+   request is (another decode engine reads the same blocks, or recomputes them);
+3. release: once the decode hop has its first token (its engine read the blocks, found them in
+   its own cache, or recomputed them), or ended without one (every decode deployment failed,
+   the client left, a fallback model took the request), no engine will read the prefill's
+   blocks: the prefill deployment is told to free them now (`release_kv`, a backend's optional
+   method: ours frees them at once; vLLM's NIXL connector has no such call and frees them after
+   VLLM_NIXL_ABORT_REQUEST_TIMEOUT) rather than after its hold timeout.
 
 The client sees one response; both hops carry its request id and are spans of its trace. The
 decode pool serves the request colocated (the prompt computed there, counted by reason) when
@@ -24,9 +30,10 @@ take the hop, or when the prefill answered no params (it stopped before its toke
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from gateway.backend import TRANSFER_PARAMS, GenerationRequest, TokenEvent
 from gateway.choices import (OpenChoice, admit, give_back, holds_probe, open_choice, open_on, request_fault, scores,
@@ -42,6 +49,16 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 NOT_ON_PREFILL = ("min_tokens", "min_completion_tokens")  # they would run it past its one token
 TRANSFER_SCOPE = "kv_transfer"  # a key scope: the caller is a gateway that drives P/D through this one
+_releasing: set[asyncio.Task] = set()  # releases under way (a task nobody references may be collected)
+
+
+@dataclass(eq=False)
+class HeldPrefill:
+    """A prefill hop's answer: the params of its held KV, and the deployment that holds it."""
+
+    deployment: Deployment
+    params: dict
+    released: bool = False
 
 
 def opener(pool: ModelPool):
@@ -56,15 +73,17 @@ async def open_disaggregated(registry, pool: ModelPool, index: int, request: Gen
     admitted = await admit(pool, request, ticket, recorder)  # a shed request makes no prefill hop
     probe = holds_probe(admitted)
     try:
-        params = await prefill_hop(pool, index, request, recorder)
+        held = await prefill_hop(pool, index, request, recorder)
     except BaseException:  # the request's fault (a 400), or the client left: the decode slot goes back
         give_back(pool, admitted, probe)
         raise
+    params = held.params if held is not None else None
     metrics, model = recorder.metrics, recorder.model
 
     async def attempt(current: ModelPool, deployment: Deployment, sent: GenerationRequest, span, attempts: int):
         if current is not pool:  # a fallback model: other engines, nothing of this prompt to load
             sent = with_transfer(sent, None)
+            release_unread(held, request.request_id)
         _mark_hop(span, "decode", params is not None)
         started = time.monotonic()
         try:
@@ -77,14 +96,39 @@ async def open_disaggregated(registry, pool: ModelPool, index: int, request: Gen
         choice.attempts, choice.span, choice.recorder = attempts, span, recorder
         return choice
 
-    return await with_failover(registry, pool, with_transfer(request, params), ticket, recorder, attempt,
-                               admitted=admitted)
+    try:
+        return await with_failover(registry, pool, with_transfer(request, params), ticket, recorder, attempt,
+                                   admitted=admitted)
+    finally:  # its first token came after its read (or its recompute), or it never will come
+        release_unread(held, request.request_id)
 
 
-async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, recorder) -> dict | None:
-    """The params a prefill deployment answered for `request`, trying each prefill deployment
-    once; None (counted) when the decode pool is to compute the prompt itself. An error the
-    request caused (a 400) ends it: the decode hop would say the same."""
+def release_unread(held: HeldPrefill | None, request_id: str) -> None:
+    """Tell `held`'s prefill deployment, once and without waiting, that no decode engine will
+    read its blocks. A backend without `release_kv` (vLLM: its connector frees them after
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT) keeps them until its own timeout."""
+    if held is None or held.released:
+        return
+    held.released = True
+    release = getattr(held.deployment.backend, "release_kv", None)
+    if release is not None:
+        task = asyncio.get_running_loop().create_task(_release(held, release, request_id))
+        _releasing.add(task)
+        task.add_done_callback(_releasing.discard)
+
+
+async def _release(held: HeldPrefill, release, request_id: str) -> None:
+    try:
+        await release(held.params)
+    except Exception:  # noqa: BLE001 - the hold still ends on the engine's own timeout
+        log.warning("request %s: releasing its prefill's KV on %s failed", request_id, held.deployment.name,
+                    exc_info=True)
+
+
+async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, recorder) -> HeldPrefill | None:
+    """The params a prefill deployment answered for `request`, and that deployment, trying each
+    prefill deployment once; None (counted) when the decode pool is to compute the prompt itself.
+    An error the request caused (a 400) ends it: the decode hop would say the same."""
     skip = colocated_reason(pool, request)
     if skip is not None:
         _count_colocated(recorder, skip)
@@ -106,7 +150,8 @@ async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, r
         params = last.kv_transfer_params if last is not None else None
         if params is None:
             _count_colocated(recorder, "no_params")
-        return params
+            return None
+        return HeldPrefill(deployment, params)
     _count_colocated(recorder, "no_prefill")
     return None
 

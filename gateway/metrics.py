@@ -337,6 +337,9 @@ KV_TRANSFER_SERIES = (
      "counter", "kv_transfers_refused"),
     ("kvgate_engine_kv_holds_expired", "Producer: held blocks freed unread (kv_hold_timeout_s, or for room).",
      "counter", "kv_holds_expired"),
+    ("kvgate_engine_kv_holds_released", "Producer: held blocks freed unread because the gateway released them "
+     "(no decode engine would read them: the client left, every decode attempt failed, or the decode hop "
+     "started without reading them).", "counter", "kv_holds_released"),
 )
 KV_TRANSFER_HISTOGRAMS = (  # (name, help, key of the sum; + _histogram_pos_j counts, _buckets_pos_j bounds)
     ("kvgate_engine_kv_transfer_bytes", "Consumer: bytes of each completed read of a prompt's KV.", "kv_transfer_bytes"),

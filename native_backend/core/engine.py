@@ -168,6 +168,12 @@ class LLMEngine:
         self._awaiting.pop(request_id, None)
         self._milestones.pop(request_id, None)
 
+    def release_kv(self, engine_id: str, request_id: str) -> None:
+        """A producer frees the blocks it holds unread for `request_id`: the gateway knows no
+        consumer will read them (interface.EngineCoreProtocol.release_kv)."""
+        if self.kv is not None:
+            self.scheduler.release_hold(engine_id, request_id)
+
     def finish(self, request_id: str, reason: FinishReason) -> dict[str, float] | None:
         """End a request for a reason found outside the core (its text hit a stop string) before
         it runs another step; return its trace timings (None: it had already ended)."""

@@ -78,7 +78,8 @@ class EngineStats:
     # consumer's reads of producers' blocks: completed, failed (the prompt recomputed), tokens,
     # bytes and seconds they moved, and completed reads per bucket of BYTES_BUCKETS /
     # SECONDS_BUCKETS (the last: beyond them). A producer's: blocks held for consumers now, reads
-    # served, reads refused (stale or forged params), holds freed unread.
+    # served, reads refused (stale or forged params), holds freed unread (expired, or for room),
+    # holds freed unread because the gateway released them (no consumer would read them).
     num_waiting_for_remote_kv: int = 0  # now
     kv_transfers: int = 0
     kv_transfer_failures: int = 0
@@ -93,6 +94,7 @@ class EngineStats:
     kv_transfers_served: int = 0
     kv_transfers_refused: int = 0
     kv_holds_expired: int = 0
+    kv_holds_released: int = 0
 
 
 @dataclass
@@ -220,6 +222,10 @@ class EngineCoreProtocol(Protocol):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (its KV-event subscribers are told AllBlocksCleared)."""
+
+    def release_kv(self, engine_id: str, request_id: str) -> None:
+        """Free the blocks a producer holds unread for `request_id` under `engine_id` (nobody will
+        read them); another engine's id, an unknown request or a read in progress: a no-op."""
 
     def stats(self) -> EngineStats:
         """A small, picklable snapshot of load (queue lengths, KV usage, ...) for routing."""

@@ -14,9 +14,9 @@ connector's `kv_transfer_params`, so a gateway that drives vLLM engines drives o
        remote_block_ids, remote_request_id,  ────────>  loaded: the blocks count as computed (and
        remote_host, remote_port, tp_size,                 enter its prefix cache); the rest of the
        remote_num_tokens}                                 prompt (at least its last token) runs here
-      HeldBlocks frees them once served, or after       failed (refused, timed out, producer gone):
-      kv_hold_timeout_s                                   the blocks are freed and the prompt is
-                                                          recomputed, counted; never a wrong answer
+      HeldBlocks frees them once served, after          failed (refused, timed out, producer gone):
+      kv_hold_timeout_s, or when the gateway says         the blocks are freed and the prompt is
+      no consumer will read them (`drop`)                 recomputed, counted; never a wrong answer
 
 Only whole blocks move, each checked against the chained hash of the consumer's own tokens
 (`BlockManager.block_hashes`): the producer serves a block only if it holds it for that
@@ -76,6 +76,7 @@ class HoldStats:
     served: int = 0  # reads served
     refused: int = 0  # reads refused: unknown request, block ids or hashes (stale or forged params), over the cap
     expired: int = 0  # holds freed unread after kv_hold_timeout_s, or for room
+    released: int = 0  # holds freed unread because the gateway said no consumer will read them (`drop`)
 
 
 class HeldBlocks:
@@ -136,6 +137,19 @@ class HeldBlocks:
                 return False
             self._done.append(self._holds.pop(min(unclaimed)[1]).seq)
             self.stats.expired += 1
+            return True
+
+    def drop(self, engine_id: str, request_id: str) -> bool:
+        """Give up the unread hold of `request_id` (the gateway knows no consumer will read it:
+        its client left, or every decode attempt failed); the step loop frees its blocks as an
+        expired one's. A claimed hold is left to its read, which frees it. False: nothing dropped
+        (another engine's id, an unknown or already read request, a read in progress)."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if engine_id != self.engine_id or hold is None or hold.claimed:
+                return False
+            self._done.append(self._holds.pop(request_id).seq)
+            self.stats.released += 1
             return True
 
     def note_refused(self) -> None:
@@ -236,7 +250,8 @@ class KVConnectorScheduler:
                     kv_transfer_seconds_histogram=tuple(c.seconds_histogram),
                     kv_transfer_bytes_buckets=tuple(map(float, BYTES_BUCKETS)), kv_transfer_seconds_buckets=SECONDS_BUCKETS,
                     kv_blocks_held=self.held.num_blocks(), kv_transfers_served=held.served,
-                    kv_transfers_refused=held.refused, kv_holds_expired=held.expired)
+                    kv_transfers_refused=held.refused, kv_holds_expired=held.expired,
+                    kv_holds_released=held.released)
 
     def finished(self, result: LoadResult) -> None:
         c = self.counters

@@ -261,8 +261,12 @@ class Scheduler:
                            cache_slots=cache_slots)
 
     def abort(self, request_id: str) -> bool:
-        """End a request now (client gone). Frees its blocks at once. False if unknown."""
-        return self.finish(request_id, "abort")
+        """End a request now (client gone) and free its blocks (a read's once it stops writing
+        them); a finished prefill's held for a remote decode too (its client left before it read
+        the answer). False if unknown."""
+        if self.finish(request_id, "abort"):
+            return True
+        return self.kv is not None and self.release_hold(self.kv.held.engine_id, request_id)
 
     def finish(self, request_id: str, reason: FinishReason) -> bool:
         """End a request for a reason found outside the scheduler (a stop string, an abort)."""
@@ -489,6 +493,15 @@ class Scheduler:
         """Blocks a consumer has read, or that waited past their deadline, go back."""
         for seq in self.kv.held.take_freeable(time.monotonic()):
             self.block_manager.free(seq)
+
+    def release_hold(self, engine_id: str, request_id: str) -> bool:
+        """Free now (on the step loop's thread, which owns the blocks) what this producer holds
+        unread for `request_id`: no consumer will read it. False: nothing held to drop (a read in
+        progress frees its hold itself)."""
+        if self.kv is None or not self.kv.held.drop(engine_id, request_id):
+            return False
+        self._free_holds()
+        return True
 
     def _room_from_holds(self) -> bool:
         """With nothing running, blocks held for consumers would stall admission until they

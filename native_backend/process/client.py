@@ -216,6 +216,13 @@ class AsyncEngineClient:
         if self._alive:
             self._send((Msg.ABORT, request_id))
 
+    def release_kv(self, engine_id: str, request_id: str) -> None:
+        """Have a producer engine free the KV blocks it holds for `request_id` (a finished prefill
+        no decode engine will read: prefill/decode disaggregation). Not a request of this client's
+        any more, so no stream is touched; a dead engine holds nothing."""
+        if self._alive:
+            self._send((Msg.RELEASE_KV, engine_id, request_id))
+
     def reset_prefix_cache(self) -> None:
         """Have the engine forget every cached prefix (between two steps; running requests keep
         their KV) and publish AllBlocksCleared on its KV-event stream."""

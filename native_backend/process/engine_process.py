@@ -111,6 +111,8 @@ class EngineLoop:
             self._add(command[1])
         elif tag is Msg.ABORT:
             self.core.abort(command[1])
+        elif tag is Msg.RELEASE_KV:
+            self.core.release_kv(command[1], command[2])
         elif tag is Msg.RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
         elif tag is Msg.SHUTDOWN:

@@ -57,6 +57,9 @@ class OutputProcessor:
         self.core.abort(request_id)
         self._texts.pop(request_id, None)
 
+    def release_kv(self, engine_id: str, request_id: str) -> None:
+        self.core.release_kv(engine_id, request_id)
+
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 

@@ -2,6 +2,7 @@
 
     gateway process                                    engine process
     AsyncEngineClient ── EngineRequest / abort ──────> engine loop ──> EngineCore.add_request/abort
+                      ── release_kv (held blocks) ───>                 EngineCore.release_kv
                       <── [RequestOutput, ...] per step ─            <── EngineCore.step()
                       <── EngineError (request refused, or failed alone mid-way)
                       <── EngineStats snapshot (periodic; a heartbeat when idle)
@@ -19,7 +20,8 @@ class Msg(enum.Enum):
     """What crosses the pipes. Each message is a tuple whose first item is one of these.
 
     parent -> engine (sent in lists, so a burst costs one pipe write):
-        (ADD, EngineRequest) | (ABORT, request_id) | (RESET_PREFIX_CACHE,) | (SHUTDOWN,)
+        (ADD, EngineRequest) | (ABORT, request_id) | (RELEASE_KV, engine_id, request_id)
+        | (RESET_PREFIX_CACHE,) | (SHUTDOWN,)
     engine -> parent:
         (READY, EngineStats, description) | (STARTUP_FAILED, summary, traceback)
         | (OUTPUTS, [RequestOutput, ...]) | (ERROR, request_id, EngineError)
@@ -28,6 +30,7 @@ class Msg(enum.Enum):
 
     ADD = enum.auto()
     ABORT = enum.auto()
+    RELEASE_KV = enum.auto()
     RESET_PREFIX_CACHE = enum.auto()
     SHUTDOWN = enum.auto()
     READY = enum.auto()

@@ -301,6 +301,53 @@ def test_unread_blocks_are_freed_after_the_hold_timeout_and_the_consumer_recompu
     assert tokens == run(solo, EngineRequest("h", ids, GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
 
 
+def all_free(engine) -> bool:
+    """Every block free now, without a step (all_blocks_back steps the scheduler, which frees holds)."""
+    bm = engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_blocks
+
+
+def test_released_blocks_are_freed_at_once_and_the_consumer_recomputes(pair):
+    """The gateway's release (no decode engine will read them) frees a hold long before its
+    timeout; another engine's id or an unknown request releases nothing."""
+    producer, consumer, solo = pair
+    ids = prompt(15)
+    params = prefill(producer, "rel", ids)
+    released = producer.stats().kv_holds_released
+    producer.release_kv("0" * 32, "rel")  # another engine's id (params from before a restart)
+    producer.release_kv(params["remote_engine_id"], "nobody")
+    assert producer.stats().kv_blocks_held == len(params["remote_block_ids"]) and not all_free(producer)
+    producer.release_kv(params["remote_engine_id"], "rel")
+    assert all_free(producer) and producer.stats().kv_blocks_held == 0
+    assert producer.stats().kv_holds_released == released + 1
+    producer.release_kv(params["remote_engine_id"], "rel")  # twice: nothing more
+    assert producer.stats().kv_holds_released == released + 1
+    tokens, last = run(consumer, EngineRequest("rel", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == run(solo, EngineRequest("rel", ids, GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
+    assert all_blocks_back(consumer)
+
+
+def test_an_abort_after_the_prefill_finished_frees_its_held_blocks(pair):
+    """The client left as its prefill hop ended: the abort finds the request held, not running."""
+    producer, _, _ = pair
+    released = producer.stats().kv_holds_released
+    prefill(producer, "ab", prompt(16))
+    producer.abort("ab")
+    assert all_free(producer) and producer.stats().kv_holds_released == released + 1
+
+
+def test_a_release_leaves_a_hold_being_read_to_its_read():
+    held = HeldBlocks("e")
+    seq = Sequence("r", [1] * 8)
+    seq.block_table = [1, 2]
+    held.hold(seq, [b"a", b"b"], 60)
+    hold, _ = held.claim("e", "r", [1, 2], [b"a", b"b"], 0)
+    assert not held.drop("e", "r") and held.take_freeable(time.monotonic()) == []
+    held.release(hold, served=True)
+    assert held.take_freeable(time.monotonic()) == [seq]
+    assert (held.stats.served, held.stats.released) == (1, 0)
+
+
 def test_a_request_aborted_while_its_blocks_are_read_keeps_them_until_the_read_ends(pair):
     """The loader writes the blocks as they arrive, beside the steps: the aborted request's
     blocks must not go to another request before the read has stopped writing them."""

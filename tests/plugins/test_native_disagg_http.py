@@ -7,13 +7,17 @@ Greedy text of a disaggregated request is the text of the same request served by
 (the prefill engine alone), for a prompt of several chunks (64-token steps), with prefix caching
 on both sides: the producer's own cache, the consumer's cache of blocks it read before, and a
 prompt whose first blocks the consumer holds and whose rest it reads. fp32 here, fp8 KV in the
-slow tier. Forged params recompute (or are a 400 when malformed), never read foreign KV.
+slow tier. Forged params recompute (or are a 400 when malformed), never read foreign KV. A
+prefill's held blocks that no decode engine will read (the client left, every decode attempt
+failed) are released by the gateway at once, far under kv_hold_timeout_s (300 s here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
 import time
 import uuid
 
@@ -24,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydoc_data.topics import topics
 
 from gateway.backend import GenerationRequest, SamplingParams
-from gateway.errors import InvalidRequestError
+from gateway.errors import BackendError, InvalidRequestError
 from tests.support.servers.loopback import GatewayServer, native_gateway
 
 pytestmark = pytest.mark.timeout(900)  # engines load the real model
@@ -37,7 +41,7 @@ PROMPT_B = TEXT[:700] + TEXT[3000:3700]  # shares PROMPT_A's first blocks, then 
 
 def config(kv_cache_dtype: str) -> str:
     settings = (f"{{kv_role: {{role}}, kv_cache_dtype: {kv_cache_dtype}, kv_cache_bytes: 67108864, "
-                "max_num_batched_tokens: 64, max_num_seqs: 4, num_threads: 1}")
+                "max_num_batched_tokens: 64, max_num_seqs: 4, num_threads: 1, kv_hold_timeout_s: 300}")
     return f"""
 models:
   - name: smollm2
@@ -152,6 +156,8 @@ def test_forged_params_make_the_decode_engine_recompute_or_refuse(gw_fp32):
     assert engine_stat(gw_fp32, "prefill", "kv_transfers_refused", refused + 1) == refused + 1
     with pytest.raises(InvalidRequestError, match="remote_block_ids"):
         on_one_engine(gw_fp32, "decode", prompt, {"kv_transfer_params": {**params, "remote_block_ids": "all"}})
+    # Nobody else reads that hold: freed now (the module's hold timeout outlasts the tests after this).
+    asyncio.run_coroutine_threadsafe(gw_fp32.backend("prefill").release_kv(params), gw_fp32.loop).result(timeout=30)
 
 
 def test_client_transfer_params_never_reach_an_engine(gw_fp32):
@@ -162,3 +168,60 @@ def test_client_transfer_params_never_reach_an_engine(gw_fp32):
     answer = client.completions.create(model="smollm2", prompt=PROMPT_A[:600], max_tokens=2, temperature=0,
                                        extra_body={"kv_transfer_params": forged})
     assert answer.choices[0].text
+
+
+def wait_for(condition, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def prefill_stats(gw) -> dict:
+    return gw.backend("prefill").load().extra
+
+
+def blocks_held(gw, timeout_s: float = 300) -> dict:
+    """The prefill engine's stats once they show blocks held: a snapshot taken after the hop that
+    holds them, so its counters include every release sent before that hop (they lag a step)."""
+    assert wait_for(lambda: prefill_stats(gw)["kv_blocks_held"] > 0, timeout_s)
+    return prefill_stats(gw)
+
+
+async def never_answers(request):
+    """A decode deployment that takes the hop and sends nothing (until the gateway cancels it)."""
+    await asyncio.Event().wait()
+    yield
+
+
+def test_a_client_that_leaves_after_the_prefill_hop_frees_the_prefill_engines_blocks(gw_fp32, monkeypatch):
+    assert wait_for(lambda: prefill_stats(gw_fp32)["kv_blocks_held"] == 0)  # the earlier tests' holds are gone
+    monkeypatch.setattr(gw_fp32.backend("decode"), "generate", never_answers)
+    body = json.dumps({"model": "smollm2", "prompt": TEXT[4000:4800], "max_tokens": 4, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", gw_fp32.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        held = blocks_held(gw_fp32)  # the prefill hop ended; the decode hop waits: the client leaves
+    assert wait_for(lambda: prefill_stats(gw_fp32)["kv_blocks_held"] == 0)
+    assert prefill_stats(gw_fp32)["kv_holds_released"] == held["kv_holds_released"] + 1
+    assert prefill_stats(gw_fp32)["kv_holds_expired"] == held["kv_holds_expired"]  # released, not timed out
+
+
+def test_a_decode_pool_that_fails_every_attempt_frees_the_prefill_engines_blocks(gw_fp32, monkeypatch):
+    assert wait_for(lambda: prefill_stats(gw_fp32)["kv_blocks_held"] == 0)
+    held = []
+
+    async def fails_once_the_blocks_are_held(request):
+        """A decode deployment that fails every hop before its first token."""
+        held.append(await asyncio.to_thread(blocks_held, gw_fp32, 30))
+        raise BackendError("this decode engine is down (the test says so)")
+        yield
+
+    monkeypatch.setattr(gw_fp32.backend("decode"), "generate", fails_once_the_blocks_are_held)
+    answer = httpx.post(gw_fp32.base_url + "/v1/completions", timeout=300,
+                        json={"model": "smollm2", "prompt": TEXT[5000:5800], "max_tokens": 4})
+    assert answer.status_code >= 500, answer.text
+    assert len(held) == 1  # the one decode deployment, tried once, with the prefill's blocks held
+    assert wait_for(lambda: prefill_stats(gw_fp32)["kv_blocks_held"] == 0)
+    assert prefill_stats(gw_fp32)["kv_holds_released"] == held[0]["kv_holds_released"] + 1
+    assert prefill_stats(gw_fp32)["kv_transfers_served"] == held[0]["kv_transfers_served"]  # none read

@@ -315,6 +315,14 @@ class NativeBackend:
         if self.client is not None:
             self.client.abort(request_id)
 
+    async def release_kv(self, params: dict) -> None:
+        """A prefill hop's blocks no decode engine will read (gateway.disagg): `params` is what
+        this engine answered; it frees them now rather than after kv_hold_timeout_s. Params of
+        another engine process (this one restarted since) or already read: nothing happens."""
+        engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
+        if self.supervisor.up and isinstance(engine_id, str) and isinstance(request_id, str):
+            self.client.release_kv(engine_id, request_id)
+
     def load(self) -> LoadSnapshot:
         sup = self.supervisor
         up = sup.up
