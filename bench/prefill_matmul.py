@@ -9,8 +9,10 @@ in numerics? SmolLM2-135M-Instruct, CPU, one run, each part side by side.
   the weight dequantized per call (the copy-free alternative); best of --reps. Where
   prefill_matmul.BF16_MIN_ROWS should sit, and why the copy.
 - `agreement`: the default GGUF with `quantization: gguf`, two engines in this process (--pair:
-  prefill fp32 against bf16, or the LM head float against its int8 copy): (a) teacher-forced
-  logits over --eval-tokens of held-out `pydoc_data.topics` text in 512-token prefill chunks: max and 99.9th percentile |logit difference|, top-1 agreement; (b) the
+  prefill matmuls fp32 against bf16, prefill attention fp32 against bf16, or the LM head float
+  against its int8 copy): (a) teacher-forced logits over --eval-tokens of held-out
+  `pydoc_data.topics` text in --window-token prefill chunks (512; one chunk each, so attention
+  sees up to that many keys): max and 99.9th percentile |logit difference|, top-1 agreement; (b) the
   36-prompt chat battery of bench/kv_quant.py through the chat template, greedy up to 48 new tokens
   (all prompts at once, so their prefill is one bf16 chunk): identical answers, same first token.
 - `ttft`: time to the first token of one 128 / 1,024 / 4,096-token prompt (held-out text), the
@@ -18,6 +20,7 @@ in numerics? SmolLM2-135M-Instruct, CPU, one run, each part side by side.
 
     .venv/bin/python bench/prefill_matmul.py                 # all parts -> bench/results/prefill_matmul.json
     .venv/bin/python bench/prefill_matmul.py --only matmul rows
+    .venv/bin/python bench/prefill_matmul.py --only agreement --pair attention --window 2048
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ ROW_SWEEP = (16, 32, 64, 128, 256, 512)
 TTFT_LENGTHS = (128, 1024, 4096)
 # --pair: the two engines (the default GGUF, quantization gguf) the agreement and ttft parts compare
 PAIRS = {
-    "prefill": {"base": {"prefill_matmul": "fp32"}, "test": {"prefill_matmul": "bf16"}},
+    "prefill": {"base": {"prefill_matmul": "fp32", "prefill_attention": "fp32"},
+                "test": {"prefill_matmul": "bf16", "prefill_attention": "fp32"}},
+    # the attention of prompt chunks (layers/prefill_attention.py), the products bf16 in both
+    "attention": {"base": {"prefill_matmul": "bf16", "prefill_attention": "fp32"},
+                  "test": {"prefill_matmul": "bf16", "prefill_attention": "bf16"}},
     "head": {"base": {"lm_head": "float", "prefill_matmul": "fp32"},
              "test": {"lm_head": "int8", "prefill_matmul": "fp32"}},
 }
@@ -153,14 +160,15 @@ def agreement_part(args, engines, tokenizer) -> dict:
 
     ids = _held_out(tokenizer, args.eval_tokens)
     diffs, same, total = [], 0, 0
-    for start in range(0, len(ids) - 511, 512):
-        window = ids[start:start + 512]
+    w = args.window
+    for start in range(0, len(ids) - w + 1, w):
+        window = ids[start:start + w]
         a, b = (_logits(engines[p], window) for p in ("base", "test"))
         diffs.append((a - b).abs().flatten())
         same += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(window)
     d = torch.cat(diffs)
-    logits = {"positions": total, "max_abs_diff": float(d.max()),
+    logits = {"positions": total, "window": w, "max_abs_diff": float(d.max()),
               "p999_abs_diff": float(d.kthvalue(int(0.999 * d.numel())).values),
               "mean_abs_diff": float(d.mean()), "top1_agreement": same / total}
     print(f"logits over {total} positions: {logits}", flush=True)
@@ -211,7 +219,9 @@ def main() -> None:
                     default=("matmul", "rows", "agreement", "ttft"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pair", choices=PAIRS, default="prefill",
-                    help="agreement/ttft: prefill fp32 vs bf16, or the LM head float vs its int8 copy")
+                    help="agreement/ttft: prefill matmuls fp32 vs bf16, prefill attention fp32 vs bf16, or the "
+                         "LM head float vs its int8 copy")
+    ap.add_argument("--window", type=int, default=512, help="agreement: tokens per teacher-forced prefill chunk")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "bench/results/prefill_matmul.json"))

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from native_backend.config.formats import (DTYPES, KV_CACHE_DTYPES, KV_SCALES, LM_HEADS, PREFILL_MATMULS,
-                                           WEIGHT_QUANTIZATIONS)
+from native_backend.config.formats import (DTYPES, KV_CACHE_DTYPES, KV_SCALES, LM_HEADS, PREFILL_ATTENTIONS,
+                                           PREFILL_MATMULS, WEIGHT_QUANTIZATIONS)
 
 MAX_BLOCK_SIZE = 256  # tokens per KV block, at most
 # CUDA: device memory the KV budget leaves free for activations, the CUDA context and the
@@ -53,6 +53,9 @@ class ModelOptions:
     # CPU, float32 activations: prefill chunks' products in bf16 (auto: int4 linears on a CPU with AMX
     # or AVX512_BF16 where a start-up probe measures it faster) or fp32; decode keeps its kernels.
     prefill_matmul: str = "auto"
+    # CPU, float32 activations: prefill chunks' attention products in bf16 with fp32 sums and softmax (auto:
+    # where the prefill matmuls run in bf16 and the AVX512_BF16 kernel measures faster) or fp32.
+    prefill_attention: str = "auto"
     # An int4 model's LM head on the CPU: an int8 copy (auto: where it measurably helps) or float.
     lm_head: str = "auto"
 
@@ -61,6 +64,7 @@ class ModelOptions:
             raise ValueError("model.path: a GGUF file or a Hugging Face directory is required")
         _one_of("model", "dtype", self.dtype, DTYPES)
         _one_of("model", "prefill_matmul", self.prefill_matmul, PREFILL_MATMULS)
+        _one_of("model", "prefill_attention", self.prefill_attention, PREFILL_ATTENTIONS)
         _one_of("model", "lm_head", self.lm_head, LM_HEADS)
         if self.quantization not in WEIGHT_QUANTIZATIONS:  # GPTQ, FP8 weights, ...: no kernels for them yet
             raise ValueError(f"model.quantization: {self.quantization!r} is not supported by this engine: it runs "

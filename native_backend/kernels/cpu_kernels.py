@@ -49,8 +49,8 @@ from native_backend.config.cache_dir import kvgate_cache_dir, untrusted_reason
 log = logging.getLogger("kvgate.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "layer_ops.c", "decode_step.c",
-                                   "int4_linear.c", "kv_quant.c"))
+SOURCES = tuple(CSRC / f for f in ("cpu_kernels.c", "prefill_attention.c", "prefill_attention_bf16.c", "layer_ops.c",
+                                   "decode_step.c", "int4_linear.c", "kv_quant.c"))
 HEADERS = (CSRC / "simd_math.h", CSRC / "kernels.h")
 # -Bsymbolic: decode_step.c's calls to the other kernels stay inside their own library, when two
 # paths' libraries are loaded in one process (tests, benchmarks) with the same symbol names.
@@ -70,9 +70,9 @@ class KernelPath:
 
 
 AVX2 = KernelPath("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"), "AVX2 + FMA")
-# Skylake-SP and later Xeons, Zen 4/5. VNNI and BF16 are not asked for: no kernel multiplies two
-# int8 or two bf16 operands (the int8 head and int8 KV meet float activations), so they would
-# only shut out CPUs without them (Skylake-SP, Cascade Lake) for nothing.
+# Skylake-SP and later Xeons, Zen 4/5. VNNI and BF16 are not asked for: they would shut out CPUs
+# without them (Skylake-SP, Cascade Lake). The one bf16 kernel (prefill_attention_bf16.c) asks for
+# AVX512_BF16 per function and checks the CPU at run time (bf16_prefill_problem).
 AVX512 = KernelPath("avx512",
                     ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                      "-mprefer-vector-width=512"),
@@ -98,6 +98,8 @@ _SIGNATURES = {
     "kvgate_silu_mul_f32": ([_ptr] * 3 + [_i64] * 2, ctypes.c_int),
     # out, q, cache_k, cache_v, blocks, q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale
     "kvgate_prefill_attention_f32": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
+    # the same, bf16 products (prefill_attention_bf16.c: the avx512 build on a CPU with AVX512_BF16)
+    "kvgate_prefill_attention_bf16": ([_ptr] * 5 + [_i64] * 6 + [_f32], ctypes.c_int),
     # out, q, kv (kvg_kv), block_tables, table_stride, row_seq, row_keys,
     # num_rows, num_heads, kv_heads, head_dim, block_size, scale, chunk_blocks
     "kvgate_paged_decode_q": ([_ptr] * 4 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64], ctypes.c_int),
@@ -538,6 +540,8 @@ def prefill_attention(
     block_ids: torch.Tensor,  # (>= cdiv(ctx, block_size),) int64: the sequence's block table
     ctx: int,  # cached + new positions; query i sits at ctx - q_len + i
     scale: float,
+    *,
+    bf16: bool = False,  # the products in bf16 (fp32 sums and softmax): where bf16_prefill_problem() is None
 ) -> torch.Tensor:  # (q_len, num_heads, head_dim)
     """Causal attention of one sequence's prompt chunk over its cached keys (bottom-right: a chunk
     after a cached prefix sees the prefix). The block ids' values are trusted (the runner checks
@@ -555,12 +559,28 @@ def prefill_attention(
         raise ValueError(f"prefill_attention: {q_len} queries, {ctx} positions, {block_ids.numel()} blocks")
     q = q.contiguous()
     out = torch.empty_like(q)
-    rc = load().kvgate_prefill_attention_f32(out.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                                             block_ids.data_ptr(), q_len, ctx, num_heads, kv_heads, head_dim,
-                                             block_size, scale)
+    name = "kvgate_prefill_attention_bf16" if bf16 else "kvgate_prefill_attention_f32"
+    rc = getattr(load(), name)(out.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                               block_ids.data_ptr(), q_len, ctx, num_heads, kv_heads, head_dim, block_size, scale)
     if rc != 0:
-        raise RuntimeError(f"kvgate_prefill_attention_f32 failed ({rc})")
+        why = " (no AVX512_BF16 in this build or CPU)" if rc == -3 else ""
+        raise RuntimeError(f"{name} failed ({rc}){why}")
     return out
+
+
+BF16_PREFILL_CPU_FLAG = "avx512_bf16"  # /proc/cpuinfo's name for vdpbf16ps
+
+
+def bf16_prefill_problem() -> str | None:
+    """Why `prefill_attention(..., bf16=True)` cannot run here, or None: it needs the avx512 path's
+    library (the AVX2 build has no bf16 kernel) on a CPU with AVX512_BF16."""
+    if not available():
+        return f"no C kernels ({unavailable_reason()})"
+    if path() is not AVX512:
+        return f"the {path().name} kernel path has no bf16 attention (it needs the avx512 path)"
+    if BF16_PREFILL_CPU_FLAG not in _cpu_flags():
+        return "the CPU has no AVX512_BF16"
+    return None
 
 
 def readable(*tensors: torch.Tensor | None, dtype: torch.dtype) -> bool:

@@ -1,8 +1,9 @@
 """bf16 prefill (`prefill_matmul`, model/layers/prefill_matmul.py): chunks of BF16_MIN_ROWS rows or
 more multiply a bf16 copy of each linear's weight, everything shorter keeps its float32 path bit
 for bit; `auto` picks bf16 only for int4 linears on a CPU with bf16 matrix instructions; and the
-default model's int4 engine with bf16 prefill is its fp32-prefill twin's logits within bf16's
-rounding and mostly its greedy answers on the chat battery."""
+default model's int4 engine with bf16 prefill (matmuls, and attention where the CPU has its bf16
+kernel: test_prefill_attention_bf16.py) is its fp32-prefill twin's logits within bf16's rounding
+and mostly its greedy answers on the chat battery."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.batch import ScheduledChunk, SchedulerOutput
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
+from native_backend.kernels import cpu_kernels
 from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.linear import C_KERNEL, DENSE, ReplicatedLinear, with_bf16_prefill
@@ -182,8 +184,8 @@ def _engine(prefill: str, tmp_dir: str):
     from native_backend.process.factory import make_engine_core
 
     return make_engine_core(EngineConfig.build(
-        path=default_gguf_path(), quantization="gguf", prefill_matmul=prefill, num_threads=2, max_num_seqs=16,
-        kv_cache_bytes=64 << 20, tokenizer_cache_dir=tmp_dir))
+        path=default_gguf_path(), quantization="gguf", prefill_matmul=prefill, prefill_attention=prefill,
+        num_threads=2, max_num_seqs=16, kv_cache_bytes=64 << 20, tokenizer_cache_dir=tmp_dir))
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +222,9 @@ def test_the_engines_say_what_prefill_runs(engines):
     assert "prefill matmuls fp32 (prefill_matmul: fp32)" in engines["fp32"].describe()
     line = engines["bf16"].describe()
     assert "prefill matmuls bf16 from 64 rows (prefill_matmul: bf16)" in line
+    problem = cpu_kernels.bf16_prefill_problem()
+    assert ("prefill attention bf16 (prefill_attention: bf16)" if problem is None else
+            f"prefill attention fp32 (prefill_attention: bf16, but {problem})") in line
     assert "bf16 prefill copies of the linears 202 MiB" in line
 
 

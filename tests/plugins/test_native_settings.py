@@ -77,7 +77,7 @@ def _non_default_settings() -> dict:
                 collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234", kv_role="both",
                 kv_transfer_host="0.0.0.0", kv_transfer_port=7001, kv_transfer_advertise_host="10.0.0.7",
                 kv_transfer_timeout_s=5.0, kv_hold_timeout_s=60.0, kv_transfer_max_connections=3,
-                prefill_matmul="bf16",
+                prefill_matmul="bf16", prefill_attention="fp32",
                 lm_head="float")
 
 
@@ -93,7 +93,8 @@ def test_each_setting_arrives_in_its_part():
 @pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp4"), ("kv_scales", "guess"), ("block_size", 0),
                                           ("kv_role", "kv_both"), ("kv_transfer_port", 70000),
                                           ("kv_hold_timeout_s", 0), ("kv_transfer_max_connections", 0),
-                                          ("prefill_matmul", "fp16"), ("lm_head", "int4")])
+                                          ("prefill_matmul", "fp16"), ("prefill_attention", "fp16"),
+                                          ("lm_head", "int4")])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         NativeSettings(**{field: value})

@@ -15,6 +15,7 @@ CPU-only installs never need it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,9 +33,11 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
 
 
-def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+def get_attention_backend(device: torch.device | str, name: str | None = None, *,
+                          prefill_bf16: bool = False) -> AttentionBackend:
     """`name` forces "reference", "cpu" or "triton"; by default CUDA gets Triton, and the CPU gets
-    "cpu" where kvgate's C kernels are available, else the reference."""
+    "cpu" where kvgate's C kernels are available, else the reference. `prefill_bf16`: "cpu"'s
+    prompt chunks with bf16 products (layers/prefill_attention.py; the others ignore it)."""
     device = torch.device(device)
     name = name or ("triton" if device.type == "cuda" else _default_cpu_backend())
     if name == "reference":
@@ -45,6 +48,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
         from native_backend.model.attention import triton_kernels as impl
     else:
         raise ValueError(f"unknown attention backend {name!r}")
+    if prefill_bf16 and name == "cpu":
+        return AttentionBackend(name, impl.write_kv, functools.partial(impl.paged_attention, prefill_bf16=True))
     return AttentionBackend(name, impl.write_kv, impl.paged_attention)
 
 

@@ -19,6 +19,11 @@ Float32 queries with head_dim a multiple of 8, over a float32 cache or a quantiz
 per-layer scales, int8 with per-row scales: written by `cpu_kernels.write_kv_q`, decoded inside
 the decode kernel's loops; a prompt chunk's blocks are dequantized once, then the float32 prefill
 kernel runs). Anything else (a bf16 cache, no kernels) runs the reference implementation.
+
+`prefill_bf16=True` (the engine's `prefill_attention` setting, layers/prefill_attention.py;
+bound by `get_attention_backend(..., prefill_bf16=True)`) sends the prompt chunks of a step of at
+least BF16_MIN_ROWS rows to the prefill kernel's bf16 variant (bf16 products, float32 sums and
+softmax); decode rows, short chunks and smaller steps keep their float32 kernels, bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from native_backend.model.attention.metadata import AttentionMetadata
 from native_backend.model.kv_cache import KVLayer
 
 SHORT_QUERY_MAX = 8  # new tokens of a sequence up to which its rows go through the kernel
+# prefill_bf16: the prompt chunks of a step of this many rows or more run the bf16 kernel, the steps
+# whose products run in bf16 (prefill_matmul.BF16_MIN_ROWS); a smaller step keeps float32 throughout
+BF16_MIN_ROWS = 64
 _PLAN_KEY = "cpu_plan"
 
 
@@ -75,6 +83,8 @@ def paged_attention(
     kv: KVLayer,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    prefill_bf16: bool = False,  # prompt chunks through the bf16 prefill kernel (cpu_kernels.bf16_prefill_problem)
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     if not supports(q, kv):
         return reference.paged_attention(q, kv, metadata, scale)
@@ -86,21 +96,21 @@ def paged_attention(
         short_q = q.index_select(0, plan.short_rows)
         out.index_copy_(0, plan.short_rows, _short_rows(short_q, kv, metadata, plan, scale))
     for p in plan.prefills:
-        out[p.rows] = _prefill(q[p.rows], kv, p, scale)
+        out[p.rows] = _prefill(q[p.rows], kv, p, scale, prefill_bf16 and q.shape[0] >= BF16_MIN_ROWS)
     return out
 
 
-def _prefill(q, kv: KVLayer, p, scale: float) -> torch.Tensor:
+def _prefill(q, kv: KVLayer, p, scale: float, bf16: bool = False) -> torch.Tensor:
     """One sequence's prompt chunk: the C kernel where its register tiles fit the head size."""
     if q.shape[-1] not in cpu_kernels.PREFILL_HEAD_DIMS:
         return reference.prefill(q, kv, p, scale)
     if not kv.dtype.quantized:
-        return cpu_kernels.prefill_attention(q, kv.key, kv.value, p.block_ids, p.ctx, scale)
+        return cpu_kernels.prefill_attention(q, kv.key, kv.value, p.block_ids, p.ctx, scale, bf16=bf16)
     # The chunk's blocks, dequantized once (the kernel reads every key many times), in order.
     k = reference.read_blocks(kv, "k", p.block_ids, torch.float32)
     v = reference.read_blocks(kv, "v", p.block_ids, torch.float32)
     in_order = torch.arange(k.shape[0], dtype=torch.long)
-    return cpu_kernels.prefill_attention(q, k, v, in_order, p.ctx, scale)
+    return cpu_kernels.prefill_attention(q, k, v, in_order, p.ctx, scale, bf16=bf16)
 
 
 def step_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> _Plan:

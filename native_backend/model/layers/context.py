@@ -7,7 +7,9 @@
     ctx.with_quantization(QuantConfig(group_size=64))        int4 AWQ linears (an AWQ checkpoint)
     dataclasses.replace(ctx, gguf_q4=True)                   a GGUF's Q4_0 / Q4_1 linears kept int4
     ctx.with_prefill_matmul("auto")                          prefill chunks in bf16 where it pays
-                                                             (layers/prefill_matmul.py)
+                                                             (layers/prefill_matmul.py), their attention
+                                                             as ctx.prefill_attention says
+                                                             (layers/prefill_attention.py)
 
 Every layer is created from it in its final form (`models.llama`); nothing is swapped or patched
 after loading.
@@ -22,7 +24,7 @@ import torch
 
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import AttentionBackend, get_attention_backend
-from native_backend.model.layers import prefill_matmul
+from native_backend.model.layers import prefill_attention, prefill_matmul
 from native_backend.model.layers.linear import C_KERNEL, DENSE, CKernelMethod, LinearMethod, with_bf16_prefill
 from native_backend.model.layers.ops import TORCH_OPS, TorchOps
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
@@ -43,7 +45,8 @@ class LayerContext:
     int8_head: bool = True  # int4 models with the C kernels: logits from an int8 copy of the head
     gguf_q4: bool = False  # a GGUF's Q4_0 / Q4_1 linears run packed by the int4 method (else made float)
     prefill_matmul: str = "fp32"  # the setting (auto | fp32 | bf16); resolved for float and int4 linears
-    prefill_note: str = ""  # what it resolved to, for the start-up line
+    prefill_note: str = ""  # what it and prefill_attention resolved to, for the start-up line
+    prefill_attention: str = "fp32"  # the setting (auto | fp32 | bf16), resolved with prefill_matmul
     kernel_path: str = ""  # the C kernels' path (cpu_kernels.path(): "avx512", "avx2"); "": no C kernels
 
     @classmethod
@@ -65,7 +68,7 @@ class LayerContext:
         float linears decided here (their twin that runs prefill chunks in bf16, the LM head kept
         on the float32 path), int4 ones by with_quantization once the checkpoint's format is known."""
         bf16, note = prefill_matmul.resolve(setting, device=self.device, dtype=self.dtype, int4=False)
-        ctx = dataclasses.replace(self, prefill_matmul=setting, prefill_note=note)
+        ctx = dataclasses.replace(self, prefill_matmul=setting)._with_prefill_attention(bf16, note)
         if not bf16:
             return ctx
         return dataclasses.replace(ctx, linear_method=with_bf16_prefill(self.linear_method),
@@ -88,8 +91,20 @@ class LayerContext:
         head = Int8HeadMethod(kernel=kernel) if int8_head else self.head_method or self.linear_method
         fuse = self.fuse_decode and kernel
         kernels = self.kernels if fuse else self.kernels.replace(", one-call decode steps", "")
-        return dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse, prefill_note=note,
-                                   kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
+        ctx = dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse,
+                                  kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
+        return ctx._with_prefill_attention(bf16, note)
+
+    def _with_prefill_attention(self, bf16_matmuls: bool, matmul_note: str) -> LayerContext:
+        """This context's attention backend with prompt chunks in bf16 or fp32 as prefill_attention
+        says, given how the prefill matmuls resolved; both in the start-up note."""
+        bf16, note = prefill_attention.resolve(self.prefill_attention, device=self.device, dtype=self.dtype,
+                                               bf16_matmuls=bf16_matmuls)
+        if bf16 and self.attention.name != "cpu":
+            bf16, note = False, f"prefill attention fp32 (attention '{self.attention.name}' has no bf16 path)"
+        attention = get_attention_backend(self.device, self.attention.name, prefill_bf16=bf16)
+        return dataclasses.replace(self, attention=attention,
+                                   prefill_note="; ".join(n for n in (matmul_note, note) if n))
 
 
 def _cpu_context(device, dtype, attention, shard) -> LayerContext:

@@ -161,6 +161,10 @@ class NativeSettings(BaseModel):
                                 "in bf16 from a bf16 copy of each linear (2 bytes a weight), fp32 accumulation, "
                                 "or in fp32; auto: bf16 for int4 linears on a CPU with AMX or AVX512_BF16 where a "
                                 "start-up probe measures it faster (auto | fp32 | bf16). Decode keeps its kernels.")
+    prefill_attention: str = Field("auto", description="CPU: the attention of prompt chunks (more than 8 new "
+                                   "tokens) with bf16 products, fp32 sums and softmax, or in fp32; auto: bf16 where "
+                                   "the prefill matmuls run in bf16, the CPU has AVX512_BF16 and a start-up probe "
+                                   "measures it faster (auto | fp32 | bf16). Decode keeps its kernels.")
     lm_head: str = Field("auto", description="CPU, int4 models: logits from an int8 copy of the LM head (a scale "
                          "per vocabulary row) or from the float head; auto: int8 where it measurably helps "
                          "(auto | int8 | float).")
