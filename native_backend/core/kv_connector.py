@@ -129,6 +129,12 @@ class HeldBlocks:
             done, self._done = self._done, []
             return done
 
+    def anything_to_free(self, now: float) -> bool:
+        """Whether take_freeable(now) would give blocks back (an idle producer's loop steps for
+        it: a served or expired hold must not wait for the next request to free its blocks)."""
+        with self._lock:
+            return bool(self._done) or any(not h.claimed and h.deadline <= now for h in self._holds.values())
+
     def evict_oldest(self) -> bool:
         """Give up the unread hold closest to its deadline (the cache needs room); False: none."""
         with self._lock:

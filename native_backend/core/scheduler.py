@@ -304,8 +304,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or reads of ended requests to wait out (their blocks come back then)."""
-        return bool(self.requests) or bool(self.reads_ended_after)
+        """Requests to run, reads of ended requests to wait out (their blocks come back then), or
+        a producer's holds to free (served, or past their deadline)."""
+        return bool(self.requests) or bool(self.reads_ended_after) or (
+            self.kv is not None and self.kv.held is not None and self.kv.held.anything_to_free(time.monotonic()))
 
     @property
     def num_waiting(self) -> int:

@@ -295,8 +295,11 @@ def test_unread_blocks_are_freed_after_the_hold_timeout_and_the_consumer_recompu
     ids = prompt(10)
     params = prefill(producer, "h", ids)
     assert producer.stats().kv_blocks_held == len(params["remote_block_ids"])
+    assert not producer.has_unfinished()  # an idle producer's loop waits ...
     time.sleep(0.1)
-    assert all_blocks_back(producer) and producer.stats().kv_holds_expired == 1
+    assert producer.has_unfinished()  # ... until a hold is past its deadline: one step frees it
+    producer.step()
+    assert all_free(producer) and producer.stats().kv_holds_expired == 1 and not producer.has_unfinished()
     tokens, last = run(consumer, EngineRequest("h", ids, GREEDY, kv_transfer_params=params))
     assert tokens == run(solo, EngineRequest("h", ids, GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
 
