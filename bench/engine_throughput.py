@@ -370,6 +370,7 @@ def hf_batch1(spec) -> dict:
 TTFT_ENGINES = {
     "kvgate fp32 (engine defaults)": {},
     "kvgate int4 (make serve: quantization gguf)": {"quantization": "gguf"},
+    "kvgate int4, prefill_attention fp32": {"quantization": "gguf", "prefill_attention": "fp32"},
     "kvgate int4, prefill_matmul fp32": {"quantization": "gguf", "prefill_matmul": "fp32"},
 }
 HF_TTFT = {"transformers fp32": "float32", "transformers bf16": "bfloat16"}
