@@ -93,6 +93,8 @@ class _LlamaCpp:
             self.proc.stdin.write(json.dumps({"cmd": "b1", "prompt": list(cmd[1]), "new": cmd[2]}) + "\n")
         elif cmd[0] == "ttft":
             self.proc.stdin.write(json.dumps({"cmd": "ttft", "prompt": list(cmd[1])}) + "\n")
+        elif cmd[0] == "c2":
+            self.proc.stdin.write(json.dumps({"cmd": "c2", "prompts": cmd[1], "new": cmd[2]}) + "\n")
         elif cmd[0] == "stop":
             self.proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
         self.proc.stdin.flush()

@@ -486,6 +486,43 @@ def run_child(name: str, spec: dict, workdir: Path, tag: str | None = None) -> d
     return result
 
 
+def serve_settings() -> dict:
+    """configs/default.yaml's native deployment settings (what `make serve` runs), its model aside."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    [native] = [d for m in config["models"] for d in m["deployments"] if d["backend"] == "native"]
+    return {k: v for k, v in native["settings"].items() if k != "model"}
+
+
+def llamacpp_runs(spec: dict) -> tuple[list[dict], list[dict]]:
+    """llama.cpp (bench/llamacpp_b1.py in its venv) on the same GGUF and threads: the C2 workload's
+    requests one after another, and batch-1 decode on the b1 prompts (([c2 result], [b1 result]))."""
+    from awq_speed import _LlamaCpp, llama_cpp_python
+
+    python = llama_cpp_python()
+    if not python:
+        raise SystemExit("--llamacpp: llama.cpp's venv is not built (bash bench/llamacpp_server.sh install)")
+    print(f"[{time.strftime('%H:%M:%S')}] llama.cpp ...", flush=True)
+    anchor = _LlamaCpp(python, spec["model"], spec["threads"])
+    try:
+        w = spec["workload"]
+        anchor.send(("b1", w["warmup_prompts"][0], 8))  # warm-up, not timed
+        anchor.recv()
+        anchor.send(("c2", w["prompts"], w["output_lens"]))
+        c2 = {**anchor.recv(), "engine": anchor.ready}
+        b1 = []
+        for prompt in w["b1_prompts"]:
+            anchor.send(("b1", prompt, spec["b1_new"]))
+            b1.append(anchor.recv())
+    finally:
+        anchor.send(("stop",))
+        anchor.join(60)
+    print(f"[{time.strftime('%H:%M:%S')}] llama.cpp done: C2 {c2['out_tok_s']:.1f} tok/s (one at a time), "
+          f"batch-1 {statistics.median(r['decode_tok_s'] for r in b1):.1f} tok/s", flush=True)
+    return [c2], [{"decode_tok_s": statistics.median(r["decode_tok_s"] for r in b1), "runs": b1}]
+
+
 def median_of(results: list[dict], key: str):
     values = [r[key] for r in results if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -520,6 +557,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="engine override (default: EngineConfig's)")
     parser.add_argument("--kv-cache-mib", type=int, help="engine KV-cache budget override (CPU default: 2 GiB)")
     parser.add_argument("--model", help="GGUF path (default: native_backend.model.loader.default_gguf_path())")
+    parser.add_argument("--serve-config", action="store_true",
+                        help="kvgate's C2 and batch-1 engine as `make serve` runs it: configs/default.yaml's native "
+                             "settings (int4 GGUF, max_num_seqs 32, ...), the other overrides on top")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also llama.cpp on the same GGUF (its venv: bench/llamacpp_server.sh install): batch-1 "
+                             "on the same prompts, and the C2 requests one after another (it does not batch)")
     parser.add_argument("--out", help="JSON path (default bench/results/engine_throughput.json, "
                                       "--quick: engine_throughput_quick.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -540,7 +583,7 @@ def main() -> None:
     from native_backend.model.loader import default_gguf_path
 
     model_path = args.model or default_gguf_path()
-    overrides = {}
+    overrides = serve_settings() if args.serve_config else {}
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
@@ -581,6 +624,8 @@ def main() -> None:
                 runs["hf_batch1_bf16"] = [run_child("hf_batch1", bf16, workdir, "hf_batch1_bf16")]
             if not args.skip_sequential:
                 runs["hf_sequential"] = [run_child("hf_sequential", spec, workdir) for _ in range(args.repeats)]
+        if args.llamacpp:
+            runs["llamacpp"], runs["llamacpp_batch1"] = llamacpp_runs(spec)
 
     report = summarize(args, workload, model_path, overrides, runs, check_indices, load1)
     report["ttft"] = ttft
@@ -626,6 +671,8 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
         "hf_static16_bf16_out_tok_s": med("hf_static16_bf16"),
         "ratio_vs_hf_static16_bf16": ratio(kv, med("hf_static16_bf16")),
         "ratio_vs_hf_sequential": ratio(kv, seq),
+        "llamacpp_one_at_a_time_out_tok_s": med("llamacpp"),
+        "ratio_vs_llamacpp": ratio(kv, med("llamacpp")),
         "hf_static16_computed_tok_s": med("hf_static16", "computed_tok_s"),
         "wall_s": {s: med(s, "wall_s") for s in ("kvgate", "hf_static16", "hf_static16_bf16", "hf_sequential")
                    if s in runs},
@@ -645,6 +692,8 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
             "hf_ttft_s": med("hf_batch1", "ttft_s"),
             "hf_bf16_decode_tok_s": med("hf_batch1_bf16", "decode_tok_s"),
             "hf_bf16_ttft_s": med("hf_batch1_bf16", "ttft_s"),
+            "llamacpp_decode_tok_s": med("llamacpp_batch1", "decode_tok_s"),
+            "ratio_vs_llamacpp": ratio(kv_b1, med("llamacpp_batch1", "decode_tok_s")),
         },
         "peak_rss_note": "each system in its own process; measurement_phase = peak RSS after load and warm-up "
                          "(VmHWM reset), whole_child includes loading (hf: the first hf child converts the GGUF, the "
@@ -656,6 +705,7 @@ def summarize(args, workload, model_path, overrides, runs, check_indices, load1)
         "anchors_tok_s": ANCHORS,
         "config": {
             "model": model_path, "dtype": "float32", "device": "cpu", "threads": args.threads,
+            "serve_config": args.serve_config,
             "requests": args.requests, "prompt_len": [args.prompt_min, args.prompt_max],
             "output_len": [args.output_min, args.output_max], "hf_batch_size": args.hf_batch_size,
             "repeats": args.repeats, "engine_overrides": overrides, "quick": args.quick,
@@ -710,7 +760,8 @@ def print_table(r: dict) -> None:
     print(f"{'system':<16}{'out tok/s':>11}{'wall s':>9}{'kvgate x':>10}   peak RSS MiB (measure / whole child)")
     rows = [("kvgate", r["kvgate_out_tok_s"], None), ("hf_static16", r["hf_static16_out_tok_s"], r["ratio_vs_hf_static16"]),
             ("hf_static16_bf16", r["hf_static16_bf16_out_tok_s"], r["ratio_vs_hf_static16_bf16"]),
-            ("hf_sequential", r["hf_sequential_out_tok_s"], r["ratio_vs_hf_sequential"])]
+            ("hf_sequential", r["hf_sequential_out_tok_s"], r["ratio_vs_hf_sequential"]),
+            ("llamacpp", r["llamacpp_one_at_a_time_out_tok_s"], r["ratio_vs_llamacpp"])]
     for name, tps, ratio in rows:
         print(f"{name:<16}{f(tps):>11}{f(r['wall_s'].get(name)):>9}{f(ratio, '.2f'):>10}   {peak(name)}")
     b = r["batch1"]
@@ -720,6 +771,8 @@ def print_table(r: dict) -> None:
           f"peak RSS kvgate {peak('kvgate_batch1')}, hf {peak('hf_batch1')}")
     if b["hf_bf16_decode_tok_s"]:
         print(f"transformers bf16 batch-1: {f(b['hf_bf16_decode_tok_s'])} tok/s, TTFT {f(b['hf_bf16_ttft_s'], '.3f')} s")
+    if b["llamacpp_decode_tok_s"]:
+        print(f"llama.cpp batch-1: {f(b['llamacpp_decode_tok_s'])} tok/s (kvgate {f(b['ratio_vs_llamacpp'], '.2f')}x)")
     if r["hf_static16_computed_tok_s"]:
         print(f"hf_static16 including the padding tail: {f(r['hf_static16_computed_tok_s'])} tok/s generated")
     for name, res in r["correctness"].items():

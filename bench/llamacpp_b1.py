@@ -6,6 +6,8 @@
 Reads one JSON command per line on stdin, answers one JSON line on stdout:
   {"cmd": "b1", "prompt": [token ids], "new": N} -> {"new_tokens": N, "decode_tok_s": rate}
   {"cmd": "ttft", "prompt": [token ids]}          -> {"ttft_s": seconds to the first token, "prompt_tokens": n}
+  {"cmd": "c2", "prompts": [[ids]...], "new": [N...]} -> {"out_tokens", "wall_s", "out_tok_s"}: the requests
+                                                    one after another (llama-cpp-python has no batching)
   {"cmd": "stop"}                                 -> exits
 The prompt's token ids are the same ones the engines get (the model's own tokenizer, read from the
 GGUF by both). Greedy (top_k 1), EOS not honoured: N tokens are generated. The rate is taken as the
@@ -36,6 +38,25 @@ def ttft(llm: Llama, prompt: list[int]) -> dict:
     return {"ttft_s": time.perf_counter() - started, "prompt_tokens": len(prompt)}
 
 
+def sequential(llm: Llama, prompts: list[list[int]], news: list[int]) -> dict:
+    started, out = time.perf_counter(), 0
+    for prompt, new in zip(prompts, news):
+        for n, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), 1):
+            if n == new:
+                break
+        out += n
+    wall = time.perf_counter() - started
+    return {"out_tokens": out, "wall_s": wall, "out_tok_s": out / wall}
+
+
+def answer(llm: Llama, cmd: dict) -> dict:
+    if cmd["cmd"] == "ttft":
+        return ttft(llm, cmd["prompt"])
+    if cmd["cmd"] == "c2":
+        return sequential(llm, cmd["prompts"], cmd["new"])
+    return decode_rate(llm, cmd["prompt"], cmd["new"])
+
+
 def main() -> None:
     path, threads = sys.argv[1], int(sys.argv[2])
     # n_ctx: a 4,096-token TTFT prompt and its first token
@@ -45,8 +66,7 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["cmd"] == "stop":
             return
-        answer = ttft(llm, cmd["prompt"]) if cmd["cmd"] == "ttft" else decode_rate(llm, cmd["prompt"], cmd["new"])
-        print(json.dumps(answer), flush=True)
+        print(json.dumps(answer(llm, cmd)), flush=True)
 
 
 if __name__ == "__main__":
