@@ -44,6 +44,9 @@ EXTRA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 # bootstrap): only the gateway sets them (gateway.disagg). A client's are dropped, never
 # forwarded: forged ones would point an engine at another request's blocks or another host.
 ENGINE_ONLY_FIELDS = frozenset({TRANSFER_PARAMS, "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+# Vendor fields whose type the gateway knows (vLLM's extensions a backend here reads itself): a
+# wrong one is the client's 400 naming it, whichever deployment would have taken the field.
+TYPED_EXTRAS = {"skip_special_tokens": (bool, "a boolean")}
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
@@ -329,6 +332,9 @@ def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
         if not EXTRA_NAME.match(name):
             raise InvalidRequestError(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64],
                                       code="unknown_parameter")
+        expected = TYPED_EXTRAS.get(name)
+        if expected is not None and not isinstance(value, expected[0]):
+            raise InvalidRequestError(f"'{name}' must be {expected[1]}, got {fastjson.dumps(value)[:64]}.", param=name)
         size = len(fastjson.dumps(value))
         if size > limits.max_extra_bytes:
             raise InvalidRequestError(f"'{name}' is {size} bytes of JSON, over this server's limit of "

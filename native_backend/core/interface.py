@@ -115,6 +115,11 @@ class EngineRequest:
     # vLLM's kv_transfer_params (prefill/decode disaggregation, core.kv_connector): do_remote_decode
     # (a prefill whose blocks a decode engine will read) or do_remote_prefill and where to read.
     kv_transfer_params: dict | None = None
+    # vLLM's skip_special_tokens: special tokens (<|im_end|>, [TOOL_CALLS]) are left out of the text.
+    skip_special_tokens: bool = True
+    # Special tokens kept in the text even so, by their text: the markers a tool parser reads
+    # (Mistral's [TOOL_CALLS]); those the model's tokenizer has as plain text are text anyway.
+    kept_special_tokens: tuple[str, ...] = ()
 
     def check(self, vocab_size: int) -> None:
         """Refuse (EngineError "invalid") what would fail later inside a batched step, where it

@@ -31,6 +31,9 @@ class _RequestText:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     want_logprobs: bool
+    # A special token that ends the request (an EOS, a stop_token_id) is not its text, even where
+    # special tokens are kept (vLLM leaves the stop token out too).
+    stop_ids: frozenset[int] = frozenset()
 
 
 class OutputProcessor:
@@ -48,10 +51,21 @@ class OutputProcessor:
     def add_request(self, request: EngineRequest) -> None:
         self.core.add_request(request)  # raises EngineError to refuse it
         self._texts[request.request_id] = _RequestText(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            self._detokenizer(request),
             StopStringMatcher(request.sampling.stop),
             request.sampling.logprobs is not None,
+            frozenset(t for t in (*self.tokenizer.eos_token_ids, *request.sampling.stop_token_ids)
+                      if self.tokenizer.is_special(t)),
         )
+
+    def _detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer:
+        """Special tokens out of the text (skip_special_tokens), but those kept for a tool parser."""
+        kept = {self.tokenizer.special_token_id(text) for text in request.kept_special_tokens} - {None}
+        if request.skip_special_tokens and kept:
+            return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                          dropped_ids=self.tokenizer.special_token_ids - kept)
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                      skip_special_tokens=request.skip_special_tokens)
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -94,7 +108,10 @@ class OutputProcessor:
 
     def _to_output(self, out: CoreOutput) -> RequestOutput:
         state = self._texts[out.request_id]
-        text, stopped = state.stops.push(state.detokenizer.push(out.new_token_ids))
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and new_ids and new_ids[-1] in state.stop_ids:
+            new_ids = new_ids[:-1]
+        text, stopped = state.stops.push(state.detokenizer.push(new_ids))
         finish_reason, timings = out.finish_reason, out.timings
         if stopped:
             if not out.finished:

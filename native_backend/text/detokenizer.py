@@ -18,7 +18,7 @@ flush() releases whatever remains when the request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -38,9 +38,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (),
-                 *, skip_special_tokens: bool = True):
+                 *, skip_special_tokens: bool = True, dropped_ids: Collection[int] | None = None):
+        """dropped_ids: the tokens left out of the text, all others decoded special tokens included
+        (the special tokens but those a tool parser reads); it overrides skip_special_tokens."""
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._skip_special_tokens = skip_special_tokens if dropped_ids is None else False
+        self._dropped_ids = None if dropped_ids is None else frozenset(dropped_ids)
         # The tail of the prompt is the context of the first output tokens.
         self._window: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._num_prefix_tokens = len(self._window)
@@ -70,4 +73,6 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._dropped_ids is not None:
+            token_ids = [t for t in token_ids if t not in self._dropped_ids]
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -145,6 +145,14 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return self.backend.id_to_token(token_id) in self._special_ids
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token written `text`; None where `text` is no special token."""
+        return self._special_ids.get(text)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(self._special_ids.values())
+
     # ------------------------------------------------------------------ chat
 
     @functools.cached_property

@@ -30,6 +30,21 @@ def test_a_clients_own_max_tokens_is_not_a_default(parse, body):
     assert (sampling.max_tokens, sampling.max_tokens_default) == (5, False)
 
 
+@pytest.mark.parametrize("parse,body", [
+    (parse_chat, CHAT),
+    (parse_completion, {"model": "m", "prompt": "hi"}),
+])
+@pytest.mark.parametrize("value", ["false", 0, None, [False]])
+def test_skip_special_tokens_must_be_a_boolean(parse, body, value):
+    """vLLM's skip_special_tokens: a vendor field, forwarded as sent, but a boolean or a 400 naming it."""
+    from gateway.errors import InvalidRequestError
+
+    assert parse({**body, "skip_special_tokens": False}, LIMITS).extra == {"skip_special_tokens": False}
+    with pytest.raises(InvalidRequestError) as refused:
+        parse({**body, "skip_special_tokens": value}, LIMITS)
+    assert refused.value.param == "skip_special_tokens" and "boolean" in str(refused.value)
+
+
 CONFIG = """
 server: {limits: {max_tokens: 8}}
 models:

@@ -358,3 +358,20 @@ def test_models_and_openapi_declare_structured_outputs_and_tools(gw):
     doc = httpx.get(gw.base_url + "/openapi.json").json()
     chat_body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"structured_outputs", "tools", "tool_choice", "response_format"} <= set(chat_body["properties"])
+
+
+def test_skip_special_tokens_false_shows_the_special_tokens(client):
+    """vLLM's skip_special_tokens: false on the native engine, through the openai client's extra_body:
+    SmolLM2 run past its end of turn (ignore_eos) writes <|im_end|> and <|im_start|>, which the text
+    shows only then; the EOS that ends a request is no text either way (as in vLLM)."""
+    kw = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    skipped = chat(client, "Hi", **kw).choices[0].message.content
+    kw["extra_body"]["skip_special_tokens"] = False
+    shown = chat(client, "Hi", **kw).choices[0].message.content
+    assert "<|im_end|>" in shown and "<|im_start|>" in shown and "<|im_" not in skipped
+    assert shown.replace("<|im_end|>", "").replace("<|im_start|>", "") == skipped
+    ended = chat(client, "Hi", temperature=0, max_tokens=32, extra_body={"skip_special_tokens": False}).choices[0]
+    assert ended.finish_reason == "stop" and ended.message.content == shown[:shown.index("<|im_end|>")]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, "hi", max_tokens=1, extra_body={"skip_special_tokens": "no"})
+    assert refused.value.body["param"] == "skip_special_tokens"

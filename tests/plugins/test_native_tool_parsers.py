@@ -382,3 +382,87 @@ def test_nesting_deeper_than_the_json_parser_takes_is_content(cls, text):
     text = text.replace("{}", "{\"a\": " + deep + "}", 1)
     content, deltas = parse(cls(), [text[:500], text[500:]])
     assert content == text and deltas == []
+
+
+# ------------------------------------------------------------------------------ markers that are special tokens
+
+MARKERS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_start|>", "<|python_end|>"]
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(compiler) -> Tokenizer:
+    """SmolLM2's tokenizer with Mistral's and Llama 4's call markers added as special tokens, as
+    those models' tokenizers have them (SmolLM2's own has them as plain text)."""
+    import tokenizers
+
+    smollm2 = compiler[0]
+    backend = tokenizers.Tokenizer.from_str(smollm2.backend.to_str())
+    backend.add_special_tokens(MARKERS)
+    return Tokenizer(backend, chat_template=None, special_tokens_map={}, eos_token_ids=smollm2.eos_token_ids)
+
+
+def engine_then_parser(tokenizer, cls, text, skip_special_tokens=True, tools=True):
+    """`text` (the model's output, its markers and <|im_end|> written as special tokens) through the
+    engine's output processor one token a step, then the backend's tool-call split, as
+    NativeBackend.generate wires them: (content, deltas, the engine's text)."""
+    from gateway.backend import TokenEvent
+    from kvgate_native.backend import _with_tool_calls, hidden_markers
+    from native_backend.core.interface import CoreOutput, EngineRequest
+    from native_backend.process.output_processor import OutputProcessor
+
+    class Core:
+        def add_request(self, request):
+            pass
+
+    parser = cls()
+    hidden = hidden_markers(parser, tokenizer) if tools and skip_special_tokens else None
+    processor = OutputProcessor(Core(), tokenizer)
+    processor.add_request(EngineRequest("r", tokenizer.encode("Hi", add_special_tokens=False),
+                                        skip_special_tokens=skip_special_tokens,
+                                        kept_special_tokens=hidden.markers if hidden else ()))
+    ids = tokenizer.encode(text + "<|im_end|>", add_special_tokens=False, parse_special=True)
+    content, deltas, engine_text = "", [], ""
+    for i, token_id in enumerate(ids):
+        out = processor._to_output(CoreOutput("r", [token_id], finish_reason="stop" if i == len(ids) - 1 else None))
+        engine_text += out.new_text
+        event = _with_tool_calls(TokenEvent(text=out.new_text, finish_reason=out.finish_reason), parser, hidden)
+        content, deltas = content + event.text, deltas + list(event.tool_calls)
+    return content, deltas, engine_text
+
+
+@pytest.mark.parametrize("cls, text, content, found", [
+    (MistralParser, "Sure." + mistral11(OSLO, NOW), "Sure.", [OSLO, NOW]),
+    (MistralParser, '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}', "", [NOW]),
+    (MistralParser, "[TOOL_CALLS]hello there", "hello there", []),  # a marker that opens no call: hidden
+    (PythonicParser, "<|python_start|>" + pythonic(OSLO, NOW) + "<|python_end|>", "", [OSLO, NOW]),
+    (PythonicParser, "<|python_start|>print('hi')<|python_end|> ok", "print('hi') ok", []),
+], ids=lambda v: getattr(v, "name", None))
+def test_markers_that_are_special_tokens_reach_the_parser_and_not_the_content(marker_tokenizer, cls, text,
+                                                                               content, found):
+    assert all(marker_tokenizer.special_token_id(m) is not None for m in MARKERS)
+    got, deltas, engine_text = engine_then_parser(marker_tokenizer, cls, text)
+    assert (got, calls(deltas)) == (content, found)
+    assert engine_text == text  # the parser's markers kept, <|im_end|> (a special token it does not read) not
+
+
+def test_without_the_parsers_markers_a_special_token_call_is_lost(marker_tokenizer):
+    """What the engine gave the parser before: a v11 call's markers skipped, the call read as text."""
+    got, deltas, _ = engine_then_parser(marker_tokenizer, MistralParser, mistral11(NOW), tools=False)
+    assert deltas == [] and got == "get_time{}"
+
+
+def test_skip_special_tokens_false_shows_every_special_token_but_the_stop(marker_tokenizer):
+    text = "Sure.<|im_start|>" + mistral11(NOW)
+    got, deltas, engine_text = engine_then_parser(marker_tokenizer, MistralParser, text, skip_special_tokens=False)
+    assert engine_text == text and got == "Sure.<|im_start|>" and calls(deltas) == [NOW]
+    # with tools and the default, the markers are read and no other special token shows
+    got, deltas, engine_text = engine_then_parser(marker_tokenizer, MistralParser, text)
+    assert engine_text == "Sure." + mistral11(NOW) and got == "Sure." and calls(deltas) == [NOW]
+
+
+def test_hidden_markers_hold_back_a_possible_start_only():
+    from kvgate_native.tool_parsers.base import HiddenMarkers
+
+    hidden = HiddenMarkers(("[TOOL_CALLS]",))
+    assert [hidden.push(p) for p in ["a [TOOL", "_CALLS]b [T", "x"]] + [hidden.finish()] == ["a ", "b ", "[Tx", ""]
+    assert hidden.push("end [TOOL") + hidden.finish() == "end [TOOL"

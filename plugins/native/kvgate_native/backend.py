@@ -35,6 +35,7 @@ from kvgate_native.constraints import grammar_spec
 from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
 from kvgate_native.engine_errors import api_error
 from kvgate_native.tool_parsers import DEFAULT as DEFAULT_TOOL_PARSER, ToolParser, tool_parser
+from kvgate_native.tool_parsers.base import HiddenMarkers
 from kvgate_native.tools import chat_prompt_ids, uses_tools
 from kvgate_native.supervisor import UP, EngineSupervisor, SupervisionSettings
 from native_backend.config.architectures import architecture_on_disk, check_architecture
@@ -57,7 +58,7 @@ TOKENIZE_THREADS = 2
 ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
                                    features=frozenset({"logprobs", "n", "json_object", "json_schema", "tools"}),
-                                   extras=frozenset({"structured_outputs"}))
+                                   extras=frozenset({"structured_outputs", "skip_special_tokens"}))
 EMBEDDING_CAPABILITIES = dataclasses.replace(NATIVE_CAPABILITIES,
                                              endpoints=NATIVE_CAPABILITIES.endpoints | {"embeddings"})
 
@@ -350,6 +351,11 @@ class NativeBackend:
         client = self.client
         if not self.supervisor.up:
             raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
+        skip_special = _skip_special_tokens(request)
+        parser = hidden = None
+        if uses_tools(request.tools, request.tool_choice):
+            parser = self.tool_parser(max_calls=1 if request.parallel_tool_calls is False else None)
+            hidden = hidden_markers(parser, self._ready_tokenizer()) if skip_special else None
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=await self._tokenized(request),
@@ -358,16 +364,15 @@ class NativeBackend:
             trace_context=dict(request.trace_context),
             grammar=_constraint(request, self.tool_parser),
             kv_transfer_params=request.extra.get(TRANSFER_PARAMS),
+            skip_special_tokens=skip_special,
+            kept_special_tokens=hidden.markers if hidden else (),
         )
         want_logprobs = request.sampling.logprobs is not None
-        parser = None
-        if uses_tools(request.tools, request.tool_choice):
-            parser = self.tool_parser(max_calls=1 if request.parallel_tool_calls is False else None)
         try:
             async with contextlib.aclosing(client.generate(engine_request)) as outputs:
                 async for out in outputs:
                     event = _token_event(out, want_logprobs, request.continuous_usage)
-                    yield event if parser is None else _with_tool_calls(event, parser)
+                    yield event if parser is None else _with_tool_calls(event, parser, hidden)
         except EngineError as exc:
             raise api_error(exc) from None
         except EngineDeadError as exc:
@@ -537,9 +542,11 @@ def _constraint(request: GenerationRequest, parser: type[ToolParser]):
     return tools or constraint
 
 
-def _with_tool_calls(event: TokenEvent, parser: ToolParser) -> TokenEvent:
-    """The event's text split into content and tool-call fragments; a request that called tools
-    and stopped ends with finish_reason tool_calls."""
+def _with_tool_calls(event: TokenEvent, parser: ToolParser,
+                     hidden: HiddenMarkers | None = None) -> TokenEvent:
+    """The event's text split into content and tool-call fragments, the markers kept only for the
+    parser (`hidden`) out of the content; a request that called tools and stopped ends with
+    finish_reason tool_calls."""
     text, deltas = parser.push(event.text)
     finish_reason = event.finish_reason
     if finish_reason is not None:
@@ -547,7 +554,24 @@ def _with_tool_calls(event: TokenEvent, parser: ToolParser) -> TokenEvent:
         text, deltas = text + tail, deltas + more
         if finish_reason == "stop" and parser.num_calls:
             finish_reason = "tool_calls"
+    if hidden is not None:
+        text = hidden.push(text) + (hidden.finish() if finish_reason is not None else "")
     return dataclasses.replace(event, text=text, tool_calls=tuple(deltas), finish_reason=finish_reason)
+
+
+def hidden_markers(parser: ToolParser, tokenizer: Tokenizer) -> HiddenMarkers | None:
+    """The parser's markers that are special tokens of this model: kept in the engine's text for
+    the parser, out of the content; None where it reads none of them (SmolLM2: all are text)."""
+    markers = tuple(m for m in getattr(parser, "special_markers", ()) if tokenizer.special_token_id(m) is not None)
+    return HiddenMarkers(markers) if markers else None
+
+
+def _skip_special_tokens(request: GenerationRequest) -> bool:
+    """vLLM's skip_special_tokens extension (default true); the gateway checked it is a boolean."""
+    value = request.extra.get("skip_special_tokens", True)
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"skip_special_tokens must be a boolean, got {value!r}.", param="skip_special_tokens")
+    return value
 
 
 def _engine_sampling(request: GenerationRequest) -> EngineSampling:

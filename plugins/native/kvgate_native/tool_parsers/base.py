@@ -28,6 +28,10 @@ class ToolParser:
     the first max_calls are dropped. Text that is no call stays content."""
 
     name = ""  # the name it is registered under (tool_call_parser)
+    # The markers it reads that a model's tokenizer may have as special tokens ([TOOL_CALLS]): the
+    # engine keeps those in the text it parses (vLLM's parsers set skip_special_tokens false), and
+    # HiddenMarkers takes them out of the content again.
+    special_markers: tuple[str, ...] = ()
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
@@ -309,6 +313,29 @@ class BracketScanner:
                     return i + 1
         self.pos = max(self.pos, stop)
         return None
+
+
+class HiddenMarkers:
+    """Content with the given markers taken out, as it streams: a marker kept in the text only for
+    the parser (a special token the client did not ask to see) never reaches the client, even
+    where the parser leaves it in the content (a marker that opens no call). A possible start of
+    one at the end is held back until the next piece decides."""
+
+    def __init__(self, markers: tuple[str, ...]):
+        self.markers = markers
+        self._pending = ""
+
+    def push(self, text: str) -> str:
+        text = self._pending + text
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        held = max(partial_tag(text, marker) for marker in self.markers)
+        self._pending = text[len(text) - held:] if held else ""
+        return text[:len(text) - held]
+
+    def finish(self) -> str:
+        text, self._pending = self._pending, ""
+        return text
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -30,6 +30,7 @@ class HermesParser(ToolParser):
     next piece decides; so is whitespace, which is dropped when only tool calls surround it."""
 
     name = "hermes"
+    special_markers = (OPEN, CLOSE)
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)

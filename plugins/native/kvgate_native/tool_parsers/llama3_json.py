@@ -30,6 +30,7 @@ START, CALLS, TEXT = "start", "calls", "text"  # undecided; reading calls; conte
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    special_markers = (PYTHON_TAG,)
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)

@@ -14,12 +14,12 @@ streamed as written (cut, at the end, where they were cut). Anything else after 
 content, the marker with it. Call ids are 9 letters and digits, as Mistral's chat templates
 require of the ids they are given back (a model's own `[CALL_ID]` is not kept).
 
-`[TOOL_CALLS]` and `[ARGS]` are special tokens in Mistral's own tokenizers, which the engine's
-text skips (it decodes without special tokens); so an output that begins (after whitespace) with a
-JSON array is read as the calls after the marker too. A v11 call whose markers were skipped
-(`get_weather{"city": "Oslo"}`) cannot be told from text and is content: reading v11 calls from
-the native engine needs the request's text decoded with its special tokens (vLLM sets
-skip_special_tokens false when tools are on). On other models (SmolLM2) the marker is text."""
+`[TOOL_CALLS]`, `[CALL_ID]` and `[ARGS]` are special tokens in Mistral's own tokenizers: a request
+with tools keeps them in the engine's text for this parser (special_markers), out of the content.
+An output that begins (after whitespace) with a JSON array is read as the calls after the marker
+too (a text whose markers were left out). A v11 call whose markers were left out
+(`get_weather{"city": "Oslo"}`) cannot be told from text and is content. On other models
+(SmolLM2) the markers are text."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ SYSTEM_PROMPT = (
 
 class MistralParser(ToolParser):
     name = "mistral"
+    special_markers = (TAG, CALL_ID, ARGS)
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)

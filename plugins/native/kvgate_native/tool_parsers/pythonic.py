@@ -9,8 +9,9 @@ a Python list whose every element is a call of a plain name with keyword argumen
 literal (JSON's true / false / null are read as True / False / None). Anything else is content,
 in full, a wrapper with it: an output that begins otherwise, a list that is no such list or is
 still open at the end. A `<|python_end|>` right after the list is dropped; other text after it is
-content. (The two wrapper tokens are special in Llama 4's tokenizer, which the engine's text
-leaves out: the list alone is what it then reads.) The calls are sent whole once the list closed:
+content. (The two wrapper tokens are special in Llama 4's tokenizer: a request with tools keeps
+them in the engine's text for this parser, out of the content; where they were left out, the list
+alone is what it reads.) The calls are sent whole once the list closed:
 their arguments are Python, re-written as JSON."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's wrapper of 
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+    special_markers = (PY_START, PY_END)
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
