@@ -577,7 +577,7 @@ def bf16_prefill_problem() -> str | None:
     if not available():
         return f"no C kernels ({unavailable_reason()})"
     if path() is not AVX512:
-        return f"the {path().name} kernel path has no bf16 attention (it needs the avx512 path)"
+        return f"the {path().name} kernel path has no bf16 attention: it needs the avx512 path"
     if BF16_PREFILL_CPU_FLAG not in _cpu_flags():
         return "the CPU has no AVX512_BF16"
     return None

@@ -152,7 +152,7 @@ def test_the_avx2_path_has_no_bf16_kernel_and_says_so(monkeypatch):
     try:
         assert cpu_kernels.path().name == "avx2"
         problem = cpu_kernels.bf16_prefill_problem()
-        assert problem == "the avx2 kernel path has no bf16 attention (it needs the avx512 path)"
+        assert problem == "the avx2 kernel path has no bf16 attention: it needs the avx512 path"
         assert resolve("bf16") == (False, f"prefill attention fp32 (prefill_attention: bf16, but {problem})")
         q, cache = torch.randn(4, 6, 64), torch.zeros(8, 4, 2, 64)
         with pytest.raises(RuntimeError, match="no AVX512_BF16"):

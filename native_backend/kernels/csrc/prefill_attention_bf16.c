@@ -219,7 +219,8 @@ BF_TARGET static void bf_attend(const bf_args *a, const bf_rows *rs, int64_t g) 
     for (int64_t r = 0; r < rs->n; r++) {
         float *dst = a->out + (rs->pos[r] * a->num_heads + rs->head[r]) * D;
         const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv));
     }
 }
 
