@@ -107,10 +107,14 @@ class SchedulerOptions:
     max_num_seqs: int = 32  # requests running at once
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
     max_model_len: int | None = None  # None: the model's own context length
+    long_prefill_token_threshold: int = 0  # a prompt's most tokens in one step (vLLM's name); 0: the budget
 
     def __post_init__(self):
         _positive("scheduler", max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                   max_model_len=self.max_model_len)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("scheduler.long_prefill_token_threshold must be 0 (off) or positive, "
+                             f"got {self.long_prefill_token_threshold}")
 
 
 @dataclass(frozen=True)

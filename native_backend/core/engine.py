@@ -100,6 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            long_prefill_token_threshold=config.scheduler.long_prefill_token_threshold,
             block_size=config.cache.block_size,
             num_blocks=self.plan.num_blocks,
             max_model_len=self.max_model_len,

@@ -66,6 +66,10 @@ from native_backend.core.spec_stats import SpecDecodeStats
 class SchedulerConfig:
     max_num_seqs: int = 256  # most requests running (holding KV) at once
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
+    # One prompt's most tokens in a step (0: the whole budget). Below the budget it leaves room
+    # in every step for others: a short prompt is admitted beside a long prompt's chunks instead
+    # of waiting for all of them (vLLM's long_prefill_token_threshold).
+    long_prefill_token_threshold: int = 0
     block_size: int = 16  # token slots per KV block
     num_blocks: int = 1024  # KV blocks in the cache
     max_model_len: int = 2048  # prompt + output tokens of one request, at most
@@ -78,6 +82,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 or positive, got {self.long_prefill_token_threshold}")
 
 
 class GrammarViolation(RuntimeError):
@@ -361,11 +367,17 @@ class Scheduler:
                 return
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, plan.token_budget)
+            num_new = self._chunk_tokens(seq.num_uncomputed_tokens, plan.token_budget)
             drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None and seq.pooling is None
             num_slots = self._draft_slots(seq, plan) if drafts else 0
             if self._reserve_blocks(seq, num_new, plan):
                 plan.add(self._make_chunk(seq, num_new, num_slots))
+
+    def _chunk_tokens(self, num_uncomputed: int, token_budget: int) -> int:
+        """A request's tokens this step: what it has left, within the budget and, for a prompt
+        chunk, the long-prefill threshold."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_uncomputed, token_budget, cap if cap and num_uncomputed > 1 else num_uncomputed)
 
     def _draft_slots(self, seq: Sequence, plan: _StepPlan) -> int:
         """Draft slots for a decoding request, within the budget and the request's remaining
@@ -516,7 +528,7 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, token_budget: int) -> ScheduledChunk | None:
         bm = self.block_manager
         num_cached = 0 if seq.pooling == "mean" else bm.get_computed_prefix(seq)  # mean pools every token
-        num_new = min(seq.num_tokens - num_cached, token_budget)
+        num_new = self._chunk_tokens(seq.num_tokens - num_cached, token_budget)
         if not bm.can_allocate(seq, num_new, num_cached):
             return None
         self.waiting.pop()

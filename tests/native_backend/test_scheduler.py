@@ -70,6 +70,23 @@ def test_decodes_and_prefill_chunks_share_a_step(make_scheduler, kit):
     runner.run_until_done()
 
 
+def test_a_long_prefill_threshold_admits_a_short_prompt_beside_a_long_ones_chunks(make_scheduler, kit):
+    """Without it the long prompt's chunks take every step's whole budget and the short prompt
+    waits for all of them; with it, the short prompt is computed in the next step."""
+    for threshold, short_prompt_step in ((0, 3), (8, 1)):  # 0: the step that ends the long prompt
+        sched = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=threshold)
+        runner = kit.FakeKVRunner(sched)
+        sched.add(request("long", tokens(40), max_tokens=2))
+        first, _ = runner.step()
+        assert [(c.request_id, len(c.token_ids)) for c in first.chunks] == [("long", threshold or 12)]
+        sched.add(request("short", tokens(3, start=50), max_tokens=2))
+        steps = [[(c.request_id, len(c.token_ids)) for c in runner.step()[0].chunks] for _ in range(4)]
+        assert next(i for i, step in enumerate(steps, 1) if ("short", 3) in step) == short_prompt_step
+        if threshold:  # the long prompt takes the threshold, the short one part of the rest
+            assert steps[0] == [("long", 8), ("short", 3)] and steps[1] == [("short", 1), ("long", 8)]
+        runner.run_until_done()
+
+
 def test_decodes_go_before_prefills_of_more_important_requests(make_scheduler, kit):
     # A long prefill must not starve running decodes, even when it is the more important one.
     sched = make_scheduler(max_num_batched_tokens=4)

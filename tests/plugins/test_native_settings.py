@@ -77,7 +77,7 @@ def _non_default_settings() -> dict:
                 collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234", kv_role="both",
                 kv_transfer_host="0.0.0.0", kv_transfer_port=7001, kv_transfer_advertise_host="10.0.0.7",
                 kv_transfer_timeout_s=5.0, kv_hold_timeout_s=60.0, kv_transfer_max_connections=3,
-                prefill_matmul="bf16", prefill_attention="fp32",
+                prefill_matmul="bf16", prefill_attention="fp32", long_prefill_token_threshold=64,
                 lm_head="float")
 
 

@@ -141,6 +141,9 @@ class NativeSettings(BaseModel):
     block_size: int = Field(16, description="Tokens per KV-cache block.")
     max_num_seqs: int = Field(32, description="Requests running at once.")
     max_num_batched_tokens: int = Field(512, description="Token budget of one step.")
+    long_prefill_token_threshold: int = Field(
+        0, description="A prompt's most tokens in one step, so short prompts are admitted beside a long one's "
+        "chunks (vLLM's name); 0: the whole step budget.")
     max_model_len: int | None = Field(None, description="Context limit; default: the model's.")
     kv_cache_bytes: int | None = Field(None, description="KV-cache budget in bytes.")
     memory_fraction: float = Field(0.9, description="Of GPU memory, when on CUDA.")
