@@ -27,7 +27,8 @@ from native_backend.execution.parallel.deltas import DeltaDecoder, DeltaEncoder
 from native_backend.execution.parallel.executor import TensorParallelError, check_supported
 from native_backend.execution.spec_decode.ngram import NgramProposer
 from native_backend.execution.spec_decode.proposer import propose_drafts
-from native_backend.model.layers import prefill_matmul
+from native_backend.kernels import cpu_kernels
+from native_backend.model.layers import prefill_attention, prefill_matmul
 from native_backend.tools.quantize import QuantizeOptions, quantize_model
 from tests.support.checks.tensor_parallel_checks import GREEDY, executor_for, max_difference, run_script, tiny_gqa_llama
 
@@ -257,10 +258,28 @@ def test_workers_decide_prefill_matmul_auto_from_rank_0s_probe(checkpoint, tmp_p
     awq = str(tmp_path / "int4-g8")
     quantize_model(checkpoint, awq, QuantizeOptions(method="rtn", group_size=8))
     monkeypatch.setattr(prefill_matmul, "_followed", ("AMX", 1.2))  # this process is rank 0
-    executor = executor_for(awq, 2)
-    try:
-        notes = [r["prefill"] for r in executor.reports]
-    finally:
-        executor.close()
+    notes = _prefill_notes(awq)
     assert notes == [notes[0]] * 2
     assert notes[0].startswith("prefill matmuls fp32 from") and "(auto: AMX, bf16 1.2x fp32" in notes[0]
+
+
+def test_workers_decide_prefill_attention_auto_from_rank_0s_probe(checkpoint, tmp_path, monkeypatch):
+    """The same for prefill attention's probe (it runs where the matmuls chose bf16: faked at 9x)."""
+    awq = str(tmp_path / "int4-g8")
+    quantize_model(checkpoint, awq, QuantizeOptions(method="rtn", group_size=8))
+    monkeypatch.setattr(prefill_matmul, "_followed", ("AMX", 9.0))
+    monkeypatch.setattr(prefill_attention, "_followed", 1.2)
+    notes = _prefill_notes(awq)
+    assert notes == [notes[0]] * 2 and "prefill matmuls bf16 from" in notes[0]
+    problem = cpu_kernels.bf16_prefill_problem()
+    followed = "prefill attention fp32 (auto: AVX512_BF16, bf16 1.2x"
+    assert (f"prefill attention fp32 (auto: {problem})" if problem else followed) in notes[0]
+
+
+def _prefill_notes(path: str) -> list[str]:
+    """Each rank's start-up words for its prefill (its memory report), at TP 2."""
+    executor = executor_for(path, 2)
+    try:
+        return [r["prefill"] for r in executor.reports]
+    finally:
+        executor.close()

@@ -5,7 +5,8 @@
                  GGUF Q4, in whole int32 words and groups); speculative decoding with N > 1:
                  method ngram (every rank runs the verification), draft refused with the reason
       spawn      ranks 1..N-1 (spawn context, daemonic, killed with this process)
-      probe      `prefill_matmul: auto`'s start-up probe, once, here; the workers decide from it
+      probe      the start-up probes of `prefill_matmul: auto` and `prefill_attention: auto`, once,
+                 here; the workers decide from their results
       load       rank 0's shard here while the workers load theirs
       agree      KV blocks = the smallest any rank can hold; fp8 calibration ids from rank 0
       join       the process group (gloo / NCCL, loopback port, collective timeout)
@@ -40,7 +41,7 @@ from native_backend.execution.parallel.kv_relay import ShardPipe, TensorParallel
 from native_backend.execution.parallel.report import describe_rank
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.execution.parallel.worker import run_worker
-from native_backend.model.layers import prefill_matmul
+from native_backend.model.layers import prefill_attention, prefill_matmul
 from native_backend.model.layers.sharding import CommStats, ShardSpec
 
 log = logging.getLogger("kvgate.engine")
@@ -97,12 +98,12 @@ class TensorParallelExecutor:
 
     def _start_group(self, listener) -> None:
         port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
-        probe = prefill_probe(self.config)  # before the workers start: nothing of ours loads the cores yet
+        probes = start_up_probes(self.config)  # before the workers start: nothing of ours loads the cores yet
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
             kv_ours, kv_theirs = ctx.Pipe(duplex=True) if self.config.transfer.produces else (None, None)
             process = ctx.Process(target=run_worker,
-                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probe),
+                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probes),
                                   name=f"kvgate-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
@@ -291,14 +292,22 @@ class TensorParallelExecutor:
         return self.comm.seconds
 
 
-def prefill_probe(config: EngineConfig) -> prefill_matmul.Probe | None:
-    """Rank 0's `prefill_matmul: auto` probe (the CPU's bf16 unit, bf16's measured speed-up), for
-    the workers to decide from: probing on their own, each while the others load, ranks of one
-    engine could choose differently and round their partial sums differently. None: no probe."""
+def start_up_probes(config: EngineConfig) -> dict | None:
+    """Rank 0's start-up probes for the workers to decide from (worker.follow_probes):
+    `prefill_matmul: auto`'s (the CPU's bf16 unit, bf16's measured speed-up) and
+    `prefill_attention: auto`'s (the bf16 kernel's speed-up, None where it cannot run). Probing on
+    their own, each while the others load, ranks of one engine could choose differently and
+    round their partial sums differently. None: nothing to probe (explicit settings, a GPU, a
+    model that is not float32)."""
     mc = config.model
-    if mc.prefill_matmul != "auto" or rank_device(mc.device, 0).type != "cpu" or mc.dtype != "float32":
+    if rank_device(mc.device, 0).type != "cpu" or mc.dtype != "float32":
         return None
-    return prefill_matmul.auto_probe()
+    probes = {}
+    if mc.prefill_matmul == "auto":
+        probes["prefill_matmul"] = prefill_matmul.auto_probe()
+    if mc.prefill_attention == "auto":
+        probes["prefill_attention"] = prefill_attention.auto_probe()
+    return probes or None
 
 
 def check_supported(config: EngineConfig) -> None:

@@ -1,7 +1,7 @@
 """A tensor-parallel worker (ranks 1..N-1): build this rank's shard, then follow rank 0 step by step.
 
-    start:  load its shard (prefill_matmul auto: decided from rank 0's probe) ──("loaded", blocks
-            it could hold)──> rank 0
+    start:  load its shard (prefill_matmul / prefill_attention auto: decided from rank 0's probes)
+            ──("loaded", blocks it could hold)──> rank 0
             <──("plan", blocks every rank holds, fp8 calibration ids)── rank 0
             join the process group, allocate its KV heads' cache ──("ready", memory report,
             its KV layout)──>
@@ -31,17 +31,17 @@ from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, DeltaDecoder, StepDelta
 from native_backend.execution.parallel.group import die_with_parent, join_group, rank_device
 from native_backend.execution.parallel.kv_relay import start_shard_server, worker_layout, write_shard
-from native_backend.model.layers import prefill_matmul
+from native_backend.model.layers import prefill_attention, prefill_matmul
 from native_backend.model.layers.sharding import ShardSpec
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection,
-               kv_conn: Connection | None = None, probe: prefill_matmul.Probe | None = None) -> None:
-    """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay); `probe`:
-    rank 0's prefill_matmul probe (executor.prefill_probe), which this rank's `auto` follows."""
+               kv_conn: Connection | None = None, probes: dict | None = None) -> None:
+    """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay); `probes`:
+    rank 0's start-up probes (executor.start_up_probes), which this rank's `auto` settings follow."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
-    prefill_matmul.follow(probe)
+    follow_probes(probes or {})
     code = 0
     try:
         executor = _start(config, rank, size, port, conn, kv_conn)
@@ -52,6 +52,12 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Conn
         _send_quietly(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         code = 1
     os._exit(code)  # no interpreter teardown: the group's peers may already be gone
+
+
+def follow_probes(probes: dict) -> None:
+    """Decide prefill_matmul's and prefill_attention's `auto` from rank 0's measurements."""
+    prefill_matmul.follow(probes.get("prefill_matmul"))
+    prefill_attention.follow(probes.get("prefill_attention"))
 
 
 def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connection, kv_conn: Connection | None):

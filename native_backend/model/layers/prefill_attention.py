@@ -57,6 +57,24 @@ def probe_speedup() -> float:
     return fp32 / bf16
 
 
+_followed: float | None = None  # a tensor-parallel worker: rank 0's measured speed-up (follow)
+
+
+def auto_probe() -> float | None:
+    """bf16's speed-up over float32 that `auto` decides from, where the bf16 kernel runs here (None
+    where it does not: nothing to measure). A tensor-parallel worker returns rank 0's (follow)."""
+    if _followed is not None:
+        return _followed
+    return None if cpu_kernels.bf16_prefill_problem() else probe_speedup()
+
+
+def follow(speedup: float | None) -> None:
+    """Decide `auto` from rank 0's auto_probe instead of this process's own probe, as
+    prefill_matmul.follow does for the matmuls: the ranks of one engine choose alike."""
+    global _followed
+    _followed = speedup
+
+
 def resolve(setting: str, *, device: torch.device, dtype: torch.dtype, bf16_matmuls: bool) -> tuple[bool, str]:
     """(bf16 prefill attention?, the start-up line's words for it). `bf16_matmuls`: the prefill
     matmuls' own resolution (prefill_matmul.resolve)."""
@@ -75,7 +93,7 @@ def resolve(setting: str, *, device: torch.device, dtype: torch.dtype, bf16_matm
         return False, "prefill attention fp32 (auto: prefill matmuls fp32)"
     if problem:
         return False, f"prefill attention fp32 (auto: {problem})"
-    speedup = probe_speedup()
+    speedup = probe_speedup() if _followed is None else _followed
     chosen = "bf16" if speedup >= MIN_SPEEDUP else "fp32"
     q_len, ctx = PROBE_SHAPE[:2]
     return chosen == "bf16", (f"prefill attention {chosen} (auto: AVX512_BF16, bf16 {speedup:.1f}x fp32 at "
