@@ -253,8 +253,10 @@ async def parsed_body(request: Request, parse):
     parse still counts as one of the key's requests."""
     limits = request.app.state.kvgate.config.server.limits
     await check_key_before_parsing(request)
-    with refusals_counted(request):
-        return parse(await _json_body(request, limits), limits)
+    with refusals_counted(request) as refusal:
+        body = await _json_body(request, limits)
+        refusal.model = body.get("model") if isinstance(body, dict) else None
+        return parse(body, limits)
 
 
 async def check_key_before_parsing(request: Request) -> None:
@@ -264,16 +266,30 @@ async def check_key_before_parsing(request: Request) -> None:
         await _check_key(request.app.state.kvgate, key)
 
 
+class Refusal:
+    """What is known of a request refused before it has a recorder: the model it named, if any."""
+
+    def __init__(self, model=None):
+        self.model = model
+
+
 @contextlib.contextmanager
-def refusals_counted(request: Request):
+def refusals_counted(request: Request, model: str | None = None):
     """A request refused before admission (an APIError: 400, 403, 404, 413) still counts as one
-    of its key's requests per minute."""
+    of its key's requests per minute, and in kvgate_requests_total under no deployment (and no
+    SLA class: it may be the bad part); its model is the pool the body named (`model`, or the
+    yielded Refusal's, set once the body is read), or "" for a model no pool has: a client's
+    made-up names must not become label values."""
+    refusal = Refusal(model)
     try:
-        yield
-    except APIError:
+        yield refusal
+    except APIError as exc:
+        state = request.app.state.kvgate
         key = _api_key(request)
         if key is not None:
-            request.app.state.kvgate.limiter.count_refused(key)
+            state.limiter.count_refused(key)
+        pool = state.registry.get(refusal.model) if isinstance(refusal.model, str) else None
+        state.metrics.requests.labels(pool.name if pool is not None else "", "", "", str(exc.status)).inc()
         raise
 
 

@@ -94,7 +94,7 @@ async def count_message_tokens(request: Request):
 async def _token_call(request: Request, parse, request_type, operation: str, method) -> "_Call":
     """Parse a /tokenize or /detokenize body and make its call (the model may be left out)."""
     parsed = await api.parsed_body(request, parse)
-    with api.refusals_counted(request):
+    with api.refusals_counted(request, parsed.model):
         model = _model_or_only_one(request, parsed.model)
 
     def build(request_id, priority, trace):
@@ -132,7 +132,7 @@ class _Call:
 async def _serve(request: Request, model: str, needs, operation: str, id_prefix: str, build, call) -> _Call:
     state = request.app.state.kvgate
     key = api._api_key(request)
-    with api.refusals_counted(request):
+    with api.refusals_counted(request, model):
         pool = api._resolve_pool(state, key, model)
         pool.check_servable(needs)
         sla = api._sla_class(request, state, key)

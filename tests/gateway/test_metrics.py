@@ -121,3 +121,28 @@ def test_a_400_of_the_backends_own_checks_is_not_charged_to_its_deployment(gw):
     samples = scrape(gw)
     assert value(samples, "kvgate_requests_total", model="echo", status="400", deployment="echo-0") == 0
     assert value(samples, "kvgate_requests_total", model="echo", status="400", deployment="") == 1
+
+
+def test_refusals_while_the_body_is_parsed_and_the_model_resolved_are_counted(gw):
+    """400s and 404s before any request record: under no deployment and no SLA class, the model
+    the body named when it is one, else "" (a client's made-up model names are no label values)."""
+    def refusals(model, status):
+        return value(scrape(gw), "kvgate_requests_total", model=model, deployment="", sla_class="", status=status)
+
+    before = {k: refusals(*k) for k in [("echo", "400"), ("", "404"), ("", "400")]}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    sent = [
+        ("/v1/chat/completions", {"model": "echo", **chat, "temperature": 5}, 400),  # the body's own check
+        ("/v1/chat/completions", {"model": "echo", **chat, "skip_special_tokens": 1}, 400),
+        ("/v1/completions", {"model": "echo", "prompt": "hi", "max_tokens": 1, "logit_bias": {"1": 2}}, 400),
+        ("/v1/chat/completions", {"model": "no-such-model-7f3a", **chat}, 404),
+        ("/tokenize", {"model": "no-such-model-7f3a", "prompt": "hi"}, 404),
+        ("/v1/chat/completions", {"model": ["echo"], **chat}, 400),
+    ]
+    for path, body, status in sent:
+        assert httpx.post(gw.base_url + path, json=body, timeout=30).status_code == status, body
+    assert httpx.post(gw.base_url + "/v1/completions", content=b"{not json", timeout=30).status_code == 400
+    assert refusals("echo", "400") - before[("echo", "400")] == 3
+    assert refusals("", "404") - before[("", "404")] == 2
+    assert refusals("", "400") - before[("", "400")] == 2
+    assert not any("no-such-model" in s.labels.get("model", "") for s in scrape(gw)["kvgate_requests_total"])
