@@ -71,13 +71,13 @@ def _model_card(pool) -> dict:
     upstream's model name: the deployment's upstream name when the backend says nothing), and
     `max_model_len`, the context length in tokens (the smallest of the deployments': what every
     route can take; null when none says). Plus {"weights": "int4 AWQ g64"} when they say how
-    their weights are stored and {"cpu_kernels": "avx512"} when they say which CPU kernels run
-    (several values joined)."""
+    their weights are stored, {"cpu_kernels": "avx512"} when they say which CPU kernels run and
+    {"prefill": "matmuls bf16, attention bf16"} how prompt chunks run (several values joined)."""
     running = [(d, d.backend.load().info) for d in pool.deployments if d.started]
     lengths = [int(info["max_model_len"]) for _, info in running if info.get("max_model_len")]
     card = {"root": _root(pool, running), "parent": None, "max_model_len": min(lengths, default=None),
             "capabilities": _capabilities(pool)}
-    for key in ("weights", "cpu_kernels"):
+    for key in ("weights", "cpu_kernels", "prefill"):
         values = sorted({info.get(key) for _, info in running} - {None})
         if values:
             card[key] = ", ".join(values)

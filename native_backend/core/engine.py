@@ -368,6 +368,7 @@ class LLMEngine:
             kv_cache_dtype=self.config.kv_cache_dtype,
             weights=self.executor.weights,
             cpu_kernels=self.executor.kernel_path,
+            prefill=self.executor.prefill_path,
             max_model_len=self.max_model_len,
             kv_clamped_keys=clamped_keys,
             kv_clamped_values=clamped_values,

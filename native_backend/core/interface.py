@@ -54,6 +54,7 @@ class EngineStats:
     kv_cache_dtype: str = ""  # the KV cache's storage: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
     weights: str = ""  # the decoder linears' format: float32, bfloat16, int4 AWQ g64, int4 GGUF Q4_1 g32, ...
     cpu_kernels: str = ""  # the C kernels' path that runs: avx512, avx2; "" where none does (CUDA, torch paths)
+    prefill: str = ""  # CPU float32: prompt chunks' paths, "matmuls bf16, attention bf16"; "": the model's dtype
     max_model_len: int = 0  # the context length a request may use, prompt + output tokens
     # fp8 KV: K and V values beyond the format's range after scaling, clamped when written, since
     # start (a scale too small for the traffic; 0 for other formats)

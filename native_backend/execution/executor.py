@@ -47,6 +47,7 @@ class Executor(Protocol):
     plan: KVCachePlan
     weights: str  # the decoder linears' format (quantization.method.weights_format)
     kernel_path: str  # the CPU kernels' path that runs ("avx512", "avx2"); "" where none does
+    prefill_path: str  # CPU float32: prompt chunks' matmuls and attention, e.g. "matmuls bf16, attention bf16"
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
 
@@ -86,6 +87,7 @@ class InProcessExecutor:
         self.model = load_model(mc.path, self.ctx)
         self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
         self.kernel_path = self.ctx.kernel_path
+        self.prefill_path = self.model.ctx.prefill_path  # as the checkpoint's format resolved it
         self.draft_model = draft_model.load_separate_draft(config, self.model, self.ctx,
                                                            self.tokenizer)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config

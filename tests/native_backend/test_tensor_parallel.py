@@ -98,6 +98,7 @@ def test_sampled_tokens_and_start_up_line_match_single_rank(checkpoint, single):
                                  finished_request_ids=["r0"])
         assert executor.execute(follow).sampled_token_ids == one.execute(follow).sampled_token_ids
         assert executor.collective_seconds > 0
+        assert executor.prefill_path == one.prefill_path != ""  # what /v1/models shows: rank 0's choice
     finally:
         executor.close()
     assert "2 tensor-parallel ranks (gloo" in line

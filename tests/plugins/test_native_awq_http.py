@@ -11,6 +11,7 @@ SmolLM2's 30 layers on the shared 2-core box, even on 128 calibration tokens."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,11 @@ def test_models_and_the_start_up_line_say_int4(gw):
     chosen = cpu_kernels.path()
     assert cards["smollm2-awq"].model_extra["cpu_kernels"] == chosen.name
     assert f"C kernels {cpu_kernels.path_label()}" in awq_line and f"C kernels {cpu_kernels.path_label()}" in q4_line
+    # how prompt chunks run: what the start-up line says was chosen (bf16 on AVX512_BF16 / AMX, else fp32)
+    for name, line in (("smollm2-awq", awq_line), ("smollm2-q4", q4_line)):
+        prefill = cards[name].model_extra["prefill"]
+        matmuls, attention = re.fullmatch(r"matmuls (\w+), attention (\w+)", prefill).groups()
+        assert f"prefill matmuls {matmuls}" in line and f"prefill attention {attention}" in line
 
 
 @pytest.mark.parametrize("model", ["smollm2-awq", "smollm2-q4"])

@@ -91,6 +91,7 @@ class TensorParallelExecutor:
         self.plan = self.rank.plan
         self.weights = self.rank.weights  # the decoder linears' format, as every rank has it
         self.kernel_path = self.rank.kernel_path
+        self.prefill_path = self.rank.prefill_path  # every rank follows rank 0's probes
 
     def _start(self) -> None:
         with open_rendezvous() as listener:  # closed if the start fails before the store takes it over

@@ -48,6 +48,7 @@ class LayerContext:
     prefill_note: str = ""  # what it and prefill_attention resolved to, for the start-up line
     prefill_attention: str = "fp32"  # the setting (auto | fp32 | bf16), resolved with prefill_matmul
     kernel_path: str = ""  # the C kernels' path (cpu_kernels.path(): "avx512", "avx2"); "": no C kernels
+    prefill_path: str = ""  # CPU float32: "matmuls bf16, attention bf16" etc., as resolved; "": no choice made
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
@@ -103,7 +104,9 @@ class LayerContext:
         if bf16 and self.attention.name != "cpu":
             bf16, note = False, f"prefill attention fp32 (attention '{self.attention.name}' has no bf16 path)"
         attention = get_attention_backend(self.device, self.attention.name, prefill_bf16=bf16)
-        return dataclasses.replace(self, attention=attention,
+        chosen = self.device.type == "cpu" and self.dtype == torch.float32  # else the model's dtype runs
+        path = f"matmuls {'bf16' if bf16_matmuls else 'fp32'}, attention {'bf16' if bf16 else 'fp32'}" if chosen else ""
+        return dataclasses.replace(self, attention=attention, prefill_path=path,
                                    prefill_note="; ".join(n for n in (matmul_note, note) if n))
 
 

@@ -608,10 +608,10 @@ def _token_event(out: RequestOutput, want_logprobs: bool, every_usage: bool = Fa
 def _engine_info(stats: dict) -> dict[str, str]:
     """What does not change while it runs: the KV cache's configuration, the weights' format
     (`weights`, e.g. "int4 AWQ g64"), the CPU kernels' path (`cpu_kernels`: "avx512", "avx2";
-    absent where none runs) and the context length (`max_model_len`): /v1/models shows the last
-    three."""
+    absent where none runs), prompt chunks' paths (`prefill`: "matmuls bf16, attention bf16") and
+    the context length (`max_model_len`): /v1/models shows the last four."""
     info = _cache_info(stats)
-    for key in ("weights", "cpu_kernels"):
+    for key in ("weights", "cpu_kernels", "prefill"):
         if stats.get(key):
             info[key] = stats[key]
     if stats.get("max_model_len"):
