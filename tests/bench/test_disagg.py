@@ -77,3 +77,7 @@ def test_a_row_takes_itl_from_the_streams_and_goodput_from_every_request():
     # under a looser TPOT SLO the second stream is good too; the long prompt's TTFT never is
     assert row["goodput_by_tpot_slo"]["400"] == pytest.approx(2 / 20)
     assert row["goodput_by_tpot_slo"]["100"] == pytest.approx(1 / 20)  # 100 ms exactly is within it
+    # per gap: the second stream's one 500 ms gap fails "no gap over 150 ms" but not "over 500 ms"
+    assert row["goodput_itl_req_s"] == pytest.approx(1 / 20)
+    assert row["goodput_by_max_itl_slo"]["500"] == pytest.approx(2 / 20)
+    assert [r["max_itl_s"] for r in row["requests"]] == pytest.approx([0.1, 0.5, 0.1])
