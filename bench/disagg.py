@@ -238,8 +238,8 @@ def row_of(setup: str, streams: list[RequestSample], longs: list[RequestSample],
         "load_avg": os.getloadavg()[0],
         "vllm_keys": everything,
         "requests": [{"kind": kind, "ttft_s": s.ttft, "tpot_s": s.tpot, "max_itl_s": max(s.itl, default=0.0),
-                      "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens} for kind, group in (("stream", done_streams),
-                                                                           ("long", done_longs)) for s in group],
+                      "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens}
+                     for kind, group in (("stream", done_streams), ("long", done_longs)) for s in group],
     }
 
 
@@ -282,8 +282,9 @@ def measure(setup: str, round_no: int, tmp: Path, args) -> dict:
 
 # ------------------------------------------------------------------------------ the table
 
-COLUMNS = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "itl_max_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "stream_ttft_p50_ms",
-           "stream_ttft_p99_ms", "output_tok_s", "goodput_req_s", "good_fraction", "goodput_itl_req_s")
+COLUMNS = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "itl_max_ms", "long_ttft_p50_ms", "long_ttft_p99_ms",
+           "stream_ttft_p50_ms", "stream_ttft_p99_ms", "output_tok_s", "goodput_req_s", "good_fraction",
+           "goodput_itl_req_s")
 
 
 def medians(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -339,10 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(table)
     for setup, ratios in summary.items():
         x = {name: value if value is not None else float("nan") for name, value in ratios.items()}
-        print(f"{setup} / colocated: ITL p99 {x['itl_p99_ratio']:.2f}x (goal <= 0.5), p99.9 {x['itl_p999_ratio']:.2f}x, "
+        print(f"{setup} / colocated: ITL p99 {x['itl_p99_ratio']:.2f}x (goal <= 0.5), "
+              f"p99.9 {x['itl_p999_ratio']:.2f}x, "
               f"max {x['itl_max_ratio']:.2f}x, goodput {x['goodput_req_s_ratio']:.2f}x (goal >= 1; with no gap over "
               f"the ITL SLO {x['goodput_itl_req_s_ratio']:.2f}x), "
-              f"long-prompt TTFT p50 {x['long_ttft_p50_ratio']:.2f}x, stream TTFT p50 {x['stream_ttft_p50_ratio']:.2f}x")
+              f"long-prompt TTFT p50 {x['long_ttft_p50_ratio']:.2f}x, "
+              f"stream TTFT p50 {x['stream_ttft_p50_ratio']:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "medians": table,
               "summary": summary}
