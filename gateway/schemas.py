@@ -334,7 +334,8 @@ def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
                                       code="unknown_parameter")
         expected = TYPED_EXTRAS.get(name)
         if expected is not None and not isinstance(value, expected[0]):
-            raise InvalidRequestError(f"'{name}' must be {expected[1]}, got {fastjson.dumps(value)[:64]}.", param=name)
+            shown = fastjson.dumps(value)[:64].decode(errors="replace")  # JSON as sent, not a bytes repr
+            raise InvalidRequestError(f"'{name}' must be {expected[1]}, got {shown}.", param=name)
         size = len(fastjson.dumps(value))
         if size > limits.max_extra_bytes:
             raise InvalidRequestError(f"'{name}' is {size} bytes of JSON, over this server's limit of "

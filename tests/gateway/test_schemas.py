@@ -1,5 +1,7 @@
 """Request parsing: a request that names no max_tokens is bounded, on every endpoint."""
 
+import json
+
 import pytest
 
 from gateway.config import RequestLimits
@@ -43,6 +45,7 @@ def test_skip_special_tokens_must_be_a_boolean(parse, body, value):
     with pytest.raises(InvalidRequestError) as refused:
         parse({**body, "skip_special_tokens": value}, LIMITS)
     assert refused.value.param == "skip_special_tokens" and "boolean" in str(refused.value)
+    assert str(refused.value).endswith(f"got {json.dumps(value)}.")  # the value as JSON, not a bytes repr
 
 
 CONFIG = """
