@@ -237,14 +237,19 @@ ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 class KVEventsOptions:
     """KV events: which blocks the prefix cache stores and evicts, published like vLLM's
     `--kv-events-config` (ZMQ PUB of msgpack batches with sequence numbers; a ROUTER at
-    `replay_endpoint` resends the last `buffer_steps` batches). An endpoint with `*` or `::`, or an
-    ipc:// or inproc:// one, is bound; any other is connected to (a subscriber that binds)."""
+    `replay_endpoint` resends the last `buffer_steps` batches). An endpoint with `*` or `::`, a
+    loopback one, or an ipc:// or inproc:// one, is bound; any other is connected to (a subscriber
+    that binds). The default binds loopback: the events name every tenant's cached prefixes, so
+    only processes on this machine hear them unless an address says otherwise."""
 
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None  # None: no replay; a subscriber that misses a batch starts over
     topic: str = ""  # the first frame of every message
     buffer_steps: int = 10000  # batches kept for replay
     hwm: int = 100000  # ZMQ send high-water mark, messages (a slow subscriber loses the rest)
+    # BlockStored's token_ids: the prompts' tokens themselves. Off: the field goes out empty (a
+    # router needs only the hashes); vLLM always sends them.
+    publish_token_ids: bool = False
 
     def __post_init__(self):
         for name in ("endpoint", "replay_endpoint"):

@@ -59,17 +59,25 @@ class KVEventBatch(msgspec.Struct, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
-def to_wire(event: core_events.KVEvent) -> _Event:
+def to_wire(event: core_events.KVEvent, token_ids: bool = False) -> _Event:
+    """The event as sent; BlockStored's token_ids empty unless `token_ids` (kv_events.publish_token_ids):
+    they are the tenants' prompts, and the hashes alone are what a router indexes."""
     if isinstance(event, core_events.BlockStored):
-        return BlockStored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size)
+        tokens = list(event.token_ids) if token_ids else []
+        return BlockStored(list(event.block_hashes), event.parent_block_hash, tokens, event.block_size)
     if isinstance(event, core_events.BlockRemoved):
         return BlockRemoved(list(event.block_hashes))
     return AllBlocksCleared()
 
 
+LOOPBACK_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host or a local transport is bound, anything else connected to."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule (a wildcard host or a local transport is bound, anything else connected to),
+    and a loopback host is bound too (vLLM connects to it): the default publisher, on loopback."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.startswith(LOOPBACK_HOSTS))
 
 
 class KVEventPublisher:
@@ -133,7 +141,7 @@ class KVEventPublisher:
                 self._serve_replays()
 
     def _send(self, ts: float, events: list[core_events.KVEvent]) -> None:
-        batch = KVEventBatch(ts, [to_wire(e) for e in events], self._rank)
+        batch = KVEventBatch(ts, [to_wire(e, self.options.publish_token_ids) for e in events], self._rank)
         payload = self._encoder.encode(batch)
         seq = self._next_seq
         self._next_seq += 1

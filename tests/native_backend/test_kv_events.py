@@ -8,6 +8,7 @@ msgspec's schema-less msgpack decoder: nothing of the publisher's own code is us
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import socket
 import time
 
@@ -188,8 +189,8 @@ def replay(context, endpoint: str, start: int) -> list[tuple[int, list]]:
 
 def test_batches_arrive_as_three_frames_with_consecutive_sequence_numbers(zmq_context):
     port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{port}",
-                                                 replay_endpoint=f"tcp://*:{replay_port}", topic="kv@e1"))
+    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}",
+                                                 topic="kv@e1", publish_token_ids=True))
     try:
         sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"kv@")
         time.sleep(0.3)  # a PUB drops what it sends before the subscription has arrived
@@ -208,6 +209,53 @@ def test_batches_arrive_as_three_frames_with_consecutive_sequence_numbers(zmq_co
 
         assert replay(zmq_context, f"tcp://127.0.0.1:{replay_port}", 1) == [(1, decode_batch(second[2]))]
         assert [seq for seq, _ in replay(zmq_context, f"tcp://127.0.0.1:{replay_port}", 0)] == [0, 1]
+    finally:
+        publisher.close()
+
+
+def loopback_only(endpoint: str) -> bool:
+    """Whether a bound ZMQ tcp endpoint (its LAST_ENDPOINT) listens on a loopback address alone."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return ipaddress.ip_address(host).is_loopback
+
+
+def test_by_default_the_publisher_and_its_replay_listen_on_loopback_alone(zmq_context):
+    """Issue 40 item 1: KV events name every tenant's cached prefixes; the default endpoint is
+    bound on loopback (vLLM's default, tcp://*:5557, listens on every interface), and a loopback
+    replay endpoint is bound there too."""
+    default = KVEventsOptions().endpoint
+    port = int(default.rsplit(":", 1)[1])
+    with socket.socket() as probe:  # the default's own port, unless another process has it
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            pytest.skip(f"port {port} of the default endpoint is taken here")
+    replay_port = free_port()
+    publisher = KVEventPublisher(KVEventsOptions(replay_endpoint=f"tcp://127.0.0.1:{replay_port}"))
+    try:
+        pub_at = publisher._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        replay_at = publisher._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        assert loopback_only(pub_at) and loopback_only(replay_at), (pub_at, replay_at)
+        sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"")
+        time.sleep(0.3)  # a PUB drops what it sends before the subscription has arrived
+        publisher.publish([AllBlocksCleared()])
+        assert decode_batch(receive(sub)[2]) == [("AllBlocksCleared", {"type": "AllBlocksCleared"})]
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_stored_blocks_carry_their_tokens_only_when_a_setting_asks(zmq_context, asked):
+    """The prompts' token ids stay in the engine unless kv_events.publish_token_ids: a subscriber
+    (anyone who reaches the port) otherwise reads every tenant's prompt off the feed."""
+    port = free_port()
+    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://127.0.0.1:{port}", publish_token_ids=asked))
+    try:
+        sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"")
+        time.sleep(0.3)
+        secret = tuple(range(100, 108))
+        publisher.publish([BlockStored((7, 8), None, secret, 4)])
+        [(kind, stored)] = decode_batch(receive(sub)[2])
+        assert kind == "BlockStored" and stored["block_hashes"] == [7, 8]
+        assert stored["token_ids"] == (list(secret) if asked else [])
     finally:
         publisher.close()
 

@@ -35,11 +35,20 @@ def test_every_setting_is_an_engine_field_and_back():
 
 
 def test_kv_events_settings_arrive_as_the_engines_options_and_are_checked_by_it():
-    events = dict(endpoint="tcp://*:6001", replay_endpoint="tcp://*:6002", topic="kv@a", buffer_steps=5, hwm=9)
+    events = dict(endpoint="tcp://*:6001", replay_endpoint="tcp://*:6002", topic="kv@a", buffer_steps=5, hwm=9,
+                  publish_token_ids=True)
     assert NativeSettings(kv_events=events).engine_config().kv_events == KVEventsOptions(**events)
     assert NativeSettings().engine_config().kv_events is None
     with pytest.raises(pydantic.ValidationError, match="kv_events.endpoint.*not a ZMQ address"):
         NativeSettings(kv_events={"endpoint": "localhost:5557"})
+
+
+def test_kv_events_by_default_bind_loopback_and_leave_the_tokens_out():
+    """The plugin's defaults are the engine's safe ones (issue 40 item 1): the gateway connects to a
+    loopback publisher the engine binds, and BlockStored goes out without the prompts' tokens."""
+    options = NativeSettings(kv_events={}).engine_config().kv_events
+    assert options.endpoint == "tcp://127.0.0.1:5557" and options.publish_token_ids is False
+    assert KVEventsOptions() == options
 
 
 def test_speculative_settings_arrive_field_by_field():

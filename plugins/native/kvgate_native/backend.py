@@ -101,13 +101,16 @@ class KVEventsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    endpoint: str = Field("tcp://*:5557", description="ZMQ PUB address: one with * or :: (or ipc://) is bound, "
-                          "any other connected to (a subscriber that binds). The gateway subscribes to it.")
+    endpoint: str = Field("tcp://127.0.0.1:5557", description="ZMQ PUB address: one with * or ::, a loopback "
+                          "one, or ipc:// is bound, any other connected to (a subscriber that binds). The "
+                          "gateway subscribes to it. Default: loopback, so only this machine hears the events.")
     replay_endpoint: str | None = Field(None, description="ZMQ ROUTER address (bound) that resends the last "
                                         "buffer_steps batches from a sequence number on; null: no replay.")
     topic: str = Field("", description="First frame of every message (llm-d uses kv@<pod>@<model>).")
     buffer_steps: int = Field(10000, description="Batches kept for replay.")
     hwm: int = Field(100000, description="ZMQ send high-water mark, messages.")
+    publish_token_ids: bool = Field(False, description="BlockStored carries the blocks' token ids (the "
+                                    "prompts themselves, as vLLM always sends them); off: an empty list.")
 
     @model_validator(mode="after")
     def _valid_for_the_engine(self):
