@@ -45,6 +45,7 @@ VALUE_SETS = {
     "gpu-engines": [CHART / "examples" / "gpu-engines.yaml"],
     "existing-secret": [CHART / "examples" / "existing-secret.yaml"],
     "created-secrets": [HERE / "values" / "created-secrets.yaml"],
+    "kv-events": [HERE / "values" / "kv-events.yaml"],
     "disaggregated": [CHART / "examples" / "disaggregated.yaml"],
     "disaggregated-vllm": [CHART / "examples" / "disaggregated-vllm.yaml"],
 }
@@ -457,6 +458,35 @@ def test_by_default_the_engines_admit_the_gateway_pods_alone(rendered):
     # The gateway admits this namespace's pods, not every source.
     gateway = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate")[0]["spec"]
     assert gateway["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}], "from": [{"podSelector": {}}]}]
+
+
+def test_kv_events_reach_the_engine_and_their_ports_admit_the_gateway_pods_alone(rendered):
+    """Issue 40 item 1: an engine group with kvEvents publishes (bound on the pod, replay too, no
+    token ids), and the engines' NetworkPolicy opens those two ports to the gateway pods alone,
+    never to the other engine pods; a group without kvEvents publishes nothing."""
+    docs = rendered("kv-events")
+    events = engine_settings(docs, "smollm2")["kv_events"]
+    assert events == {"endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558", "topic": "kv@smollm2",
+                      "publish_token_ids": False}
+    assert "kv_events" not in engine_settings(docs, "quiet")
+    ports = engine_container(docs, "smollm2")["ports"]
+    assert {"name": "kv-events", "containerPort": 6557, "protocol": "TCP"} in ports
+    assert {"name": "kv-replay", "containerPort": 6558, "protocol": "TCP"} in ports
+    assert [p["name"] for p in engine_container(docs, "quiet")["ports"]] == ["http"]
+    gateway_pod = find(docs, "Deployment", f"{RELEASE}-kvgate")[0]["spec"]["template"]["metadata"]["labels"]
+    engine_pod = find(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2")[0]["spec"]["template"]["metadata"]["labels"]
+    policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]
+    [events_rule] = [r for r in policy["ingress"] if {"port": "kv-events", "protocol": "TCP"} in r["ports"]]
+    assert events_rule["ports"] == [{"port": "kv-events", "protocol": "TCP"}, {"port": "kv-replay", "protocol": "TCP"}]
+    [peer] = events_rule["from"]
+    assert set(peer) == {"podSelector"}
+    assert peer["podSelector"]["matchLabels"].items() <= gateway_pod.items()
+    assert not peer["podSelector"]["matchLabels"].items() <= engine_pod.items()
+    # No other rule names the event ports (the http rule stays the gateway's and engineIngressFrom's).
+    assert all("kv-events" not in str(r["ports"]) for r in policy["ingress"] if r is not events_rule)
+    # Without kvEvents anywhere: no such rule.
+    assert all("kv-events" not in str(r) for r in find(rendered("default"), "NetworkPolicy",
+                                                          f"{RELEASE}-kvgate-engines")[0]["spec"]["ingress"])
 
 
 def test_gateway_ingress_opens_to_all_only_when_values_say_so(helm):

@@ -308,6 +308,9 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- with $quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
 {{- with $e.speculative }}{{ $_ := set $settings "speculative" (include "kvgate.speculativeSettings" . | fromYaml) }}{{ end -}}
 {{- $settings = mergeOverwrite $settings (include "kvgate.kvTransferSettings" $e | fromYaml) -}}
+{{- if $e.kvEvents.enabled -}}
+{{- $_ := set $settings "kv_events" (dict "endpoint" (printf "tcp://*:%d" (int $e.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int $e.kvEvents.replayPort)) "topic" (printf "kv@%s" $e.name) "publish_token_ids" $e.kvEvents.publishTokenIds) -}}
+{{- end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $e.port) -}}
@@ -375,6 +378,13 @@ kv_role: consumer
 {{- end -}}
 
 {{- define "kvgate.podIpPlaceholder" -}}__KVGATE_POD_IP__{{- end -}}
+
+{{/* Non-empty when an engines[] group publishes KV events. */}}
+{{- define "kvgate.anyKvEvents" -}}
+{{- range .Values.engines -}}
+{{- if (include "kvgate.mergedEngine" (dict "root" $ "raw" .) | fromYaml).kvEvents.enabled }}yes{{ end -}}
+{{- end -}}
+{{- end -}}
 
 {{/* Non-empty when an engines[] group is a prefill pool. */}}
 {{- define "kvgate.anyPrefillEngine" -}}
