@@ -51,13 +51,17 @@ class _Milestones:
     scheduled: float | None = None
     first_token: float | None = None
     prefill_chunks: int = 0
+    # Prompt tokens this engine ran through the model before the first token: neither its prefix
+    # cache's hits nor a producer's blocks it read (a consumer that read a prompt computes the rest).
+    computed_prompt_tokens: int = 0
     # A consumer's read of its prompt's KV: "kv_transfer_started", "kv_transfer_ended" (unix s),
     # "kv_transfer_tokens", "kv_transfer_bytes", "kv_transfer_failed" (1: the prompt was recomputed).
     kv_transfer: dict[str, float] = field(default_factory=dict)
 
     def timings(self, finished: float, preemptions: int, cached_tokens: int) -> dict[str, float]:
         marks = {"arrived": self.arrived, "scheduled": self.scheduled, "first_token": self.first_token,
-                 "finished": finished, "prefill_chunks": self.prefill_chunks, "preemptions": preemptions,
+                 "finished": finished, "prefill_chunks": self.prefill_chunks,
+                 "computed_prompt_tokens": self.computed_prompt_tokens, "preemptions": preemptions,
                  "cached_tokens": cached_tokens, **self.kv_transfer}
         return {k: float(v) for k, v in marks.items() if v is not None}
 
@@ -305,6 +309,7 @@ class LLMEngine:
             if state is not None and state.first_token is None:
                 state.scheduled = state.scheduled or now
                 state.prefill_chunks += 1
+                state.computed_prompt_tokens += len(chunk.token_ids)
 
     def _to_output(self, result: StepResult) -> CoreOutput:
         if result.error is not None:

@@ -179,7 +179,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # total so far, including new_token_ids
     # On the last output: unix times of "arrived", "scheduled", "first_token", "finished", and the
-    # counters "prefill_chunks", "preemptions", "cached_tokens" (for the request's trace).
+    # counters "prefill_chunks", "computed_prompt_tokens", "preemptions", "cached_tokens" (for the
+    # request's trace).
     timings: dict[str, float] | None = None
     # Set when this request failed alone mid-way (its finish_reason is then "abort"): the engine
     # dropped it and carries on with the others. The client raises it to the consumer.

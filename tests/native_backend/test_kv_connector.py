@@ -87,6 +87,8 @@ def test_a_request_decoded_from_the_producers_blocks_gives_the_solo_engines_toke
     tokens, last = run(consumer, EngineRequest("r", ids, GREEDY, kv_transfer_params=params))
     assert tokens == expected
     assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK  # whole blocks, the last token here
+    # The read is used: 37 prompt tokens, 36 read (9 whole blocks), the last one computed here.
+    assert last.timings["computed_prompt_tokens"] == 1
     stats = consumer.stats()
     assert (stats.kv_transfers, stats.kv_transfer_failures) == (1, 0)
     assert stats.kv_transfer_bytes == last.timings["kv_transfer_bytes"] > 0
@@ -125,6 +127,7 @@ def test_a_consumer_with_a_separate_draft_model_drafts_from_its_own_kv_of_the_re
         params = prefill(producer, "d", ids)
         tokens, last = run(consumer, EngineRequest("d", ids, GREEDY, kv_transfer_params=params))
         assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK
+        assert last.timings["computed_prompt_tokens"] == 1  # of 37: the target ran the last token only
         assert tokens == run(solo, EngineRequest("d", ids, GREEDY))[0]
         stats = consumer.stats()
         assert (stats.kv_transfers, stats.kv_transfer_failures) == (1, 0)
@@ -145,6 +148,7 @@ def test_fp8_engines_whose_key_offsets_differ_refuse_the_read_and_recompute(chec
         expected, _ = run(consumer, EngineRequest("own", ids, GREEDY))  # its own prompt KV, its own offsets
         tokens, last = run(consumer, EngineRequest("o", ids, GREEDY, kv_transfer_params=prefill(producer, "o", ids)))
         assert last.timings.get("kv_transfer_failed") == 1
+        assert last.timings["computed_prompt_tokens"] == 37  # all of it recomputed
         assert tokens == expected
         assert producer.stats().kv_transfers_refused == 1 and consumer.stats().kv_transfer_failures == 1
         producer.kv.held.evict_oldest()  # a refused read leaves the hold to its own timeout
@@ -163,6 +167,7 @@ def test_fp8_engines_with_the_same_key_offsets_share_blocks(checkpoint):
         tokens, last = run(consumer, EngineRequest("s", ids, GREEDY, kv_transfer_params=prefill(producer, "s", ids)))
         assert tokens == expected and last.timings["kv_transfer_tokens"] > 0
         assert "kv_transfer_failed" not in last.timings
+        assert last.timings["computed_prompt_tokens"] == 1  # 37 tokens, 36 read
     finally:
         producer.kv.port.close()
         consumer.kv.port.close()
@@ -276,6 +281,7 @@ def test_the_consumers_prefix_cache_is_used_and_only_the_rest_is_read(pair):
     assert tokens == expected
     assert last.timings["cached_tokens"] == 24
     assert last.timings["kv_transfer_tokens"] == (len(ids) - 1) // BLOCK * BLOCK - 24  # past its own blocks
+    assert last.timings["computed_prompt_tokens"] == 1  # 41 tokens: 24 its own, 16 read, the last computed
     assert last.timings["kv_transfer_bytes"] == 16 // BLOCK * consumer_block_bytes(consumer)
     # The blocks it read entered its prefix cache: the same prompt again reads nothing.
     again, last = run(consumer, EngineRequest("p2", ids, GREEDY, kv_transfer_params=prefill(producer, "p2", ids)))

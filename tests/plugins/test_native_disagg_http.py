@@ -91,6 +91,7 @@ def disaggregated(gw, prompt: str) -> str:
     answer = gw.openai(timeout=300).completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS,
                                                        temperature=0)
     assert answer.choices[0].finish_reason == "length"
+    gw.prompt_tokens = answer.usage.prompt_tokens
     return answer.choices[0].text
 
 
@@ -108,6 +109,7 @@ def check_exact_with_prefix_caching(gw) -> None:
     assert disaggregated(gw, PROMPT_A) == expected_a
     assert engine_stat(gw, "decode", "kv_transfers", 1) == 1
     transferred = engine_stat(gw, "decode", "kv_transfer_tokens", 1)
+    gw.prompt_a_tokens, gw.read_for_a = gw.prompt_tokens, transferred
     assert transferred >= 256  # all of the prompt's full blocks but the last token's
     # A again: the consumer holds the blocks it read; nothing more to read.
     assert disaggregated(gw, PROMPT_A) == expected_a
@@ -130,6 +132,12 @@ def test_disaggregated_greedy_text_is_one_engines_fp32(gw_fp32):
     assert len(reads) == 2 and all(s.attributes["kvgate.engine.kv_transfer_tokens"] > 0 for s in reads)
     hops = {s.context.span_id: s.attributes.get("kvgate.pd.hop") for s in spans}
     assert {hops[s.parent.span_id] for s in reads} == {"decode"}
+    # ... and that the decode engine used what it read: it computed only the prompt's last tokens
+    # (a read thrown away would recompute all ~300). A's first hop read `transferred` of its tokens.
+    computed = [s.attributes["kvgate.engine.computed_prompt_tokens"] for s in spans
+                if s.name == "engine.prefill" and hops.get(s.parent.span_id) == "decode"]
+    assert len(computed) == 3 and computed[0] == gw_fp32.prompt_a_tokens - gw_fp32.read_for_a
+    assert all(1 <= n <= 16 for n in computed), computed  # one 16-token block at most, each of the three
     samples = {(s.name, s.labels.get("deployment")): s.value for family in text_string_to_metric_families(
         httpx.get(gw_fp32.base_url + "/metrics", timeout=30).text) for s in family.samples}
     assert samples["kvgate_engine_kv_transfer_bytes_count", "decode"] == 2
