@@ -468,6 +468,29 @@ def test_connections_over_the_cap_are_refused_at_once_and_the_consumer_recompute
     assert all_blocks_back(producer) and all_blocks_back(consumer)
 
 
+def test_idle_connections_are_closed_before_their_header_and_real_reads_go_through(pair):
+    """Issue 40 item 11: as many idle sockets as the server has slots (64, the default) are closed
+    for want of a read request within the header deadline (~1 s), not held for the 30 s read
+    timeout, so a real read right after them is served rather than refused over the cap."""
+    producer, consumer, solo = pair
+    server = producer.kv.port.server
+    ids = prompt(18)
+    expected, _ = run(solo, EngineRequest("i", ids, GREEDY))
+    params = prefill(producer, "i", ids)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(server.max_connections)]
+    try:
+        for sock in idle:
+            sock.settimeout(10)  # far below the 30 s read timeout, far above the header deadline
+            assert sock.recv(1) == b"", "the server kept an idle connection open"
+        assert wait_until(lambda: server._slots._value == server.max_connections)
+        tokens, last = run(consumer, EngineRequest("i", ids, GREEDY, kv_transfer_params=params))
+        assert tokens == expected and "kv_transfer_failed" not in last.timings
+    finally:
+        for sock in idle:
+            sock.close()
+    assert all_blocks_back(producer) and all_blocks_back(consumer)
+
+
 @pytest.mark.parametrize("dtype,head_dim", [("float32", 4), ("fp8_e4m3", 3), ("int8", 3)])
 def test_blocks_written_from_a_payload_equal_the_blocks_read(dtype, head_dim):
     """Rows of whole machine words move as words, odd rows (fp8 or int8 with 3-wide heads: 3-byte

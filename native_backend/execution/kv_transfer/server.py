@@ -8,7 +8,9 @@ the send breaks (the consumer recomputes). Under tensor parallelism the blocks a
 (parallel.kv_relay: the workers' shards come through rank 0); a rank that fails to give its shard
 breaks the send, so the consumer recomputes the whole prompt, never a partial KV.
 
-At most `max_connections` reads are served at once, a thread each (kv_transfer_max_connections):
+A connection that has not sent its read request within HEADER_TIMEOUT_S is closed (an idle
+socket must not hold a slot). At most `max_connections` reads are served at once, a thread each
+(kv_transfer_max_connections):
 a connection beyond is answered with the refusal at once, from the accepting thread, and closed
 (counted as refused; its consumer recomputes), so a flood of connections cannot pile up threads.
 """
@@ -26,6 +28,9 @@ from native_backend.execution.kv_transfer.wire import recv_header, send_header
 
 log = logging.getLogger("kvgate.kv_transfer")
 READ_TIMEOUT_S = 30.0  # a consumer that stops reading for this long loses its read
+# A connection's read request must arrive within this: an idle socket holds one of the
+# max_connections slots, so 64 of them at the old 30 s refused every real read for 30 s.
+HEADER_TIMEOUT_S = 1.0
 REFUSAL_TIMEOUT_S = 1.0  # sending the refusal of a connection over the cap: never blocks the accepting thread long
 
 
@@ -78,9 +83,10 @@ class KVBlockServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(READ_TIMEOUT_S)
+            conn.settimeout(HEADER_TIMEOUT_S)
             try:
                 header = recv_header(conn)
+                conn.settimeout(READ_TIMEOUT_S)
                 read, refusal = self._grant(header)
                 if refusal is not None:
                     send_header(conn, {"ok": False, "error": refusal})
