@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from native_backend.kernels import cpu_kernels
+from tests.support.checks import cpu_flags
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.usefixtures("c_kernels")  # skips only where the CPU cannot run them (tests/support/checks/c_kernels.py)
@@ -214,7 +215,8 @@ def test_a_library_changed_after_its_build_is_rebuilt_or_refused(tmp_path):
 
 
 def test_the_best_path_the_cpu_runs_is_chosen_and_a_forced_one_loads_its_own_build(monkeypatch):
-    best = next(p for p in cpu_kernels.PATHS if cpu_kernels.unsupported_reason(path=p.name) is None)
+    # the best path by the test's own read of /proc/cpuinfo, not the engine's detection
+    best = cpu_kernels.AVX512 if cpu_flags.has(cpu_flags.AVX512) else cpu_kernels.AVX2
     try:
         for forced, expected in (("auto", best), ("avx2", cpu_kernels.AVX2)):
             monkeypatch.setenv("KVGATE_CPU_ISA", forced)
@@ -232,8 +234,7 @@ def test_the_best_path_the_cpu_runs_is_chosen_and_a_forced_one_loads_its_own_bui
 
 def test_a_compiler_without_avx512_leaves_the_avx2_path(tmp_path):
     """Auto: the AVX-512 build fails (an old compiler), so the AVX2 floor runs, with a warning."""
-    if cpu_kernels.unsupported_reason(path="avx512"):
-        pytest.skip(f"the avx512 path does not run here: {cpu_kernels.unsupported_reason(path='avx512')}")
+    cpu_flags.need(cpu_flags.AVX512)
     cc = tmp_path / "cc"
     cc.write_text('#!/bin/sh\ncase "$*" in *-mavx512f*) echo "error: unrecognized option -mavx512f" >&2; exit 1;; '
                   'esac\nexec gcc "$@"\n')

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from native_backend.kernels import cpu_kernels
+from tests.support.checks import cpu_flags
+from tests.support.checks.skips import required
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = '''
@@ -37,13 +38,13 @@ def outcome(tmp_path, **env) -> tuple[str, str]:
 
 
 def test_a_compiler_that_fails_is_a_failure_not_a_skip(tmp_path):
-    if cpu_kernels.unsupported_reason(int4=True):
-        pytest.skip(f"this CPU cannot run the kernels: {cpu_kernels.unsupported_reason(int4=True)}")
+    if missing := cpu_flags.missing(cpu_flags.AVX2_FLOOR + cpu_flags.INT4):  # the test's own read of the flags
+        required("KVGATE_REQUIRE_KERNELS", f"/proc/cpuinfo lacks {', '.join(missing)}")
     last, out = outcome(tmp_path, CC="false")  # /bin/false: every build fails
     assert "1 error" in last, out  # failed in its fixture: an error, not a skip
     assert "the C kernel library is unusable on a machine that supports it: " in out, out
     # the reason names every path this CPU runs and why each was passed over, the floor last
-    runnable = [p.name for p in cpu_kernels.PATHS if cpu_kernels._platform_problem(p) is None]
+    runnable = ["avx512"] * cpu_flags.has(cpu_flags.AVX512) + ["avx2"]  # by the test's own read of the flags
     reasons = " ".join(out.split())  # pytest wraps long lines
     assert re.search(".*".join(f"{name}: false failed" for name in runnable), reasons), out
 
@@ -56,7 +57,7 @@ def test_a_cpu_that_cannot_run_them_skips_unless_they_are_required(tmp_path):
 
 
 def test_where_the_kernels_build_the_probe_passes(tmp_path):
-    if cpu_kernels.unsupported_reason(int4=True):
-        pytest.skip(f"this CPU cannot run the kernels: {cpu_kernels.unsupported_reason(int4=True)}")
+    if missing := cpu_flags.missing(cpu_flags.AVX2_FLOOR + cpu_flags.INT4):  # the test's own read of the flags
+        required("KVGATE_REQUIRE_KERNELS", f"/proc/cpuinfo lacks {', '.join(missing)}")
     last, out = outcome(tmp_path, KVGATE_REQUIRE_KERNELS="1")
     assert "1 passed" in last, out
