@@ -821,13 +821,18 @@ def test_rendered_gateway_serves_through_loopback_engines(rendered, tmp_path, mo
 
         # kubectl scale statefulset --replicas=2: the new pod is ready, the Service's DNS lists it.
         dns.set(engines_dns, pod_addresses)
-        members = [f"smollm2@{a}" for a in pod_addresses]
+        # Routable, not merely listed: a member still probed is in the body as "pending: ..." and
+        # takes no traffic (on a loaded box the 6 streams below all went to the first pod so).
+        members = {f"smollm2@{a}": "ready" for a in pod_addresses}
         deadline = time.monotonic() + 30
-        while not set(members) <= httpx.get(base + "/health/ready").json()["deployments"].keys():
+        while not members.items() <= httpx.get(base + "/health/ready").json()["deployments"].items():
             assert time.monotonic() < deadline, "the second engine pod never joined"
             time.sleep(0.05)
 
-        def slow_stream(_):  # several at once, so the load-aware policy spreads them
+        # least_loaded with both pods routable: the second pod's score stays 0 until it takes a
+        # request, so it wins each choice the first pod's load decides and every other tie (ties
+        # go in turn): it takes some of these whatever their timing.
+        def slow_stream(_):
             stream = client.completions.create(model="smollm2-135m-instruct", prompt="one two three",
                                                max_tokens=3, stream=True)
             return "".join(c.choices[0].text for c in stream if c.choices).split()
