@@ -154,15 +154,26 @@ class KVTransferOptions:
     # A producer serves this many reads at once (a thread each); a connection beyond is refused at
     # once (its consumer recomputes), so a flood of connections cannot pile up threads.
     kv_transfer_max_connections: int = 64
+    # A consumer reads only from producers at these addresses: IPs, CIDR networks, DNS names (their
+    # current addresses, e.g. a prefill pool's headless Service), or "*" for any (execution.kv_transfer.trust).
+    kv_allowed_producers: tuple[str, ...] = ("127.0.0.0/8", "::1")
+    # The environment variable holding the secret the engines share: each payload carries an
+    # HMAC keyed by it. Unset or empty: a key only the engines one process started share.
+    kv_transfer_key_env: str = "KVGATE_ENGINE_KEY"
+    # A consumer gives up on a producer that has not connected and answered its read request
+    # within this (a host that never answers must not hold a load thread for kv_transfer_timeout_s).
+    kv_transfer_header_timeout_s: float = 2.0
 
     def __post_init__(self):
+        object.__setattr__(self, "kv_allowed_producers", tuple(self.kv_allowed_producers))
         if self.kv_role is not None:
             _one_of("transfer", "kv_role", self.kv_role, KV_ROLES)
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"transfer.kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
         _positive("transfer", kv_transfer_timeout_s=self.kv_transfer_timeout_s,
                   kv_hold_timeout_s=self.kv_hold_timeout_s,
-                  kv_transfer_max_connections=self.kv_transfer_max_connections)
+                  kv_transfer_max_connections=self.kv_transfer_max_connections,
+                  kv_transfer_header_timeout_s=self.kv_transfer_header_timeout_s)
 
     @property
     def produces(self) -> bool:

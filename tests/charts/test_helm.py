@@ -960,8 +960,16 @@ def test_engine_groups_render_as_a_models_prefill_and_decode_pools(rendered):
     prefill, decode = engine_settings(docs, "smollm2-prefill"), engine_settings(docs, "smollm2-decode")
     assert {k: v for k, v in prefill.items() if k.startswith("kv_") and "cache" not in k} == {
         "kv_role": "producer", "kv_transfer_host": "0.0.0.0", "kv_transfer_port": 5600,
-        "kv_transfer_advertise_host": "__KVGATE_POD_IP__"}
+        "kv_transfer_advertise_host": "__KVGATE_POD_IP__", "kv_transfer_key_env": "KVGATE_ENGINE_KEY"}
     assert decode["kv_role"] == "consumer" and "kv_transfer_port" not in decode
+    # The decode pods read from the prefill pool's pods alone (its headless Service lists them),
+    # and authenticate payloads with the engine key both pods get from the chart's Secret.
+    prefill_svc = find(docs, "Service", f"{RELEASE}-kvgate-smollm2-prefill-pods")[0]
+    assert prefill_svc["spec"]["clusterIP"] == "None"
+    assert decode["kv_allowed_producers"] == [f"{RELEASE}-kvgate-smollm2-prefill-pods.{NAMESPACE}.svc.cluster.local"]
+    assert decode["kv_transfer_key_env"] == "KVGATE_ENGINE_KEY"
+    for engine in ("smollm2-prefill", "smollm2-decode"):
+        assert "KVGATE_ENGINE_KEY" in {e["name"] for e in engine_container(docs, engine)["env"]}
     container = engine_container(docs, "smollm2-prefill")
     assert {"name": "kv-transfer", "containerPort": 5600, "protocol": "TCP"} in container["ports"]
     assert {"name": "KVGATE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]

@@ -8,6 +8,9 @@ scales); stale, forged and broken reads end in a recompute (counted), never in f
 in flight never stalls the consumer's batch; every block comes back on both sides.
 """
 
+import contextlib
+import ipaddress
+import json
 import multiprocessing
 import os
 import shutil
@@ -29,6 +32,7 @@ from native_backend.core.sequence import Sequence
 from native_backend.execution import kv_scales
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.kv_transfer.connector import make_kv_transfer
+from native_backend.execution.kv_transfer.trust import ProducerAllowList
 from native_backend.execution.kv_transfer.wire import recv_header
 from tests.support.checks.kv_connector_checks import all_blocks_back, finish, run
 from tests.support.data.llama_checkpoints import VOCAB, make_checkpoint
@@ -514,3 +518,126 @@ def test_blocks_written_from_a_payload_equal_the_blocks_read(dtype, head_dim):
             if sent is not None:
                 assert torch.equal(got[[0, 5]].view(torch.uint8), sent[[4, 1]].view(torch.uint8))
                 assert not got[[1, 2, 3, 4]].view(torch.uint8).any()
+
+
+# --- who a consumer reads from, and what it accepts (issue 40 item 2) -------------------------
+
+def fake_producer(answer) -> tuple[socket.socket, threading.Thread, list]:
+    """A listener on loopback that reads one read request and answers with `answer(header)`'s
+    bytes; the headers it was sent are kept."""
+    server = socket.create_server(("127.0.0.1", 0))
+    seen = []
+
+    def serve():
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                header = recv_header(conn)
+                seen.append(header)
+                conn.sendall(answer(header))
+                conn.recv(1)  # until the consumer closes
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread, seen
+
+
+def framed(header: dict) -> bytes:
+    body = json.dumps(header).encode()
+    return len(body).to_bytes(4, "big") + body
+
+
+def test_a_forged_payload_of_the_right_size_is_recomputed_and_never_cached(make_engine, pair):
+    """The attack of the issue: a host named in the params answers 'ok' with zeros of the right
+    size. Without the engines' key it cannot make the payload's MAC: the consumer recomputes (the
+    solo engine's tokens), and the same prompt later hits blocks it computed itself."""
+    _, _, solo = pair
+    consumer = make_engine("consumer")
+    block_bytes = consumer_block_bytes(consumer)
+    ids = prompt(19)
+    expected, _ = run(solo, EngineRequest("x", ids, GREEDY))
+
+    def garbage(header):
+        n = len(header["block_ids"]) * block_bytes
+        return framed({"ok": True, "nbytes": n}) + bytes(n) + framed({"mac": "00" * 32})
+
+    server, thread, seen = fake_producer(garbage)
+    with server:
+        params = remote(server.getsockname()[1], "x")
+        tokens, last = run(consumer, EngineRequest("x", ids, GREEDY, kv_transfer_params=params))
+    thread.join(10)
+    assert seen, "the consumer never asked the forged producer"
+    assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+    again, last = run(consumer, EngineRequest("x2", ids, GREEDY))
+    assert again == expected and last.timings["cached_tokens"] > 0  # its own blocks, not the zeros
+    assert all_blocks_back(consumer)
+
+
+def test_a_producer_with_another_key_is_recomputed(make_engine, pair, monkeypatch):
+    """A real producer's real blocks, but keyed by another secret than the consumer's: the MAC
+    differs, so the read fails and the prompt is recomputed (the bytes did go out)."""
+    producer, _, solo = pair
+    monkeypatch.setenv("KVGATE_TEST_OTHER_KEY", "another-secret")
+    consumer = make_engine("consumer", kv_transfer_key_env="KVGATE_TEST_OTHER_KEY")
+    ids = prompt(20)
+    expected, _ = run(solo, EngineRequest("k2", ids, GREEDY))
+    served = producer.stats().kv_transfers_served
+    tokens, last = run(consumer, EngineRequest("k2", ids, GREEDY, kv_transfer_params=prefill(producer, "k2", ids)))
+    assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+    assert wait_until(lambda: producer.stats().kv_transfers_served == served + 1)
+    assert all_blocks_back(producer) and all_blocks_back(consumer)
+
+
+def test_a_producer_off_the_allow_list_is_never_connected_to(make_engine, pair):
+    """A consumer allowed only another network recomputes at once: no connection reaches the
+    named producer (no SSRF); the same consumer allowed it by name ('localhost') reads it."""
+    producer, _, solo = pair
+    fenced = make_engine("consumer", kv_allowed_producers=["10.255.0.0/16"], enable_prefix_caching=False)
+    named = make_engine("consumer", kv_allowed_producers=["localhost"])
+    ids = prompt(21)
+    expected, _ = run(solo, EngineRequest("w", ids, GREEDY))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        for host in ("127.0.0.1", "::ffff:127.0.0.1", "localhost"):
+            params = {**remote(listener.getsockname()[1], "w"), "remote_host": host}
+            tokens, last = run(fenced, EngineRequest(f"w-{host}", ids, GREEDY, kv_transfer_params=params))
+            assert tokens == expected and last.timings["kv_transfer_failed"] == 1, host
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    tokens, last = run(named, EngineRequest("w2", ids, GREEDY, kv_transfer_params=prefill(producer, "w2", ids)))
+    assert tokens == expected and "kv_transfer_failed" not in last.timings
+    assert all_blocks_back(fenced) and all_blocks_back(named) and all_blocks_back(producer)
+
+
+def test_a_producer_that_never_answers_is_given_up_on_after_the_header_timeout(make_engine, pair):
+    """A host that accepts and never answers held a load thread for kv_transfer_timeout_s (30 s);
+    the read request's answer has kv_transfer_header_timeout_s (2 s) instead."""
+    _, _, solo = pair
+    consumer = make_engine("consumer")  # kv_transfer_timeout_s 30, header timeout 2
+    ids = prompt(22)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        params = remote(silent.getsockname()[1], "n")
+        tokens, last = run(consumer, EngineRequest("n", ids, GREEDY, kv_transfer_params=params))
+    assert tokens == run(solo, EngineRequest("n", ids, GREEDY))[0] and last.timings["kv_transfer_failed"] == 1
+    assert last.timings["kv_transfer_ended"] - last.timings["kv_transfer_started"] < 15  # not the 30 s read timeout
+
+
+@pytest.mark.parametrize("entries, host, admitted", [
+    (["127.0.0.0/8", "::1"], "127.0.0.1", True),
+    (["127.0.0.0/8", "::1"], "::ffff:127.0.0.1", True),  # the IPv4 address it carries
+    (["10.0.0.0/8"], "::ffff:127.0.0.1", False),
+    (["10.0.0.0/8"], "::ffff:169.254.169.254", False),
+    (["10.0.0.0/8"], "169.254.169.254", False),
+    (["10.1.2.3"], "10.1.2.3", True),
+    (["10.1.2.3"], "10.1.2.4", False),
+    (["*"], "192.0.2.7", True),
+    (["localhost"], "127.0.0.1", True),
+    ([], "127.0.0.1", False),
+])
+def test_the_allow_list_admits_what_it_lists(entries, host, admitted):
+    allowed = ProducerAllowList(entries)
+    if admitted:
+        assert ipaddress.ip_address(allowed.address(host, 5600)) == ipaddress.ip_address(host.removeprefix("::ffff:"))
+    else:
+        with pytest.raises(PermissionError, match="kv_allowed_producers"):
+            allowed.address(host, 5600)

@@ -86,7 +86,9 @@ def _non_default_settings() -> dict:
                 collective_timeout_s=7.5, quantization="gguf", prefix_hash_seed="1234", kv_role="both",
                 kv_transfer_host="0.0.0.0", kv_transfer_port=7001, kv_transfer_advertise_host="10.0.0.7",
                 kv_transfer_timeout_s=5.0, kv_hold_timeout_s=60.0, kv_transfer_max_connections=3,
-                prefill_matmul="bf16", prefill_attention="fp32", long_prefill_token_threshold=64,
+                kv_allowed_producers=("10.0.0.0/8", "prefill.llm.svc"), kv_transfer_key_env="KV_KEY",
+                kv_transfer_header_timeout_s=0.5, prefill_matmul="bf16", prefill_attention="fp32",
+                long_prefill_token_threshold=64,
                 lm_head="float")
 
 
@@ -102,6 +104,7 @@ def test_each_setting_arrives_in_its_part():
 @pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp4"), ("kv_scales", "guess"), ("block_size", 0),
                                           ("kv_role", "kv_both"), ("kv_transfer_port", 70000),
                                           ("kv_hold_timeout_s", 0), ("kv_transfer_max_connections", 0),
+                                          ("kv_transfer_header_timeout_s", 0),
                                           ("prefill_matmul", "fp16"), ("prefill_attention", "fp16"),
                                           ("lm_head", "int4")])
 def test_bad_values_are_refused_naming_the_field(field, value):

@@ -308,6 +308,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- with $quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
 {{- with $e.speculative }}{{ $_ := set $settings "speculative" (include "kvgate.speculativeSettings" . | fromYaml) }}{{ end -}}
 {{- $settings = mergeOverwrite $settings (include "kvgate.kvTransferSettings" $e | fromYaml) -}}
+{{- if eq $e.role "decode" }}{{ $_ := set $settings "kv_allowed_producers" (include "kvgate.prefillPods" . | fromYamlArray) }}{{ end -}}
 {{- if $e.kvEvents.enabled -}}
 {{- $_ := set $settings "kv_events" (dict "endpoint" (printf "tcp://*:%d" (int $e.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int $e.kvEvents.replayPort)) "topic" (printf "kv@%s" $e.name) "publish_token_ids" $e.kvEvents.publishTokenIds) -}}
 {{- end -}}
@@ -368,13 +369,31 @@ only the pod knows: the ConfigMap holds a placeholder that the engine container 
 $KVGATE_POD_IP (the downward API) before it starts (engine-statefulset.yaml). */}}
 {{- define "kvgate.kvTransferSettings" -}}
 {{- if eq .role "prefill" -}}
+kv_transfer_key_env: KVGATE_ENGINE_KEY
 kv_role: producer
 kv_transfer_host: 0.0.0.0
 kv_transfer_port: {{ int .kvTransferPort }}
 kv_transfer_advertise_host: {{ include "kvgate.podIpPlaceholder" . }}
 {{- else if eq .role "decode" -}}
+kv_transfer_key_env: KVGATE_ENGINE_KEY
 kv_role: consumer
 {{- end -}}
+{{- end -}}
+
+{{/* The DNS names of the prefill pools of a decode group's model (their headless Services list
+the ready prefill pods): the producers its engines read KV blocks from, and no others. dict root engine */}}
+{{- define "kvgate.prefillPods" -}}
+{{- $root := .root -}}
+{{- $model := .engine.model -}}
+{{- $names := list -}}
+{{- range $raw := $root.Values.engines -}}
+{{- $p := include "kvgate.mergedEngine" (dict "root" $root "raw" $raw) | fromYaml -}}
+{{- if and (eq $p.role "prefill") (eq $p.model $model) -}}
+{{- $svc := include "kvgate.engineHeadless" (dict "root" $root "engine" $p) -}}
+{{- $names = append $names (printf "%s.%s.svc.%s" $svc $root.Release.Namespace (trimSuffix "." $root.Values.clusterDomain)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $names -}}
 {{- end -}}
 
 {{- define "kvgate.podIpPlaceholder" -}}__KVGATE_POD_IP__{{- end -}}

@@ -13,6 +13,7 @@ from native_backend.core.kv_params import Endpoint, KVLoad
 from native_backend.execution.kv_transfer.blocks import LocalBlocks
 from native_backend.execution.kv_transfer.loader import KVBlockLoader, LoadOutcome
 from native_backend.execution.kv_transfer.server import KVBlockServer
+from native_backend.execution.kv_transfer.trust import ProducerAllowList, transfer_key
 from native_backend.model.kv_cache import KVCache
 
 
@@ -26,12 +27,15 @@ class KVConnectorWorker:
         described = json.loads(json.dumps(blocks.layout()))  # as a peer compares it: through JSON
         self.server = None
         self.endpoint = None
+        key = transfer_key(options.kv_transfer_key_env)
         if options.produces:
             self.server = KVBlockServer(blocks, self.held, options.kv_transfer_host, options.kv_transfer_port,
-                                        options.kv_transfer_max_connections)
+                                        options.kv_transfer_max_connections, key=key)
             self.endpoint = Endpoint(engine_id, options.advertised_host, self.server.port)
-        self.loader = KVBlockLoader(described, blocks.block_bytes, options.kv_transfer_timeout_s,
-                                    getattr(blocks, "receive", None)) if options.consumes else None
+        self.loader = KVBlockLoader(
+            described, blocks.block_bytes, options.kv_transfer_timeout_s, getattr(blocks, "receive", None),
+            allowed=ProducerAllowList(options.kv_allowed_producers), key=key,
+            header_timeout_s=options.kv_transfer_header_timeout_s) if options.consumes else None
 
     def describe(self) -> str:
         serving = f"serving KV blocks on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else ""

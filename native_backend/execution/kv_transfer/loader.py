@@ -7,6 +7,8 @@ buffer that the step loop writes (`KVConnectorWorker.commit`) when it takes the 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import queue
 import socket
 import threading
@@ -15,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from native_backend.core.kv_params import KVLoad
+from native_backend.execution.kv_transfer.trust import ProducerAllowList, payload_mac
 from native_backend.execution.kv_transfer.wire import recv_exact, recv_header, send_header
 
 LOAD_THREADS = 4
@@ -33,9 +36,14 @@ class LoadOutcome:
 
 
 class KVBlockLoader:
-    def __init__(self, layout: dict, block_bytes: int, timeout_s: float, receive=None):
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float, receive=None, *,
+                 allowed: ProducerAllowList | None = None, key: bytes = b"", header_timeout_s: float = 2.0):
         """`receive(local_block_ids, next_part)`: writes a payload into the cache as it is read
-        (blocks.LocalBlocks.receive); None: the payload is staged for the step loop."""
+        (blocks.LocalBlocks.receive); None: the payload is staged for the step loop. `allowed`: the
+        producers it connects to (None: loopback alone); `key`: the engines' shared secret."""
+        self.allowed = allowed if allowed is not None else ProducerAllowList(["127.0.0.0/8", "::1"])
+        self.key = key
+        self.header_timeout_s = min(header_timeout_s, timeout_s)
         self.layout = layout
         self.block_bytes = block_bytes
         self.receive = receive
@@ -69,19 +77,37 @@ class KVBlockLoader:
         self._ended.set()
 
     def _fetch(self, load: KVLoad) -> tuple[int, bytearray | None]:
-        """(bytes read, the staged payload or None when written in place)."""
+        """(bytes read, the staged payload or None when written in place). Raises (the prompt is
+        recomputed) for a producer not on the allow-list, one that does not answer within the
+        header timeout, a refusal, and a payload whose MAC is not the engines' key's."""
         source = load.source
-        with socket.create_connection((source.host, source.port), timeout=self.timeout_s) as sock:
+        address = self.allowed.address(source.host, source.port)
+        with socket.create_connection((address, source.port), timeout=self.header_timeout_s) as sock:
             send_header(sock, dict(engine_id=source.engine_id, request_id=source.request_id,
                                    block_ids=load.remote_block_ids, first_block=load.first_block,
                                    block_hashes=[h.hex() for h in load.block_hashes], layout=self.layout))
             answer = recv_header(sock)
             if not answer.get("ok"):
                 raise PermissionError(f"the producer refused: {answer.get('error')}")
+            sock.settimeout(self.timeout_s)
             expected = len(load.remote_block_ids) * self.block_bytes
             if answer.get("nbytes") != expected:
                 raise ValueError(f"the producer announced {answer.get('nbytes')} bytes, not {expected}")
-            if self.receive is None:
-                return expected, recv_exact(sock, expected)
-            self.receive(load.local_block_ids, lambda nbytes: recv_exact(sock, nbytes))
-            return expected, None
+            digest = hashlib.sha256()
+
+            def next_part(nbytes: int) -> bytearray:
+                part = recv_exact(sock, nbytes)
+                digest.update(part)
+                return part
+
+            payload = next_part(expected) if self.receive is None else None
+            if payload is None:
+                self.receive(load.local_block_ids, next_part)
+            self._check_mac(recv_header(sock), load, digest.digest())
+            return expected, payload
+
+    def _check_mac(self, trailer: dict, load: KVLoad, digest: bytes) -> None:
+        source = load.source
+        mac = payload_mac(self.key, source.engine_id, source.request_id, load.block_hashes, digest)
+        if not hmac.compare_digest(str(trailer.get("mac", "")), mac):
+            raise PermissionError("the payload's MAC is not the engines' key's (another key, or forged bytes)")

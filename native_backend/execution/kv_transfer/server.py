@@ -17,6 +17,7 @@ a connection beyond is answered with the refusal at once, from the accepting thr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -24,6 +25,7 @@ import threading
 
 from native_backend.core.kv_connector import HeldBlocks
 from native_backend.execution.kv_transfer.blocks import layout_difference
+from native_backend.execution.kv_transfer.trust import payload_mac
 from native_backend.execution.kv_transfer.wire import recv_header, send_header
 
 log = logging.getLogger("kvgate.kv_transfer")
@@ -35,8 +37,10 @@ REFUSAL_TIMEOUT_S = 1.0  # sending the refusal of a connection over the cap: nev
 
 
 class KVBlockServer:
-    def __init__(self, blocks, held: HeldBlocks, host: str, port: int, max_connections: int = 64):
+    def __init__(self, blocks, held: HeldBlocks, host: str, port: int, max_connections: int = 64,
+                 key: bytes = b""):
         self.blocks = blocks  # blocks.LocalBlocks, or parallel.kv_relay.TensorParallelBlocks
+        self.key = key  # the engines' shared secret: the payload's MAC (trust.payload_mac)
         self.held = held
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)  # one per connection being served
@@ -110,14 +114,20 @@ class KVBlockServer:
             self.held.note_refused()
             return None, layout_difference(self.layout, header.get("layout"))
         hold, refusal = self.held.claim(engine_id, request_id, block_ids, hashes, first_block)
-        return ((hold, block_ids), None) if refusal is None else (None, refusal)
+        return ((hold, block_ids, hashes), None) if refusal is None else (None, refusal)
 
-    def _send(self, conn: socket.socket, hold, block_ids: list[int]) -> None:
+    def _send(self, conn: socket.socket, hold, block_ids: list[int], hashes: list[bytes]) -> None:
+        """The blocks' bytes, then a trailer with their MAC (what the consumer checks before it
+        counts them as computed)."""
         served = False
+        digest = hashlib.sha256()
         try:
             send_header(conn, {"ok": True, "nbytes": len(block_ids) * self.blocks.block_bytes})
             for buffer in self.blocks.read(block_ids):
+                digest.update(buffer)
                 conn.sendall(buffer)
+            mac = payload_mac(self.key, self.held.engine_id, hold.seq.request_id, hashes, digest.digest())
+            send_header(conn, {"mac": mac})
             served = True
         except OSError as exc:  # a tensor-parallel rank's shard that failed too (kv_relay raises OSError)
             log.info("request %s: sending its KV blocks broke off: %s", hold.seq.request_id, exc)

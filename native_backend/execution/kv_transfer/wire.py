@@ -4,6 +4,7 @@
                                                       first_block, block_hashes (hex), layout]
     producer -> consumer   [4-byte big-endian length][JSON: ok, nbytes | error]
                            [nbytes of blocks.read_blocks' payload]
+                           [4-byte big-endian length][JSON: mac (trust.payload_mac of the payload)]
 
 Headers are small and bounded (MAX_HEADER_BYTES): a peer that sends more is cut off.
 """

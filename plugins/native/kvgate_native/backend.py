@@ -45,6 +45,7 @@ from native_backend.config.engine import (
 from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES
 from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
 from native_backend.core.sampling_params import SamplingParams as EngineSampling
+from native_backend.execution.kv_transfer.trust import share_local_key
 from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
 from native_backend.process.client import AsyncEngineClient
 from native_backend.process.kv_publisher import binds as publisher_binds
@@ -199,6 +200,17 @@ class NativeSettings(BaseModel):
     kv_transfer_max_connections: int = Field(64, description="Producer: reads of KV blocks served at once (a "
                                              "thread each); a connection beyond is refused at once and its decode "
                                              "engine recomputes the prompt (counted).")
+    kv_allowed_producers: list[str] = Field(
+        ["127.0.0.0/8", "::1"], description="Consumer: the producers it reads KV blocks from: IP addresses, "
+        "CIDR networks, DNS names (their current addresses, e.g. the prefill pool's headless Service), or \"*\" "
+        "for any. A request naming another host is recomputed, nothing is connected to.")
+    kv_transfer_key_env: str = Field(
+        "KVGATE_ENGINE_KEY", description="Environment variable holding the secret the engines share: each KV "
+        "payload carries an HMAC keyed by it, and a consumer recomputes a payload whose HMAC differs. Unset or "
+        "empty: a key shared by the engines this gateway process started.")
+    kv_transfer_header_timeout_s: float = Field(
+        2.0, gt=0, description="Consumer: seconds a producer has to accept the connection and answer the read "
+        "request; then the prompt is recomputed.")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -268,6 +280,8 @@ class NativeBackend:
         self.settings = settings
         self.name = name
         self.config = settings.engine_config()
+        if self.config.transfer.kv_role is not None:
+            share_local_key()  # before the engine starts: engines of this process read each other's blocks
         self.supervisor = EngineSupervisor(self._new_client, name, settings.supervision)
         self.tokenizer: Tokenizer | None = None
         self.tool_parser: type[ToolParser] = tool_parser(settings.tool_call_parser)
