@@ -1,7 +1,7 @@
 """What tokenizing a prompt for precise_prefix routing costs the event loop (issue 31, item 2).
 
 Routing turns a native pool's prompts into token ids in the gateway process
-(gateway.route_tokens): inline up to INLINE_CHARS characters, on a tokenizing thread past that. For
+(gateway.routing.prompt_tokens): inline up to INLINE_CHARS characters, on a tokenizing thread past that. For
 chat prompts of several sizes (English text, `pydoc_data.topics`, through SmolLM2's chat template)
 the table shows the tokenizing time inline, the latency of PromptTokens.prepare (inline or thread,
 as it decides), and the longest gap a 1 ms ticker on the loop saw meanwhile (the stall every stream
@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.tokenize_stall import longest_gap  # noqa: E402
-from gateway.route_tokens import INLINE_CHARS, PromptTokens  # noqa: E402
+from gateway.routing.prompt_tokens import INLINE_CHARS, PromptTokens  # noqa: E402
 from native_backend.config.default_model import default_gguf_path  # noqa: E402
 from native_backend.text.tokenizer import Tokenizer  # noqa: E402
 

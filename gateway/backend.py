@@ -16,7 +16,7 @@ from gateway.capabilities import PLAIN_CHAT, Capabilities, Needs  # noqa: F401
 
 
 # vLLM's prefill/decode field (in requests and in answers): where a decode engine loads a
-# prompt's KV from. Only the gateway sets it (gateway.disagg; clients' are dropped by the schemas).
+# prompt's KV from. Only the gateway sets it (gateway.dispatch.disagg; clients' are dropped by the schemas).
 TRANSFER_PARAMS = "kv_transfer_params"
 
 
@@ -154,7 +154,7 @@ class TokenEvent:
     # "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate", ...). The gateway turns
     # them into spans.
     timings: dict[str, float] | None = None
-    # On the last event of a prefill hop (gateway.disagg: `extra` carried vLLM's
+    # On the last event of a prefill hop (gateway.dispatch.disagg: `extra` carried vLLM's
     # kv_transfer_params with do_remote_decode): what the engine returned for the decode side to
     # load the prompt's KV from it. The gateway hands it to the decode hop unread.
     kv_transfer_params: dict | None = None
@@ -292,7 +292,7 @@ class Backend(Protocol):
     after it is built and before `start`.
 
     Optionally a backend whose engines hold a prefill hop's KV for a decode engine (prefill/decode
-    disaggregation, gateway.disagg) can free it early: `async release_kv(params: dict)`, with the
+    disaggregation, gateway.dispatch.disagg) can free it early: `async release_kv(params: dict)`, with the
     `kv_transfer_params` its prefill hop answered, called (at most once per hop, not awaited by
     the request) when no decode engine will read those blocks: the decode hop has its first
     token, or ended without one. It must be cheap, must leave a read in progress alone, and

@@ -44,7 +44,7 @@ def _add_plugin_commands(sub) -> None:
 
 def _load_state(path: str):
     """Config plus plugins plus backends created (not started); errors printed, None returned."""
-    from gateway.app import build_state
+    from gateway.state import build_state
 
     try:
         return build_state(load_config(path), config_path=path)
@@ -90,7 +90,7 @@ def _serve(args) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.slow_clients import uvicorn_options
+    from gateway.http.slow_clients import uvicorn_options
 
     state = _load_state(args.config)
     if state is None:

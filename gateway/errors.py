@@ -156,3 +156,11 @@ class BackendTimeout(APIError):
     status = 504
     type = "server_error"
     code = "timeout"
+
+
+LOAD_ERRORS = (Overloaded, RateLimited)
+
+
+def request_fault(exc: APIError) -> bool:
+    """Caused by the request (not a backend fault, not load): no failover, no breaker charge."""
+    return not exc.backend_fault and not isinstance(exc, LOAD_ERRORS)

@@ -4,7 +4,7 @@ orjson encodes a stream chunk ~10x and parses ~4x faster than `json`. It refuses
 standard library takes (lone surrogates, integers over 64 bits, nesting over 1024): those cases
 fall back to `json`, so every input has the same meaning and the same errors as before. One
 difference remains, on purpose: orjson reads an integer beyond the 64-bit range as a float, which
-no field can hold anyway (every numeric parameter is bounded far below; see schemas.py).
+no field can hold anyway (every numeric parameter is bounded far below; see protocol/completions.py).
 """
 
 from __future__ import annotations

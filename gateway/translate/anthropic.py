@@ -33,8 +33,8 @@ from pydantic import Field, model_validator
 
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
-from gateway.token_schemas import ParsedTokenize, parse_tokenize
+from gateway.protocol.completions import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.protocol.tokens import ParsedTokenize, parse_tokenize
 from gateway.translate.common import (
     chat_request, chat_tool, chunk_parts, named_event, parse_translated, renamed_error, renames, typed, validated)
 

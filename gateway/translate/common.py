@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from gateway import fastjson
 from gateway.config import RequestLimits, format_path
 from gateway.errors import InvalidRequestError
-from gateway.schemas import ParsedRequest, _to_api_error, parse_chat
+from gateway.protocol.completions import ParsedRequest, _to_api_error, parse_chat
 
 
 Renames = list[tuple[re.Pattern, str]]

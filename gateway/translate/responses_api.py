@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from gateway import fastjson
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.schemas import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.protocol.completions import Int, ParsedRequest, _Strict, _Unsupported
 from gateway.translate.common import (
     chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
 

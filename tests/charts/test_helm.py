@@ -541,9 +541,9 @@ def test_the_chart_redis_demands_a_password_the_gateways_read_from_a_secret(helm
     """The chart Redis's container command run here with the real redis-server: a client
     without the password is refused; the gateway's limits store, built from the rendered config
     and the env its pod gets, is admitted and counts in it."""
-    from gateway.auth import ApiKey
+    from gateway.keys.store import ApiKey
     from gateway.config import parse_config
-    from gateway.limits_store import make_limiter
+    from gateway.keys.redis_limiter import make_limiter
     from redis.asyncio import Redis
     from redis.exceptions import AuthenticationError, ConnectionError as NotListening
     from tests.support.servers.redis_server import redis_or_skip
@@ -1039,7 +1039,7 @@ def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
     headless-Service DNS name (served by a loopback DNS server): a long prompt is prefilled on
     the prefill pool's pod and decoded on the decode pool's, which loads the prefill's blocks;
     a short one goes to the decode pod alone."""
-    from gateway.disagg import PREFILL_PARAMS
+    from gateway.dispatch.disagg import PREFILL_PARAMS
     from tests.support.fakes.vllm_pd import VllmPDEngine
 
     docs = rendered("disaggregated-vllm")
@@ -1074,7 +1074,7 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
     protocol, which the native engine speaks); the gateway serves its rendered config, finding
     each pool's pod in its headless Service's DNS name. A long prompt's params travel gateway ->
     prefill pod -> engine and back, then to the decode pod's engine, which loads the blocks."""
-    from gateway.disagg import PREFILL_PARAMS
+    from gateway.dispatch.disagg import PREFILL_PARAMS
     from tests.support.fakes.vllm_pd import VllmPDEngine
     from tests.support.servers.loopback import GatewayServer
 

@@ -166,8 +166,8 @@ def test_a_waiter_cancelled_as_it_is_granted_the_probe_gives_the_probe_back():
     import asyncio
     from types import SimpleNamespace
 
-    from gateway.admission import PoolAdmission, Ticket
-    from gateway.breaker import CircuitBreaker
+    from gateway.pools.admission import PoolAdmission, Ticket
+    from gateway.pools.breaker import CircuitBreaker
 
     async def main():
         now = [0.0]

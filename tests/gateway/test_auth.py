@@ -10,8 +10,9 @@ import openai
 import pytest
 
 from gateway.app import ROUTES
-from gateway.auth import KeyLimiter, KeyStore
 from gateway.config import ConfigError, parse_config
+from gateway.keys.limits import KeyLimiter
+from gateway.keys.store import KeyStore
 from tests.support.servers.loopback import GatewayServer
 
 ALICE, BOB, CAROL, ADMIN = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789", "sk-admin-0123456789"

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.backend import GenerationRequest, LoadSnapshot, SamplingParams, TokenEvent, Usage
 from gateway.hookspecs import hookimpl
-from gateway.metrics import observe_times
+from gateway.observability.metrics import observe_times
 from kvgate_openai import make_openai_backend
 from tests.support.servers.loopback import GatewayServer, ScriptedServer, content_length
 

@@ -1,6 +1,6 @@
 """The circuit breaker's state machine, on a clock the test controls."""
 
-from gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from gateway.pools.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 def make(failures=3, cooldown=10.0):

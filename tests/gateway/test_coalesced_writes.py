@@ -1,11 +1,11 @@
-"""A stream's writes carry what its producer made while the last write was out (gateway.asgi.coalesced_until_end):
+"""A stream's writes carry what its producer made while the last write was out (gateway.http.asgi.coalesced_until_end):
 nothing lost or reordered, nothing held back, errors and cancellation still reach both ends."""
 
 import asyncio
 
 import pytest
 
-from gateway.asgi import EventStreamResponse, coalesced_until_end
+from gateway.http.asgi import EventStreamResponse, coalesced_until_end
 
 
 async def coalesced(chunks, **kwargs):

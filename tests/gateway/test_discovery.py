@@ -1,4 +1,4 @@
-"""Deployments discovered live (gateway/discovery.py) against a real DNS server and real upstreams.
+"""Deployments discovered live (gateway/pools/discovery.py) against a real DNS server and real upstreams.
 
 A dnslib server on loopback answers for `engines.test`; the upstreams are kvgate gateways serving
 the echo backend, each on its own loopback address (127.0.0.2, .3, .4) and the same port, as the
@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.servers.dns_server import DnsServer
 from gateway.cli import main as kvgate_main
-from gateway.discovery import DiscoveryFailed, DnsResolver
 from gateway.hookspecs import hookimpl
+from gateway.pools.discovery import DiscoveryFailed, DnsResolver
 from tests.support.servers.loopback import GatewayServer, free_port_on
 
 NAME = "engines.test"
@@ -389,7 +389,7 @@ def test_member_names_cannot_be_written_by_hand(tmp_path):
 
 
 def test_reload_keeps_a_group_and_its_members_or_stops_it(dns, port, stack, tmp_path):
-    from gateway.reload import reload_config
+    from gateway.lifecycle.reload import reload_config
 
     dns.set(NAME, [A])
     start_upstream(stack, A, port)

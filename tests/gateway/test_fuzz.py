@@ -113,7 +113,7 @@ def test_a_completion_without_max_tokens_is_capped_by_the_servers_limit():
     for a number is not refused for one it never sent (an explicit 16 still is)."""
     from gateway.config import RequestLimits
     from gateway.errors import InvalidRequestError
-    from gateway.schemas import parse_completion
+    from gateway.protocol.completions import parse_completion
 
     limits = RequestLimits(max_tokens=3)
     assert parse_completion({"model": "m", "prompt": "x"}, limits).sampling.max_tokens == 3

@@ -44,7 +44,7 @@ def test_every_gateway_series_in_the_dashboard_exists():
                if m not in exported and not any(m.removesuffix(s) in exported for s in SUFFIXES)]
     assert missing == []
     # engine series come from metrics.ENGINE_SERIES, exported when a native engine is present
-    from gateway.metrics import ENGINE_SERIES
+    from gateway.observability.metrics import ENGINE_SERIES
 
     engine_names = {name for name, *_ in ENGINE_SERIES}
     for m in used - gateway_series:

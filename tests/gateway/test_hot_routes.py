@@ -1,5 +1,5 @@
 """POST /v1/completions and /v1/chat/completions skip Starlette's middleware stack and router
-(gateway.hot_routes.HotRoutes); their errors must be answered exactly as Starlette answered them,
+(gateway.http.hot_routes.HotRoutes); their errors must be answered exactly as Starlette answered them,
 and no middleware may sit in the skipped stack.
 
 Each case runs twice on a real server: through HotRoutes, and with HotRoutes passing every
@@ -15,11 +15,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.gzip import GZipMiddleware
 
-from gateway import api
-from gateway.app import build_state, create_app
+from gateway.api import generate as api
+from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.errors import RateLimited
-from gateway.hot_routes import HotRoutes, skipped_layers
+from gateway.http.hot_routes import HotRoutes, skipped_layers
+from gateway.state import build_state
 from tests.support.servers.loopback import GatewayServer
 
 CONFIG = """

@@ -17,10 +17,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway import kv_events
 from gateway.backend import KVEventsSource
-from gateway.kv_events import BadBatch, EventStream, decode_batch
-from gateway.kv_index import KVIndex
+from gateway.kv_index import events as kv_events
+from gateway.kv_index.events import BadBatch, EventStream, decode_batch
+from gateway.kv_index.index import KVIndex
 from native_backend.config.engine import KVEventsOptions
 from native_backend.core import kv_events as core
 from native_backend.process.kv_publisher import KVEventPublisher

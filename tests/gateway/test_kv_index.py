@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.kv_index import KVIndex, prefix_block_hashes
+from gateway.kv_index.index import KVIndex, prefix_block_hashes
 from native_backend.core.block_manager import BlockManager
 from native_backend.core.kv_events import BlockStored
 from native_backend.core.sequence import Sequence

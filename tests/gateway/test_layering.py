@@ -4,7 +4,10 @@
 - the engine never imports the gateway;
 - no module of the tree imports itself through others (no import circles);
 - the engine's layers import only the layers below them (ENGINE_LAYERS), and every package of the
-  engine has its place there.
+  engine has its place there;
+- the gateway's rooms (its packages by concern, and the modules at its root) import only the rooms
+  below them (GATEWAY_ROOMS), every module of the gateway stands in one, and plugins import only
+  the gateway's plugin-facing seam.
 """
 
 import ast
@@ -41,6 +44,29 @@ TORCH_FREE_LAYERS = ("config", "core", "text")  # the gateway's side and the pla
 # that loads the tokenizer for it): the core steps in token ids (it reads text/ for grammars only).
 CLIENT_TEXT_MODULES = {"native_backend.text.tokenizer", "native_backend.text.detokenizer", "native_backend.text.stop"}
 
+
+# The gateway's plugin-facing seam: the modules at its root that plugins import (and every room may).
+GATEWAY_SEAM = {"gateway", "backend", "capabilities", "config", "errors", "fastjson", "hookspecs", "idle", "plugins"}
+# Each room of gateway/ and the rooms it may import, bottom to top (docs/design/architecture.md
+# draws it). A room is a package, the seam, or one of the modules on top of the root (state, app, cli).
+GATEWAY_ROOMS = {
+    "seam": set(),
+    "protocol": {"seam"},
+    "translate": {"seam", "protocol"},
+    "kv_index": {"seam"},
+    "pools": {"seam"},
+    "routing": {"seam", "kv_index", "pools"},
+    "keys": {"seam"},
+    "observability": {"seam", "pools", "keys"},
+    "state": {"seam", "pools", "keys", "observability"},
+    "dispatch": {"seam", "protocol", "pools", "routing", "observability", "state"},
+    "lifecycle": {"seam", "pools", "keys", "state"},
+    "http": {"seam", "translate", "keys", "state"},
+    "api": {"seam", "protocol", "translate", "kv_index", "pools", "routing", "keys", "observability", "state",
+            "dispatch", "lifecycle", "http"},
+    "app": {"seam", "state", "lifecycle", "http", "api"},
+    "cli": {"seam", "state", "http", "app"},
+}
 
 def imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -166,6 +192,24 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                   and layer(target) not in ENGINE_LAYERS.get(layer(module), set()))
 
 
+def gateway_room(module: str) -> str | None:
+    """The room of a gateway module: `gateway.pools.registry` -> pools, `gateway.errors` -> seam."""
+    parts = module.split(".")
+    if parts[0] != "gateway":
+        return None
+    if len(parts) == 1 or parts[1] in GATEWAY_SEAM:
+        return "seam"
+    return parts[1]
+
+
+def gateway_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between the gateway's rooms that GATEWAY_ROOMS does not allow."""
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() if gateway_room(module)
+                  for target in targets
+                  if gateway_room(target) and gateway_room(target) != gateway_room(module)
+                  and gateway_room(target) not in GATEWAY_ROOMS.get(gateway_room(module), set()))
+
+
 def bench_graph(root: Path) -> dict[str, set[str]]:
     """The benchmarks as modules: each imports the others by file name (bench/ on sys.path) or
     as bench.NAME, at the top or inside a function."""
@@ -232,3 +276,51 @@ def test_the_checks_see_circles_and_upward_imports(tmp_path):
     graph = import_graph(tmp_path)
     assert circles(graph) == [["native_backend.core.a", "native_backend.core.b"]]
     assert upward_imports(graph) == ["native_backend.core.b -> native_backend.model.m"]
+
+
+# ------------------------------------------------------------------ the gateway's rooms
+
+
+def test_gateway_rooms_import_only_downward():
+    assert gateway_upward_imports(import_graph(ROOT)) == []
+
+
+def test_the_gateway_room_table_is_a_ladder():
+    """The table itself has no circle, so its rooms stand on floors."""
+    assert circles(GATEWAY_ROOMS) == []
+    assert all(allowed <= set(GATEWAY_ROOMS) for allowed in GATEWAY_ROOMS.values())
+
+
+def test_every_gateway_module_stands_in_a_room():
+    modules = [m for m in module_files(ROOT) if m.startswith("gateway")]
+    assert sorted(m for m in modules if gateway_room(m) not in GATEWAY_ROOMS) == []
+    packages = sorted(p.name for p in GATEWAY.iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(set(GATEWAY_ROOMS) - {"seam", "state", "app", "cli"})
+
+
+def test_gateway_packages_say_what_they_own():
+    for package in GATEWAY.iterdir():
+        if (package / "__init__.py").exists():
+            assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), package.name
+
+
+def test_plugins_import_only_the_gateways_seam():
+    graph = import_graph(ROOT)
+    offenders = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("kvgate_")
+                       for target in targets if gateway_room(target) not in (None, "seam"))
+    assert offenders == []
+    assert "gateway.backend" in graph["kvgate_echo"]  # the check sees the plugins' imports
+
+
+def test_the_checks_see_upward_imports_in_the_gateway(tmp_path):
+    gateway = tmp_path / "gateway"
+    for package in ("pools", "api"):
+        (gateway / package).mkdir(parents=True)
+        (gateway / package / "__init__.py").write_text("")
+    (gateway / "__init__.py").write_text("")
+    (gateway / "errors.py").write_text("")
+    (gateway / "pools" / "registry.py").write_text("from gateway.errors import E\nfrom gateway.api import generate\n")
+    (gateway / "api" / "generate.py").write_text("from gateway.pools.registry import ModelRegistry\n")
+    graph = import_graph(tmp_path)
+    assert gateway_upward_imports(graph) == ["gateway.pools.registry -> gateway.api.generate"]
+    assert circles(graph) == [["gateway.api.generate", "gateway.pools.registry"]]

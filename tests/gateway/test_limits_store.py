@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from gateway.auth import ApiKey
 from gateway.config import ConfigError, LimitsStoreConfig, parse_config
 from gateway.errors import InvalidRequestError, RateLimited
-from gateway.limits_store import RedisLimiter, make_limiter
+from gateway.keys.redis_limiter import RedisLimiter, make_limiter
+from gateway.keys.store import ApiKey
 from tests.support.servers.redis_server import redis_or_skip
 from tests.support.servers.loopback import free_port
 

@@ -15,12 +15,12 @@ import zmq
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.backend import GenerationRequest, KVEventsSource, LoadSnapshot, SamplingParams
-from gateway.breaker import CircuitBreaker
-from gateway import kv_index
 from gateway.hookspecs import hookimpl
-from gateway.models import Deployment
-from gateway.prefix_routing import PrecisePrefix
-from gateway.routing import PrefixAffinity
+from gateway.kv_index import index as kv_index
+from gateway.pools.breaker import CircuitBreaker
+from gateway.pools.registry import Deployment
+from gateway.routing.policies import PrefixAffinity
+from gateway.routing.precise_prefix import PrecisePrefix
 from kvgate_echo import EchoBackend, EchoSettings
 from native_backend.config.engine import KVEventsOptions
 from native_backend.core.block_manager import BlockManager

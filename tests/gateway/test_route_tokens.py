@@ -1,4 +1,4 @@
-"""gateway/route_tokens.py: a prompt's token ids for precise_prefix, made before the policy chooses.
+"""gateway/routing/prompt_tokens.py: a prompt's token ids for precise_prefix, made before the policy chooses.
 
 A reload closes the replaced policy's tokenizing threads while requests may still be waiting on
 them; those requests go on (routed by affinity at worst), and the closed policy starts no threads.
@@ -15,10 +15,10 @@ import threading
 import pytest
 
 from gateway.backend import GenerationRequest, SamplingParams
-from gateway.breaker import CircuitBreaker
-from gateway import route_tokens
-from gateway.models import Deployment
-from gateway.route_tokens import INLINE_CHARS, THREADS, PromptTokens
+from gateway.pools.breaker import CircuitBreaker
+from gateway.pools.registry import Deployment
+from gateway.routing import prompt_tokens as route_tokens
+from gateway.routing.prompt_tokens import INLINE_CHARS, THREADS, PromptTokens
 from kvgate_echo import ECHO_CAPABILITIES, EchoBackend, EchoSettings
 
 

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 
 from gateway.backend import GenerationRequest, SamplingParams
-from gateway.breaker import CircuitBreaker
-from gateway.models import Deployment
-from gateway.routing import LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin, WeightedRandom, load_score
+from gateway.pools.breaker import CircuitBreaker
+from gateway.pools.registry import Deployment
+from gateway.routing.policies import LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin, WeightedRandom, load_score
 from kvgate_echo import EchoBackend, EchoSettings
 
 

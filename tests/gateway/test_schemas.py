@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gateway.config import RequestLimits
-from gateway.schemas import parse_chat, parse_completion
+from gateway.protocol.completions import parse_chat, parse_completion
 from tests.support.servers.loopback import GatewayServer
 
 LIMITS = RequestLimits(max_tokens=8)

@@ -13,7 +13,7 @@ import pytest
 
 from gateway import fastjson
 from gateway.backend import TokenEvent, TokenLogprob, TopLogprob
-from gateway.responses import ResponseShape, finish_reason, sse, stream_chunk
+from gateway.protocol.bodies import ResponseShape, finish_reason, sse, stream_chunk
 from kvgate_openai import wire
 
 EVENTS = [

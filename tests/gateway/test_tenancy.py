@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from tests.support.servers.browser import DevToolsPage, chromium
-from gateway import sessions
 from gateway.config import ConfigError, parse_config
+from gateway.keys import sessions
 from tests.support.servers.loopback import GatewayServer
 
 ALICE, BOB, MONITOR = "sk-alice-0123456789", "sk-bob-0123456789", "sk-monitor-0123456789"
@@ -198,7 +198,7 @@ def test_the_cookie_is_secure_behind_a_trusted_tls_proxy(monkeypatch, server, se
 
 
 def test_a_short_admin_key_is_refused(monkeypatch):
-    from gateway.auth import KeyStore
+    from gateway.keys.store import KeyStore
 
     monkeypatch.setenv("TEST_ADMIN_KEY", "short-key")
     with pytest.raises(ValueError, match="the admin key is shorter than 16 characters"):

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation of the real default model (SmolLM2) over HTTP: a gateway with a
 prefill engine (kv_role producer) and a decode engine (kv_role consumer), two real engine
-processes on loopback whose KV moves over TCP, driven by the gateway's two hops (gateway.disagg)
+processes on loopback whose KV moves over TCP, driven by the gateway's two hops (gateway.dispatch.disagg)
 as vLLM's proxy drives vLLM engines; the real openai client.
 
 Greedy text of a disaggregated request is the text of the same request served by one engine

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from gateway.disagg import PREFILL_PARAMS
+from gateway.dispatch.disagg import PREFILL_PARAMS
 from tests.support.fakes.vllm_pd import VllmPDEngine, prompt_of
 from tests.support.servers.loopback import GatewayServer
 

@@ -341,7 +341,7 @@ class NativeBackend:
             self.client.abort(request_id)
 
     async def release_kv(self, params: dict) -> None:
-        """A prefill hop's blocks no decode engine will read (gateway.disagg): `params` is what
+        """A prefill hop's blocks no decode engine will read (gateway.dispatch.disagg): `params` is what
         this engine answered; it frees them now rather than after kv_hold_timeout_s. Params of
         another engine process (this one restarted since) or already read: nothing happens."""
         engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import get_args
 
-from gateway.responses import ResponseShape
+from gateway.protocol.bodies import ResponseShape
 
 
 def sdk_event_types(union) -> dict[str, type]:

@@ -16,8 +16,9 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.app import build_state, create_app
+from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.state import build_state
 
 
 # kvgate in front of kvgate: an echo gateway, and a front gateway whose deployment is `backend:
@@ -54,7 +55,7 @@ class GatewayServer:
     def __init__(self, config_yaml: str, extra_plugins: dict | None = None, ready_timeout: float = 30,
                  span_exporter=None, host: str = "127.0.0.1", port: int = 0):
         from gateway.plugins import make_plugin_manager
-        from gateway.slow_clients import uvicorn_options
+        from gateway.http.slow_clients import uvicorn_options
 
         self.state = build_state(parse_config(config_yaml), make_plugin_manager(extra_plugins),
                                  span_exporter=span_exporter)
