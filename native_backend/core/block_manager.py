@@ -48,10 +48,12 @@ def root_hash(seed: str) -> bytes:
     return _sha256_cbor(seed)
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained block hash: depends on the block's tokens and, through the parent, on all before
-    (no extra keys: no LoRA, multimodal inputs or cache salt in this engine)."""
-    return _sha256_cbor((parent_hash, tuple(token_ids), None))
+def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple | None = None) -> bytes:
+    """Chained block hash: depends on the block's tokens and, through the parent, on all before.
+    `extra_keys` as vLLM's (kv_cache_utils.generate_block_hash_extra_keys): here only a request's
+    cache_salt, on its first block alone (every later block chains through that one); no LoRA or
+    multimodal keys in this engine."""
+    return _sha256_cbor((parent_hash, tuple(token_ids), extra_keys))
 
 
 @dataclass
@@ -141,7 +143,8 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else self._root_hash
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
-            hashes.append(hash_block(parent, tokens))
+            salted = i == 0 and seq.cache_salt
+            hashes.append(hash_block(parent, tokens, (seq.cache_salt,) if salted else None))
         return hashes[:num_blocks]
 
     # --- allocation ------------------------------------------------------------------------

@@ -136,7 +136,7 @@ class LLMEngine:
         if extra_eos and not sampling.ignore_eos:  # models that end on several ids (SmolLM2: two)
             sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
         seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority,
-                       pooling=request.pooling)
+                       pooling=request.pooling, cache_salt=request.cache_salt)
         try:
             if self.kv is not None:
                 self.kv.mark(seq, request.kv_transfer_params)

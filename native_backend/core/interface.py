@@ -121,6 +121,9 @@ class EngineRequest:
     # Special tokens kept in the text even so, by their text: the markers a tool parser reads
     # (Mistral's [TOOL_CALLS]); those the model's tokenizer has as plain text are text anyway.
     kept_special_tokens: tuple[str, ...] = ()
+    # vLLM's cache_salt: mixed into the hash of the prompt's first block, so requests with other
+    # salts (another tenant's) never share its cached blocks, nor learn from a hit's speed.
+    cache_salt: str | None = None
 
     def check(self, vocab_size: int) -> None:
         """Refuse (EngineError "invalid") what would fail later inside a batched step, where it
@@ -128,6 +131,8 @@ class EngineRequest:
         bad = next((t for t in self.prompt_token_ids if not (type(t) is int and 0 <= t < vocab_size)), None)
         if bad is not None:
             raise EngineError("invalid", f"prompt: token id {bad!r} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise EngineError("invalid", f"cache_salt: must be a non-empty string, got {self.cache_salt!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise EngineError("invalid", f"pooling: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         try:

@@ -52,6 +52,8 @@ class Sequence:
     # A pooling request (core.interface.POOLING_TYPES): prefill only, never sampled, ended with
     # its pooled vector as soon as the last prompt token has run.
     pooling: str | None = None
+    # vLLM's cache_salt: part of the first block's hash (core.block_manager), so of every block's.
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

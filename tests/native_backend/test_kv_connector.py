@@ -641,3 +641,39 @@ def test_the_allow_list_admits_what_it_lists(entries, host, admitted):
     else:
         with pytest.raises(PermissionError, match="kv_allowed_producers"):
             allowed.address(host, 5600)
+
+
+# --- cache_salt (issue 40 item 4) ----------------------------------------------------------------
+
+def test_a_salted_prompt_hits_only_its_own_salts_blocks(pair):
+    """Tenant B cannot learn from a cache hit whether tenant A sent a prompt: under another salt
+    (or none) the same prompt finds nothing cached; under its own salt it hits."""
+    _, _, solo = pair
+    ids = prompt(23)
+    expected, first = run(solo, EngineRequest("s-a", ids, GREEDY, cache_salt="tenant-a"))
+    assert first.timings["cached_tokens"] == 0
+    for name, salt, hit in (("s-b", "tenant-b", False), ("s-none", None, False), ("s-a2", "tenant-a", True)):
+        tokens, last = run(solo, EngineRequest(name, ids, GREEDY, cache_salt=salt))
+        assert tokens == expected and (last.timings["cached_tokens"] > 0) == hit, name
+
+
+def test_a_read_is_served_only_under_the_salt_of_its_prefill(pair):
+    """The producer's held blocks are hashed under the prefill's salt: a decode request with that
+    salt reads them, one with another salt asks for other hashes and recomputes."""
+    producer, consumer, solo = pair
+    ids = prompt(24)
+    expected, _ = run(solo, EngineRequest("t", ids, GREEDY))
+
+    def prefill_salted(request_id):
+        request = EngineRequest(request_id, ids, PREFILL, kv_transfer_params={"do_remote_decode": True},
+                                cache_salt="tenant-a")
+        return run(producer, request)[1].kv_transfer_params
+
+    tokens, last = run(consumer, EngineRequest("t-b", ids, GREEDY, cache_salt="tenant-b",
+                                               kv_transfer_params=prefill_salted("t-b")))
+    assert tokens == expected and last.timings["kv_transfer_failed"] == 1
+    tokens, last = run(consumer, EngineRequest("t-a", ids, GREEDY, cache_salt="tenant-a",
+                                               kv_transfer_params=prefill_salted("t-a")))
+    assert tokens == expected and "kv_transfer_failed" not in last.timings and last.timings["kv_transfer_tokens"] > 0
+    producer.kv.held.evict_oldest()
+    assert all_blocks_back(producer) and all_blocks_back(consumer)

@@ -47,12 +47,14 @@ def cbor(value) -> bytes:
     return _cbor_head(4, len(value)) + b"".join(cbor(v) for v in value)
 
 
-def recipe_hashes(tokens: list[int], block_size: int, seed: str) -> list[int]:
-    """vLLM v1 block hashes with sha256_cbor and PYTHONHASHSEED=seed, as published (low 64 bits)."""
+def recipe_hashes(tokens: list[int], block_size: int, seed: str, salt: str | None = None) -> list[int]:
+    """vLLM v1 block hashes with sha256_cbor and PYTHONHASHSEED=seed, as published (low 64 bits);
+    a cache_salt is the first block's extra keys, [salt] (vLLM's generate_block_hash_extra_keys)."""
     parent = hashlib.sha256(cbor(seed)).digest()
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hashlib.sha256(cbor([parent, tokens[start:start + block_size], None])).digest()
+        extra = [salt] if start == 0 and salt else None
+        parent = hashlib.sha256(cbor([parent, tokens[start:start + block_size], extra])).digest()
         out.append(int.from_bytes(parent[-8:], "big"))
     return out
 
@@ -80,6 +82,21 @@ def test_stored_blocks_carry_vllm_sha256_cbor_hashes(seed):
     assert events[0] == AllBlocksCleared()
     assert events[1] == BlockStored(tuple(recipe_hashes(tokens, 4, seed)), None, tuple(tokens[:12]), 4)
     assert bm.take_kv_events() == []
+
+
+def test_a_cache_salt_enters_the_first_blocks_hash_as_vllm_mixes_it():
+    """Issue 40 item 4: the salt is the first block's extra key, so every hash of a salted prompt
+    differs from the unsalted one's and from another salt's; the events carry the salted hashes
+    (a router indexes each salt's prefixes apart)."""
+    tokens = list(range(100, 114))
+    hashes = {}
+    for salt in (None, "tenant-a", "tenant-b"):
+        bm = BlockManager(num_blocks=16, block_size=4, hash_seed="0", record_kv_events=True)
+        compute_all(bm, Sequence("a", tokens, cache_salt=salt))
+        [_, stored] = bm.take_kv_events()
+        assert stored.block_hashes == tuple(recipe_hashes(tokens, 4, "0", salt)), salt
+        hashes[salt] = set(stored.block_hashes)
+    assert not hashes[None] & hashes["tenant-a"] and not hashes["tenant-a"] & hashes["tenant-b"]
 
 
 def test_a_continuation_chains_to_its_parent_and_hits_share_no_new_event():

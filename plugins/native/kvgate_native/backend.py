@@ -59,7 +59,7 @@ TOKENIZE_THREADS = 2
 ENGINE_FACTORY = "native_backend.process.factory:make_engine_core"
 NATIVE_CAPABILITIES = Capabilities(endpoints=frozenset({"chat", "completions", "tokenize"}),
                                    features=frozenset({"logprobs", "n", "json_object", "json_schema", "tools"}),
-                                   extras=frozenset({"structured_outputs", "skip_special_tokens"}))
+                                   extras=frozenset({"structured_outputs", "skip_special_tokens", "cache_salt"}))
 EMBEDDING_CAPABILITIES = dataclasses.replace(NATIVE_CAPABILITIES,
                                              endpoints=NATIVE_CAPABILITIES.endpoints | {"embeddings"})
 
@@ -386,6 +386,7 @@ class NativeBackend:
             kv_transfer_params=request.extra.get(TRANSFER_PARAMS),
             skip_special_tokens=skip_special,
             kept_special_tokens=hidden.markers if hidden else (),
+            cache_salt=_cache_salt(request),
         )
         want_logprobs = request.sampling.logprobs is not None
         try:
@@ -591,6 +592,14 @@ def _skip_special_tokens(request: GenerationRequest) -> bool:
     value = request.extra.get("skip_special_tokens", True)
     if not isinstance(value, bool):
         raise InvalidRequestError(f"skip_special_tokens must be a boolean, got {value!r}.", param="skip_special_tokens")
+    return value
+
+
+def _cache_salt(request: GenerationRequest) -> str | None:
+    """vLLM's cache_salt (a non-empty string; absent or null: none), for the engine's first block hash."""
+    value = request.extra.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and value):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {json.dumps(value)}.", param="cache_salt")
     return value
 
 
