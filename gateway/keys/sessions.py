@@ -18,6 +18,7 @@ TTL_S = 12 * 3600
 
 
 MAX_REVOKED = 10_000  # sessions signed out and not yet expired that one process remembers
+MAX_CLIENTS = 10_000  # addresses the sign-in throttle remembers; past it the longest quiet one is forgotten
 MAX_FAILURES = 5  # wrong keys per client per minute at the sign-in form; then it waits
 FAILURE_WINDOW_S = 60.0
 
@@ -29,21 +30,33 @@ class SessionBook:
     def __init__(self, clock=time.time):
         self.clock = clock
         self.revoked: dict[str, int] = {}  # "<expiry>.<nonce>" -> expiry
-        self.failures: dict[str, list[float]] = {}  # client address -> times of wrong keys
+        self.failures: dict[str, list[float]] = {}  # client address -> times of wrong keys (< MAX_FAILURES)
+        self.throttled: dict[str, list[float]] = {}  # the same for addresses that must wait
 
     def wait_s(self, client: str) -> float:
         """Seconds `client` must wait before it may try a key again (0: it may now)."""
-        now = self.clock()
-        recent = [t for t in self.failures.get(client, ()) if now - t < FAILURE_WINDOW_S]
-        self.failures[client] = recent
-        if not recent:
-            del self.failures[client]
-        return FAILURE_WINDOW_S - (now - recent[0]) if len(recent) >= MAX_FAILURES else 0.0
+        recent = self._recent(client)
+        if recent:
+            self._book(client, recent)
+        return FAILURE_WINDOW_S - (self.clock() - recent[0]) if len(recent) >= MAX_FAILURES else 0.0
 
     def failed(self, client: str) -> None:
-        if len(self.failures) > MAX_REVOKED:  # a flood of addresses: start over, never grow without end
-            self.failures.clear()
-        self.failures.setdefault(client, []).append(self.clock())
+        self._book(client, self._recent(client) + [self.clock()])
+
+    def _recent(self, client: str) -> list[float]:
+        now = self.clock()
+        times = self.throttled.pop(client, None) or self.failures.pop(client, [])
+        return [t for t in times if now - t < FAILURE_WINDOW_S]
+
+    def _book(self, client: str, times: list[float]) -> None:
+        """File `client` as the newest entry of its book. Each book is ordered by latest entry and
+        bounded by forgetting its oldest; addresses being throttled have their own book, so a
+        flood of one-try addresses (clearing everything once let a guesser with 10,000 spare
+        addresses reset its own count) forgets only other one-try addresses."""
+        book = self.throttled if len(times) >= MAX_FAILURES else self.failures
+        while len(book) >= MAX_CLIENTS:
+            del book[next(iter(book))]
+        book[client] = times
 
     def revoke(self, cookie: str | None) -> None:
         """Sign a session out: this process refuses its cookie from now on (until it would have

@@ -218,3 +218,19 @@ def test_a_tenant_sees_its_models_health_and_its_own_errors_only(gw):
     everything = get(gw, "/status.json", ADMIN).json()
     assert {e["key"] for e in everything["recent_errors"]} >= {"alice", "bob", "monitor"}
     assert everything["models"][0]["deployments"][0]["name"] == "echo-0"
+
+
+def test_a_flood_of_addresses_does_not_reset_a_guessers_throttle():
+    now = [1000.0]
+    book = sessions.SessionBook(clock=lambda: now[0])
+    others = [f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}" for i in range(20_000)]
+    for address in others[:9_990]:  # the book fills up with one wrong key each
+        book.failed(address)
+    for _ in range(sessions.MAX_FAILURES):
+        book.failed("203.0.113.7")
+    for address in others[9_990:]:  # 10,010 more: past the 10,000, twice over
+        now[0] += 0.001
+        book.failed(address)
+    assert book.wait_s("203.0.113.7") > 0  # the guesser still waits
+    assert len(book.failures) + len(book.throttled) <= 10_001  # and the book stays bounded: the oldest went
+    assert others[0] not in book.failures and others[-1] in book.failures
