@@ -378,6 +378,13 @@ class DiscoveryGroup:
 
 # Refused unless allowed_cidrs says otherwise: this host, cloud metadata, no address, broadcast.
 REFUSED_BY_DEFAULT = ("is_loopback", "is_link_local", "is_unspecified", "is_multicast")
+# Metadata services that none of those kinds covers (AWS's IPv6 one is a unique-local address).
+REFUSED_NETWORKS = (ipaddress.ip_network("fd00:ec2::254/128"),)
+# IPv6 prefixes that carry an IPv4 address in their last 32 bits: a connect to 64:ff9b::7f00:1
+# through a NAT64 gateway, or to ::7f00:1 on a host that still maps IPv4-compatible addresses,
+# reaches 127.0.0.1 (Python's is_loopback and friends look at the IPv6 address only).
+NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def _networks(cidrs: list[str] | None):
@@ -386,9 +393,27 @@ def _networks(cidrs: list[str] | None):
 
 def _allowed(address: str, networks) -> bool:
     ip = ipaddress.ip_address(address)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # the socket connects to this IPv4 address: judge it as one
     if networks is None:
-        return not any(getattr(ip, kind) for kind in REFUSED_BY_DEFAULT)
+        return not any(_refused(each) for each in [ip, *_embedded_ipv4(ip)])
     return any(ip in net for net in networks if net.version == ip.version)
+
+
+def _refused(ip) -> bool:
+    return any(getattr(ip, kind) for kind in REFUSED_BY_DEFAULT) or any(ip in net for net in REFUSED_NETWORKS)
+
+
+def _embedded_ipv4(ip) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address may lead to: 6to4's, Teredo's client, NAT64's and an
+    IPv4-compatible address's (::a.b.c.d, but not :: or ::1 themselves)."""
+    if ip.version != 6:
+        return []
+    found = [ip.sixtofour] if ip.sixtofour is not None else []
+    found += list(ip.teredo) if ip.teredo is not None else []
+    if any(ip in net for net in NAT64) or (ip in IPV4_COMPATIBLE and int(ip) > 1):
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return found
 
 
 def address_order(address: str) -> tuple[int, int]:

@@ -437,6 +437,31 @@ def test_dns_cannot_make_loopback_metadata_or_unspecified_addresses_members(dns,
     assert "left out 4 not in the allowed networks" in caplog.text
 
 
+# Each an IPv6 form that reaches loopback, link-local or the metadata service (RFC 4291's mapped
+# and compatible forms, RFC 3056's 6to4, RFC 6052's NAT64 prefixes, RFC 4380's Teredo with its client
+# 127.0.0.1 stored inverted, AWS's IPv6 metadata address), beside a pod address that must stay.
+HIDDEN_V6 = ["::ffff:127.0.0.1", "::ffff:169.254.169.254", "::ffff:0.0.0.0", "::127.0.0.1",
+             "2002:7f00:1::1", "2002:a9fe:a9fe::1", "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",
+             "64:ff9b:1::a9fe:a9fe", "2001:0:4136:e378:8000:63bf:80ff:fffe", "fd00:ec2::254"]
+
+
+def test_aaaa_answers_cannot_reach_loopback_or_metadata_in_ipv4_clothing(dns, port, stack, caplog):
+    dns.set(NAME, ["10.255.0.9", "fd12::9", *HIDDEN_V6])
+    with caplog.at_level(logging.WARNING, logger="kvgate.discovery"):
+        front = start_front(stack, dns, port, extra="")
+    group = group_of(front)
+    assert sorted(list(group.pending) + list(group.routable)) == ["10.255.0.9", "fd12::9"]
+    assert metric(front, "kvgate_discovery_addresses_dropped", reason="not_allowed") == len(HIDDEN_V6)
+
+
+def test_a_mapped_address_is_judged_by_its_ipv4_networks(dns, port, stack):
+    """allowed_cidrs lists IPv4 pod networks: ::ffff:10.255.0.9 is that pod, ::ffff:127.0.0.2 is not."""
+    dns.set(NAME, ["::ffff:10.255.0.9", "::ffff:127.0.0.2"])
+    front = start_front(stack, dns, port, extra='allowed_cidrs: ["10.255.0.0/16"]')
+    group = group_of(front)
+    assert list(group.pending) + list(group.routable) == ["::ffff:10.255.0.9"]
+
+
 def test_an_answer_over_max_members_is_cut_with_a_warning_and_a_metric(dns, port, stack, caplog):
     dns.set(NAME, [f"10.255.0.{i}" for i in range(1, 6)])
     with caplog.at_level(logging.WARNING, logger="kvgate.discovery"):

@@ -61,9 +61,11 @@ class DnsServer:
             reply.header.rcode = RCODE.NXDOMAIN
         else:
             for address in addresses:
-                v6 = ipaddress.ip_address(address).version == 6
-                if request.q.qtype == (QTYPE.AAAA if v6 else QTYPE.A):
-                    reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=AAAA(address) if v6 else A(address), ttl=1))
+                ip = ipaddress.ip_address(address)
+                if request.q.qtype == (QTYPE.AAAA if ip.version == 6 else QTYPE.A):
+                    # AAAA from the 16 bytes: dnslib's text parser cannot read ::ffff:127.0.0.1
+                    rdata = AAAA(list(ip.packed)) if ip.version == 6 else A(address)
+                    reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=1))
         return reply
 
     def start(self) -> None:
