@@ -1,6 +1,8 @@
 """A hostile upstream on loopback, one misbehaviour per model: each request gets a clear 502
 naming the reason (a 429 with a bounded wait for Retry-After: inf), the gateway's memory stays
-bounded, and a well-behaved model served beside it is unaffected."""
+bounded, and a well-behaved model served beside it is unaffected. Each test against the gateway
+runs over both of the openai backend's clients: h1.py (plain http) and aiohttp (https and
+proxies; here HTTP_PROXY names the hostile server, which answers a proxied request as any other)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ ANSWERS = {
     "bomb": answer("200 OK", BOMB, b"content-encoding: gzip\r\n"),
     "many-headers": answer("200 OK", completion(), b"".join(b"x-h%d: v\r\n" % i for i in range(5000))),
     "huge-header": answer("200 OK", completion(), b"x-big: " + b"v" * (1 << 20) + b"\r\n"),
+    "wide-head": answer("200 OK", completion(), b"".join(b"x-w%d: %b\r\n" % (i, b"v" * 2000) for i in range(60))),
     "negative-usage": answer("200 OK", completion({**USAGE, "prompt_tokens": -5})),
     "fractional-usage": answer("200 OK", completion({**USAGE, "completion_tokens": 1.5})),
     "retry-after-inf": answer("429 Too Many Requests", b'{"error": {"message": "slow down"}}', b"retry-after: inf\r\n"),
@@ -57,7 +60,7 @@ class Hostile(ScriptedServer):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 body = await reader.readexactly(content_length(head))
-                if head.startswith(b"GET /huge-metrics"):
+                if head.startswith(b"GET ") and b"/huge-metrics " in head.partition(b"\r\n")[0]:
                     writer.write(answer("200 OK", b"# HELP x\n" * (1 << 20), b"x-kind: metrics\r\n"))
                 elif head.startswith(b"GET"):
                     writer.write(answer("200 OK", b"vllm:num_requests_running 3\n"))
@@ -70,7 +73,7 @@ class Hostile(ScriptedServer):
             writer.close()
 
 
-def config(base: str) -> str:
+def config(base: str) -> str:  # base: the upstream's origin, or a name only the proxy resolves
     models = "server: {limits: {max_tokens: 8}}\nmodels:\n" + "".join(
         f"  - name: {name}\n    deployments:\n      - {{name: {name}-0, backend: openai, upstream_model: {name},\n"
         f"         settings: {{base_url: '{base}/v1', metrics: none, max_body_bytes: 1048576}}}}\n"
@@ -85,21 +88,31 @@ def upstream():
     server.close()
 
 
-@pytest.fixture(scope="module")
-def gw(upstream):
-    with GatewayServer(config(upstream.base_url)) as server:
-        yield server
+@pytest.fixture(scope="module", params=["h1", "aiohttp"])
+def gw(upstream, request):
+    with pytest.MonkeyPatch.context() as env:
+        base = upstream.base_url
+        if request.param == "aiohttp":
+            env.setenv("HTTP_PROXY", upstream.base_url)
+            env.delenv("NO_PROXY", raising=False)
+            env.delenv("no_proxy", raising=False)
+            base = "http://hostile.invalid"
+        with GatewayServer(config(base)) as server:
+            assert type(server.backend("fine-0")._pool._client(base + "/v1")).__name__ == {
+                "h1": "H1Client", "aiohttp": "AiohttpClient"}[request.param]
+            yield server
 
 
 def complete(gw, model: str) -> httpx.Response:
     return httpx.post(gw.base_url + "/v1/completions", json={"model": model, "prompt": "a b", "max_tokens": 2},
-                      timeout=30)
+                      timeout=30, trust_env=False)  # to the gateway itself, whatever HTTP_PROXY says
 
 
 @pytest.mark.parametrize("model,reason", [
     ("bomb", "sent an answer over 1048576 bytes"),
     ("many-headers", "its response head is over 100 headers or 65536 bytes"),
     ("huge-header", "its response head is over 100 headers or 65536 bytes"),
+    ("wide-head", "its response head is over 100 headers or 65536 bytes"),  # 60 of 2 KB: 120 KB in all
     ("negative-usage", "usage.prompt_tokens is -5, not a token count"),
     ("fractional-usage", "usage.completion_tokens is 1.5, not a token count"),
 ])
@@ -160,7 +173,7 @@ def test_a_request_naming_no_max_tokens_is_cut_at_the_servers_bound_upstream_too
     """The bound is not sent upstream (it may exceed the upstream's context): the stream is cut
     at it instead, here after 8 of the upstream's 2,000 tokens."""
     body = {"model": "endless", "prompt": "a", "stream": True, "max_tokens": None}
-    with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=30, trust_env=False) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     text = "".join(c["text"] for e in events for c in e["choices"])
     assert text == " a" * 8 and events[-1]["choices"][0]["finish_reason"] == "length"

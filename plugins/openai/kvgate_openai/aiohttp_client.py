@@ -14,9 +14,12 @@ import weakref
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from yarl import URL
 
-from kvgate_openai.transport import KeepAliveClient, Response, ReusedConnectionDropped, StreamBroken, UpstreamUnreachable
+from kvgate_openai.h1 import HeadLimits
+from kvgate_openai.transport import (AnswerTooLarge, KeepAliveClient, Response, ReusedConnectionDropped, StreamBroken,
+                                    UpstreamUnreachable)
 
 # How a connection that the upstream closed under our request fails before any response byte:
 # FIN (ServerDisconnectedError), RST while writing or reading (ClientOSError).
@@ -111,8 +114,10 @@ class _Body:
 class AiohttpClient(KeepAliveClient):
     """aiohttp sessions, made on first use (they belong to the running event loop)."""
 
-    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict):
+    def __init__(self, max_connections: int, keepalive_expiry_s: float, *, connect_s: float, headers: dict,
+                 head_limits: HeadLimits | None = None):
         self.max_connections = max_connections
+        self.head_limits = head_limits or HeadLimits()
         self._keepalive_expiry_s = keepalive_expiry_s
         self._headers = headers
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
@@ -144,11 +149,23 @@ class AiohttpClient(KeepAliveClient):
             if new_connection:  # a new connection failed: that is the upstream's doing
                 raise UpstreamUnreachable(type(exc).__name__) from exc
             raise ReusedConnectionDropped(type(exc).__name__) from exc
+        except aiohttp.ClientResponseError as exc:
+            if _head_over_limits(exc):
+                raise AnswerTooLarge(self._over_limits()) from exc
+            raise UpstreamUnreachable(type(exc).__name__) from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamUnreachable(type(exc).__name__) from exc
         finally:
             _NEW_CONNECTION.reset(mark)
+        if sum(len(name) + len(value) for name, value in raw.raw_headers) > self.head_limits.max_bytes:
+            raw.close()  # each header was under the bound, all of them together are not
+            raise AnswerTooLarge(self._over_limits())
         return Response(raw.status, raw.headers, _Body(raw))  # headers: case-insensitive
+
+    def _over_limits(self) -> str:
+        """h1.py's words for the same thing: a deployment's 502 reads the same over either client."""
+        limits = self.head_limits
+        return f"its response head is over {limits.max_headers} headers or {limits.max_bytes} bytes"
 
     def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
         if self._session is None:
@@ -164,13 +181,31 @@ class AiohttpClient(KeepAliveClient):
         # trust_env would look up proxies and netrc in a thread on every request; the proxy is
         # looked up once per upstream instead (`proxy`). No cookie jar: a cookie one client's
         # answer set must never ride along on another client's request.
+        # The parser bounds a head as h1.py does: max_headers lines, none longer than the whole
+        # head's bytes (aiohttp's defaults: 128 headers of 8,190 bytes, ~1 MiB); `attempt` checks
+        # the total once the head is in.
+        limits = self.head_limits
         return aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
-                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                     max_headers=limits.max_headers, max_field_size=limits.max_bytes,
+                                     max_line_size=limits.max_bytes)
 
     async def aclose(self) -> None:
         for session in (self._session, self._fresh):
             if session is not None:
                 await session.close()
+
+
+def _head_over_limits(exc: aiohttp.ClientResponseError) -> bool:
+    """Whether aiohttp's parser refused the head for its size: a line over max_field_size
+    (LineTooLong) or more than max_headers ("Too many headers received", C and Python parsers),
+    as the error's causes say."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, LineTooLong) or (isinstance(cause, BadHttpMessage) and "many headers" in str(cause)):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _tls_context() -> ssl.SSLContext:

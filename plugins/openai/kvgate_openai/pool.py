@@ -31,7 +31,8 @@ class ClientPool:
         self.in_flight = 0
         self._h1 = h1.H1Client(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers,
                                head_limits=head_limits)
-        self._aiohttp = AiohttpClient(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers)
+        self._aiohttp = AiohttpClient(max_connections, keepalive_expiry_s, connect_s=connect_s, headers=headers,
+                                     head_limits=head_limits)
         self._clients: dict[str, KeepAliveClient] = {}  # by URL: the client that sends to it
 
     def _client(self, url: str) -> KeepAliveClient:
