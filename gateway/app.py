@@ -55,6 +55,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 ROUTES = [
     Route("/v1/models", api.list_models, methods=["GET"]),
+    Route("/key/info", api.key_info, methods=["GET"]),
     Route("/v1/completions", api.completions, methods=["POST"]),
     Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
     Route("/health", ops.health, methods=["GET"]),
@@ -86,6 +87,8 @@ def create_app(state: GatewayState):
     async def lifespan(app):
         await state.registry.start()
         await state.limiter.start()
+        if state.budgets is not None:
+            await state.budgets.start()
         _reload_on_sighup(state)
         watcher = asyncio.get_running_loop().create_task(watch_keys_file(state))
         try:
@@ -96,6 +99,10 @@ def create_app(state: GatewayState):
                 await asyncio.wait(set(state.streams), timeout=STREAM_FAREWELL_S)
             await state.registry.stop()
             await state.limiter.stop()
+            if state.budgets is not None:
+                await state.budgets.stop()
+            for cache in state.caches.values():
+                await cache.store.stop()
             if state.tracer_provider is not None:
                 state.tracer_provider.shutdown()  # flushes spans still in the batch queue
 

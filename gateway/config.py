@@ -238,6 +238,23 @@ class BreakerConfig(StrictModel):
     cooldown_s: float = Field(10.0, gt=0, description="Seconds out before one probe request is let in.")
 
 
+class ResponseCacheConfig(StrictModel):
+    """An exact cache of this model's answers (opt in): a repeated deterministic request is answered
+    from it without a backend."""
+
+    ttl_s: float = Field(300.0, gt=0, description="Seconds an answer is kept.")
+    max_bytes: int = Field(64 * 2**20, gt=0, description="memory: the most the entries take (least recently used "
+                           "go first); both stores: an entry larger than this is not kept.")
+    store: Literal["memory", "redis"] = Field("memory", description="redis: auth.limits_store's Redis, shared "
+                                              "by replicas (eviction by Redis's own maxmemory-policy).")
+    scope: Literal["key", "team", "shared"] = Field(
+        "key", description="Who shares entries: each key alone, the keys of a team, or every caller.")
+    tools: bool = Field(False, description="Also cache requests that offer tools (a tool call may have side effects "
+                        "the client wants each time).")
+    count_hits: bool = Field(False, description="Charge a hit's tokens to the key's tokens_per_minute and budgets "
+                             "(default: a hit costs 0 tokens; it still counts as a request).")
+
+
 class ModelConfig(StrictModel):
     name: str = Field(description="The model name clients send.")
     aliases: list[str] = Field(default_factory=list, description="Other names for this model.")
@@ -249,6 +266,7 @@ class ModelConfig(StrictModel):
     timeouts: TimeoutConfig = TimeoutConfig()
     breaker: BreakerConfig = BreakerConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    cache: ResponseCacheConfig | None = Field(None, description="An exact response cache (off by default).")
     deployments: list[DeploymentConfig] = Field(min_length=1)
 
     @field_validator("deployments")
@@ -304,6 +322,7 @@ class ApiKeyConfig(StrictModel):
     out of version control); it is never logged."""
 
     name: str = Field(description="Shown in logs and metrics instead of the key.")
+    team: str | None = Field(None, description="The team the key belongs to: team budgets count every key of it.")
     key: str | None = Field(None, min_length=8, repr=False)
     key_env: str | None = Field(None, description="Environment variable holding the key.")
     models: list[str] = Field(default_factory=lambda: ["*"], description="Allowed models; '*' for all.")
@@ -348,6 +367,75 @@ class LimitsStoreConfig(StrictModel):
         return self
 
 
+class ModelPrice(StrictModel):
+    """What a model's tokens cost, for budgets in money (any currency: budgets say `unit: money`)."""
+
+    input_per_million: float = Field(0.0, ge=0, description="Price of a million prompt tokens.")
+    output_per_million: float = Field(0.0, ge=0, description="Price of a million completion tokens.")
+    cached_input_per_million: float | None = Field(
+        None, ge=0, description="Price of a million prompt tokens read from a prefix cache (default: input's).")
+
+
+class TokenWeights(StrictModel):
+    """Weights of `unit: weighted_tokens` (Envoy AI Gateway's costExpression, as weights)."""
+
+    input: float = Field(1.0, ge=0, description="Per prompt token not served from a prefix cache.")
+    output: float = Field(1.0, ge=0, description="Per completion token.")
+    cached_input: float | None = Field(None, ge=0, description="Per cached prompt token (default: input's).")
+
+
+class BudgetConfig(StrictModel):
+    """One budget: a limit on cumulative use in a window, for a key, a team, or each key/team ('*')."""
+
+    name: str = Field(description="Named in refusals, headers, metrics and /key/info.")
+    key: str | None = Field(None, description="The key it applies to ('*': each key on its own).")
+    team: str | None = Field(None, description="The team it applies to ('*': each team on its own).")
+    models: list[str] | None = Field(None, description="Only requests of these models count (default: all).")
+    unit: Literal["tokens", "input_tokens", "output_tokens", "weighted_tokens", "money"] = Field(
+        "tokens", description="tokens: prompt + completion; money: from budgets.prices.")
+    weights: TokenWeights = TokenWeights()
+    limit: float = Field(gt=0, description="The most the window may use, in `unit`.")
+    window: Literal["day", "month", "rolling"] = Field(
+        "month", description="day / month: calendar windows in UTC starting at reset_at (month: on day 1); "
+        "rolling: the last period_s seconds.")
+    reset_at: str = Field("00:00", pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$",
+                          description="UTC time of day a calendar window starts (HH:MM).")
+    period_s: float | None = Field(None, gt=0, description="Length of a rolling window, seconds.")
+    soft_limit: float | None = Field(0.8, gt=0, le=1, description="Fraction of the limit past which answers carry "
+                                     "x-kvgate-budget-warning and kvgate_budget_soft_limit_total counts.")
+    shadow: bool = Field(False, description="Count and warn, never refuse (to roll a budget out safely).")
+
+    @model_validator(mode="after")
+    def _one_subject(self):
+        if (self.key is None) == (self.team is None):
+            raise ValueError("give exactly one of key and team")
+        if (self.window == "rolling") != (self.period_s is not None):
+            raise ValueError("period_s is for window: rolling, and required there")
+        return self
+
+
+class BudgetsConfig(StrictModel):
+    """Cumulative budgets per key and team; counted where `store` says (default: auth.limits_store)."""
+
+    limits: list[BudgetConfig] = Field(default_factory=list, description="The budgets; a request passes when "
+                                       "every one that applies to it has room.")
+    prices: dict[str, ModelPrice] = Field(default_factory=dict, description="Per model name: its token prices.")
+    store: LimitsStoreConfig | None = Field(None, description="Where spend is counted (default: the limits store).")
+    on_store_down: Literal["open", "closed"] = Field(
+        "open", description="Redis unreachable: open admits, counting on this replica alone; closed refuses (503).")
+    reservation_ttl_s: float = Field(3600.0, gt=0, description="A reservation a replica never settled (it died) "
+                                     "stops counting after this many seconds.")
+    usage_log: str | None = Field(None, description="A file to append one JSON line per settled request to.")
+
+    @field_validator("limits")
+    @classmethod
+    def _unique_names(cls, budgets: list[BudgetConfig]):
+        names = [b.name for b in budgets]
+        if len(set(names)) != len(names):
+            raise ValueError("two budgets share a name")
+        return budgets
+
+
 class AuthConfig(StrictModel):
     keys: list[ApiKeyConfig] = Field(default_factory=list)
     limits_store: LimitsStoreConfig = LimitsStoreConfig()
@@ -378,6 +466,7 @@ class GatewayConfig(StrictModel):
     default_sla_class: str = Field("standard", description="Class of requests that name none.")
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    budgets: BudgetsConfig = BudgetsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-plugin sections, handed to each plugin as-is."
@@ -406,7 +495,25 @@ class GatewayConfig(StrictModel):
                 raise ValueError(f"models[{i}].fallback: '{m.fallback}' is not another model")
         for i, k in enumerate(self.auth.keys):
             check_key_classes(f"auth.keys[{i}]", k, classes, self.default_sla_class)
+        self._budgets_name_models(names)
+        for i, m in enumerate(self.models):
+            if m.cache is not None and m.cache.store == "redis" and self.auth.limits_store.url_env is None:
+                raise ValueError(f"models[{i}].cache.store: redis is auth.limits_store's Redis: set its kind and url_env")
         return self
+
+    def _budgets_name_models(self, names: set[str]) -> None:
+        """A budget names models the gateway serves, and one in money has a price for each."""
+        pools = {n: m.name for m in self.models for n in [m.name, *m.aliases]}
+        for name in self.budgets.prices:
+            if name not in pools:
+                raise ValueError(f"budgets.prices.{name}: not a model of this gateway")
+        for i, b in enumerate(self.budgets.limits):
+            for name in b.models or []:
+                if name not in names:
+                    raise ValueError(f"budgets.limits[{i}].models: '{name}' is not a model of this gateway")
+            unpriced = [pools[n] for n in (b.models or pools) if pools[n] not in self.budgets.prices]
+            if b.unit == "money" and unpriced:
+                raise ValueError(f"budgets.limits[{i}]: unit money needs budgets.prices.{unpriced[0]}")
 
     def sla_class(self, name: str) -> SlaClass | None:
         return next((c for c in self.sla_classes if c.name == name), None)

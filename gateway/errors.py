@@ -127,6 +127,15 @@ class RateLimited(_RetryAfterError):
     backend_fault = False  # load: tried elsewhere, not charged
 
 
+class BudgetExceeded(_RetryAfterError):
+    """A key's or team's budget has no room for the request (gateway.budgets), until Retry-After."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "quota_exceeded"
+    backend_fault = False
+
+
 class Overloaded(_RetryAfterError):
     status = 503
     type = "service_unavailable_error"

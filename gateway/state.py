@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import pluggy
 from starlette.requests import Request
 
+from gateway.budgets.ledger import Budgets, make_budgets
+from gateway.cache.responses import ResponseCache, make_caches
 from gateway.config import GatewayConfig
 from gateway.keys.limits import KeyLimiter
 from gateway.keys.redis_limiter import RedisLimiter, make_limiter
@@ -40,6 +42,8 @@ class GatewayState:
     tracer_provider: object = None  # this gateway's OpenTelemetry TracerProvider, when tracing
     tracer: object = None  # an OpenTelemetry tracer, or None when tracing is off
     metrics: GatewayMetrics = field(init=False)  # set by build_state: it reads this state at scrape time
+    budgets: Budgets | None = None  # None: no budgets configured (nothing is reserved or settled)
+    caches: dict[str, ResponseCache] = field(default_factory=dict)  # model -> its response cache, if it has one
     limiter: KeyLimiter | RedisLimiter = field(default_factory=KeyLimiter)  # RedisLimiter: auth.limits_store
     recent: RecentActivity = field(default_factory=RecentActivity)
     streams: set[asyncio.Task] = field(default_factory=set)  # tasks serving SSE streams right now
@@ -62,6 +66,10 @@ def build_state(config: GatewayConfig, pm: pluggy.PluginManager | None = None,
     state = GatewayState(config, pm, registry, keys, backends, policies, config_path, tracer_provider=provider,
                          limiter=limiter, tracer=provider.get_tracer("kvgate.gateway") if provider else None)
     state.metrics = GatewayMetrics(lambda: state)
+    state.caches = make_caches(config, state.metrics.cache_requests)
+    if config.budgets.limits:
+        state.budgets = make_budgets(config)
+        state.metrics.registry.register(state.budgets)
     return state
 
 

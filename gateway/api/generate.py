@@ -13,11 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from gateway import fastjson
+from gateway.budgets.ledger import WARNING_HEADER, Hold
+from gateway.cache.responses import HEADER as CACHE_HEADER
+from gateway.cache.responses import Lookup
 from gateway.config import SlaClass
 from gateway.dispatch import disagg
 from gateway.dispatch.choices import OpenChoice, choice_requests, merged_events, open_choices
 from gateway.dispatch.recorder import RequestRecorder
-from gateway.errors import APIError, InvalidRequestError, ModelNotFound, RateLimited
+from gateway.errors import APIError, AuthenticationError, InvalidRequestError, ModelNotFound, RateLimited
 from gateway.http.asgi import EventStreamResponse, run_until_disconnect, watch_disconnect
 from gateway.keys.store import ApiKey
 from gateway.plugins import notify
@@ -144,14 +147,23 @@ async def _serve(request: Request, parse, id_prefix: str):
     registry = state.registry  # the one this request was routed in, across a reload
     key = _api_key(request)
     parsed, pool, sla = await parsed_body(request, functools.partial(_parse_and_route, request, state, key, parse))
+    cache = state.caches.get(pool.name)
+    found = await cache.lookup(parsed, key, request.headers) if cache is not None else None
+    hit = found is not None and found.hit is not None
+    free = hit and not cache.cfg.count_hits  # a hit costs 0 tokens: it still counts as a request
     if key is not None:
-        await _admit_key(state, key, parsed.num_choices, (parsed.sampling.max_tokens or 0) * parsed.num_choices)
+        reserve = 0 if free else (parsed.sampling.max_tokens or 0) * parsed.num_choices
+        await _admit_key(state, key, parsed.num_choices, reserve)
+    hold = await _reserve_budgets(state, key, pool.name, parsed, free)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     recorder = RequestRecorder(
         state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
         operation="chat" if parsed.chat else "text_completion", headers=request.headers,
         path=request.scope["path"], sampling=parsed.sampling, n=parsed.n,
     )  # (the scope's path: request.url builds and parses a whole URL, ~2.5 % of a request's CPU)
+    recorder.hold, recorder.free = hold, free
+    if found is not None:
+        _cache_noted(recorder, cache, found)
     notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
     shape = ResponseShape(
         chat=parsed.chat, id=request_id, model=pool.name, want_logprobs=parsed.sampling.logprobs is not None
@@ -159,9 +171,12 @@ async def _serve(request: Request, parse, id_prefix: str):
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
     trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
     requests = choice_requests(parsed, request_id, sla.priority, trace)
-    opening = open_choices(registry, pool, requests, ticket, recorder, disagg.opener(pool))
+    if hit:
+        opening = _replayed(cache.replay(found))
+    else:
+        opening = open_choices(registry, pool, requests, ticket, recorder, disagg.opener(pool))
     if not parsed.stream:
-        return await _answer_whole(request, recorder, parsed, shape, opening)
+        return _headed(await _answer_whole(request, recorder, parsed, shape, opening), hold, found)
     # Watch the client from the start: one that leaves while queued, or before the first token,
     # frees its queue slot and aborts its backend work now, not when a token comes. The same
     # watcher then serves the stream.
@@ -177,8 +192,59 @@ async def _serve(request: Request, parse, id_prefix: str):
         watcher.cancel()
         recorder.finish(CLIENT_CLOSED, None)
         return JSONResponse({}, status_code=CLIENT_CLOSED)
-    return EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
-                               finalizer=lambda: _release_pending(recorder, choices), watcher=watcher)
+    return _headed(EventStreamResponse(_stream(recorder, parsed, shape, choices), tracker=state.streams,
+                                       finalizer=lambda: _release_pending(recorder, choices), watcher=watcher),
+                   hold, found)
+
+
+def _cache_noted(recorder: RequestRecorder, cache, found: Lookup) -> None:
+    """The recorder keeps a miss's events for the cache; a hit is served by no deployment."""
+    recorder.cache = (cache, found)
+    if found.hit is None:
+        recorder.capture = found if found.store else None
+    else:
+        recorder.deployment = "cache"
+    if recorder.trace is not None:
+        recorder.trace.root.set_attribute("kvgate.cache", "hit" if found.hit is not None else "miss")
+
+
+async def _replayed(choices: list) -> list:
+    return choices
+
+
+async def _reserve_budgets(state: GatewayState, key: ApiKey | None, model: str, parsed: ParsedRequest,
+                           free: bool) -> Hold | None:
+    """The request's hold on its key's and team's budgets (None: none apply). A refusal (429)
+    also ends the key's admission: it counted as a request, it holds no slot."""
+    if key is None or state.budgets is None:
+        return None
+    try:
+        return await state.budgets.reserve(key, model, parsed, free)
+    except BaseException:
+        state.limiter.finish(key, 0)
+        raise
+
+
+def _headed(response, hold: Hold | None, found: Lookup | None):
+    """The answer, with the budgets past their soft limit named in a header, and whether the
+    response cache answered it."""
+    if hold is not None and hold.warnings:
+        response.headers[WARNING_HEADER] = ", ".join(hold.warnings)
+    if found is not None:
+        response.headers[CACHE_HEADER] = "hit" if found.hit is not None else "miss"
+    return response
+
+
+async def key_info(request: Request) -> JSONResponse:
+    """The caller's own key: its name, team and budgets with their spend (LiteLLM's /key/info,
+    scoped to the key that asks: no key can read another's)."""
+    key = _api_key(request)
+    if key is None:
+        raise AuthenticationError("GET /key/info reads the budgets of the API key that calls it: send one.")
+    state = state_of(request)
+    budgets = await state.budgets.info(key) if state.budgets is not None else []
+    return JSONResponse({"key": key.name, "team": key.team, "models": sorted(key.models) if key.models else None,
+                         "budgets": budgets})
 
 
 async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,

@@ -30,6 +30,10 @@ class RequestRecorder:
         self._itl = None
         self.deployment = ""
         self.done = False
+        self.hold = None  # the request's budget reservation (gateway.budgets), settled at finish
+        self.cache = None  # (ResponseCache, Lookup) of a request the model's cache looked up
+        self.capture = None  # the Lookup that keeps this answer's events (a miss to be stored)
+        self.free = False  # a cache hit not charged: 0 tokens to the key's limits and budgets
         self.trace = None
         if state.tracer is not None:
             self.trace = RequestTrace(state.tracer, f"{operation} {model}", headers, _request_attributes(
@@ -111,6 +115,10 @@ class RequestRecorder:
         """Events of choice `index` that arrived together: the first is timed from the choice's
         last token, the others came with it (inter-token latency 0, observed in one step)."""
         now = time.monotonic()
+        if self.hold is not None:
+            self.hold.observe(events)
+        if self.capture is not None:
+            self.capture.tokens(index, events)
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.series(self.metrics.ttft, self.model, self.sla_class).observe(now - self.started)
@@ -146,7 +154,12 @@ class RequestRecorder:
         if status == 429 and self.key is not None:
             m.rate_limited.labels(self.key.name).inc()
         if self.key is not None:
-            self.state.limiter.finish(self.key, _key_tokens(usage, self.n))
+            self.state.limiter.finish(self.key, 0 if self.free else _key_tokens(usage, self.n))
+        hit = self.cache is not None and self.cache[1].hit is not None
+        if self.hold is not None:
+            self.state.budgets.settle(self.hold, usage, status, cache_hit=hit, free=self.free)
+        if self.capture is not None:
+            self.cache[0].keep(self.capture, status, finish_reasons, error)
         if self.trace is not None:
             self.trace.end(status, _response_attributes(self.request_id, self.model, usage, finish_reasons))
         notify(self.state.pm, "request_finished", request_id=self.request_id, model=self.model,

@@ -37,6 +37,7 @@ class ApiKey:
     max_concurrency: int | None
     sla_classes: frozenset[str] | None = None  # classes it may ask for; None: every class
     scopes: frozenset[str] = frozenset()  # "metrics": reads the operator pages for every model
+    team: str | None = None  # team budgets count every key of the team
 
     def may_use(self, model_names: list[str]) -> bool:
         return self.models is None or any(n in self.models for n in model_names)
@@ -157,7 +158,7 @@ def _resolve(where: str, k: ApiKeyConfig, env, default_class: str) -> ApiKey:
     # queue with x-sla-class unless it was given that class.
     sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes or [k.sla_class or default_class])
     return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
-                  k.tokens_per_minute, k.max_concurrency, sla_classes, frozenset(k.scopes))
+                  k.tokens_per_minute, k.max_concurrency, sla_classes, frozenset(k.scopes), k.team)
 
 
 def _env_secret(where: str, name: str, env) -> str:

@@ -1,0 +1,111 @@
+"""The exact response cache of one model: look a request up, replay a hit, keep a finished answer.
+
+    lookup   a deterministic request (entries.cacheable) without Cache-Control no-cache/no-store:
+             its entry, or a miss that remembers the key; others pass by (not cached)
+    replay   a hit becomes choices that yield the kept events, through the same writers as a live
+             answer (fresh id and created, stream_options as this request asks)
+    keep     the events of an answer that finished (status 200, every choice stopped, hit its
+             length or called tools); never an error, a cut answer or a hit
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from gateway.cache.entries import STORED_FINISH_REASONS, cache_key, cacheable, decode, encode
+from gateway.cache.stores import MemoryCache, RedisCache
+from gateway.config import GatewayConfig, ResponseCacheConfig
+
+HEADER = "x-kvgate-cache"
+
+
+@dataclass
+class Lookup:
+    """One request's dealings with the cache: its key, whether to keep its answer, what it found."""
+
+    key: str
+    store: bool
+    hit: bytes | None = None
+    batches: list = field(default_factory=list)  # (index, events) as they arrived, for keeping
+
+    def tokens(self, index: int, events) -> None:
+        self.batches.append((index, events))
+
+
+class ReplayChoice:
+    """A cached choice, shaped like dispatch.choices.OpenChoice where the writers read one."""
+
+    def __init__(self, index: int, batches: list):
+        self.index = index
+        self.batches = batches
+        self.first = batches[0] if batches else []
+        self.closed = False
+        self.last_event = None  # no kv_transfer_params: a hit never answers a prefill hop
+
+    async def stream(self):
+        for batch in self.batches:
+            yield batch
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class ResponseCache:
+    def __init__(self, model: str, cfg: ResponseCacheConfig, store, requests: Counter):
+        self.model, self.cfg, self.store, self._requests = model, cfg, store, requests
+
+    def scope(self, key) -> str:
+        if key is None or self.cfg.scope == "shared":
+            return ""
+        if self.cfg.scope == "team" and key.team is not None:
+            return f"team={key.team}"
+        return f"key={key.name}"
+
+    async def lookup(self, parsed, key, headers) -> Lookup:
+        """The request's entry, if any; one that does not use the cache (not deterministic,
+        no-store, passthrough) is a miss that keeps nothing."""
+        control = headers.get("cache-control", "").lower()
+        if "no-store" in control or not cacheable(parsed, self.cfg.tools):
+            self._requests.labels(self.model, "bypass").inc()
+            return Lookup("", store=False)
+        found = Lookup(cache_key(parsed, self.model, self.scope(key)), store=True)
+        if "no-cache" not in control:
+            found.hit = await self.store.get(found.key)
+        self._requests.labels(self.model, "hit" if found.hit is not None else "miss").inc()
+        return found
+
+    @staticmethod
+    def replay(found: Lookup) -> list[ReplayChoice]:
+        return [ReplayChoice(index, batches) for index, batches in sorted(decode(found.hit).items())]
+
+    def keep(self, found: Lookup, status: int, finish_reasons, error) -> None:
+        if found.hit is not None or not found.store or status != 200 or error is not None:
+            return
+        if not finish_reasons or any(r not in STORED_FINISH_REASONS for r in finish_reasons):
+            return
+        self.store.put(found.key, encode(found.batches))
+        self._requests.labels(self.model, "stored").inc()
+
+
+def make_caches(config: GatewayConfig, requests: Counter, env=None) -> dict[str, ResponseCache]:
+    """A cache per model that configures one (its name and aliases resolve to the model's)."""
+    env = os.environ if env is None else env
+    out = {}
+    for m in config.models:
+        if m.cache is None:
+            continue
+        if m.cache.store == "memory":
+            store = MemoryCache(m.cache.max_bytes, m.cache.ttl_s)
+        else:
+            where = config.auth.limits_store
+            url = env.get(where.url_env or "")
+            if not url:
+                raise ValueError(f"models[{m.name}].cache.store: redis needs auth.limits_store.url_env set")
+            password = env.get(where.password_env) if where.password_env else None
+            store = RedisCache(url, f"{where.key_prefix}:cache:{m.name}", m.cache.max_bytes, m.cache.ttl_s,
+                               where.timeout_s, password)
+        out[m.name] = ResponseCache(m.name, m.cache, store, requests)
+    return out
