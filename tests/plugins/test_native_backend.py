@@ -86,6 +86,27 @@ def test_prompt_over_the_context_is_400(client):
     assert "8192" in info.value.body["message"]
 
 
+def test_a_chat_far_over_the_context_is_refused_by_characters_before_tokenizing(gw, client, monkeypatch):
+    """8,192 tokens of context (the GGUF's, test_models_show_the_gguf_context_length...): a chat of
+    8 x 8,192 + 5 characters is refused without reaching the tokenizer (issue 40 item 10)."""
+    backend = gw.backend("native-0")
+    wait_until(lambda: "max_model_len" in backend.load().info, 30, "the engine's stats")
+    calls = []
+    real = backend.tokenizer.apply_chat_template
+    monkeypatch.setattr(backend.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or real(*a, **k))
+    content = "word " * (8 * 8192 // 5 + 2)
+    for body in ({"messages": [{"role": "user", "content": [{"type": "text", "text": content}]}]},
+                 {"prompt": content + "s"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.post("/chat/completions" if "messages" in body else "/completions", cast_to=httpx.Response,
+                        body={"model": "smollm2", "max_tokens": 2, **body})
+        assert info.value.body["code"] == "context_length_exceeded"
+        assert "characters, over 8 for each of this model's 8192 tokens of context" in info.value.body["message"]
+    assert calls == []
+    assert ask(client, "Hi", max_tokens=2).usage.completion_tokens > 0  # a chat under it is tokenized
+    assert calls == [1]
+
+
 def test_token_id_outside_the_vocabulary_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="smollm2", prompt=[1, 2, 10**7], max_tokens=2)

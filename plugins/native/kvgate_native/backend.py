@@ -30,7 +30,7 @@ from gateway.backend import (
     TRANSFER_PARAMS, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
     LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
-from gateway.errors import BackendError, InvalidRequestError, Overloaded
+from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
 from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
 from kvgate_native.engine_errors import api_error
@@ -284,6 +284,7 @@ class NativeBackend:
             share_local_key()  # before the engine starts: engines of this process read each other's blocks
         self.supervisor = EngineSupervisor(self._new_client, name, settings.supervision)
         self.tokenizer: Tokenizer | None = None
+        self._context_tokens: int | None = None  # the engine's context, once its stats said it
         self.tool_parser: type[ToolParser] = tool_parser(settings.tool_call_parser)
         # Tokenizing and chat templates run here, never on the event loop: the largest prompt the
         # limits allow takes tens of milliseconds of CPU, a stall of every stream the gateway
@@ -352,6 +353,7 @@ class NativeBackend:
         sup = self.supervisor
         up = sup.up
         stats = dataclasses.asdict(self.client.stats()) if up else {}
+        self._context_tokens = stats.get("max_model_len") or self._context_tokens
         extra = _flat_stats(stats)
         extra["engine_restarts"] = float(sup.restarts)
         return LoadSnapshot(
@@ -484,6 +486,7 @@ class NativeBackend:
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self._ready_tokenizer()
         param = "messages" if request.messages is not None else "prompt"
+        self._check_characters(request, param)
         try:
             if request.messages is not None:
                 return chat_prompt_ids(tokenizer, request.messages, request.tools, request.tool_choice,
@@ -496,6 +499,20 @@ class NativeBackend:
         except Exception as exc:  # noqa: BLE001 - whatever the text did to the tokenizer, it is this request's
             log.warning("native deployment '%s': tokenizing a request failed: %s: %s", self.name, type(exc).__name__, exc)
             raise InvalidRequestError(f"The {param} could not be tokenized.", param=param) from None
+
+    def _check_characters(self, request: GenerationRequest, param: str) -> None:
+        """Refuse a text far over the context before tokenizing it: a 1 MB prompt took 1.4-2.5 s
+        of a tokenizing thread that generation shares, only to be refused by its token count.
+        No tokenizer makes fewer than one token of MAX_CHARS_PER_TOKEN characters of real text."""
+        context = self.settings.max_model_len or self._context_tokens
+        if not context:
+            return
+        chars = _text_chars(request.messages) if request.messages is not None else (
+            len(request.prompt) if isinstance(request.prompt, str) else 0)
+        if chars > MAX_CHARS_PER_TOKEN * context:
+            raise ContextLengthExceeded(
+                f"The {param} hold {chars} characters, over {MAX_CHARS_PER_TOKEN} for each of this model's "
+                f"{context} tokens of context: refused before tokenizing.", param=param)
 
     def _embedding_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Each embedding input's ids: text tokenized as a completion prompt is, token arrays
@@ -511,6 +528,24 @@ class NativeBackend:
             if not ids[-1]:
                 raise InvalidRequestError("The input has no tokens.", param=input_path(i, len(inputs)))
         return ids
+
+
+MAX_CHARS_PER_TOKEN = 8  # issue 40 item 10's bound: a prompt over 8 characters per token of context
+
+
+def _text_chars(value) -> int:
+    """Characters in every string of a chat's messages (contents, parts, tool calls), iteratively:
+    the body parser already bounded its depth and size."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _local_address(endpoint: str) -> str:
