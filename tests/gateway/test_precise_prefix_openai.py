@@ -43,7 +43,8 @@ def block_hashes(tokens: list[int]) -> list[int]:
 
 class CachingUpstream(ScriptedUpstream):
     """A vLLM-like server: /tokenize, chat, and a KV-event PUB socket announcing the blocks each
-    chat prompt leaves in its cache. `tokenize_delay_s` slows its /tokenize down."""
+    chat prompt leaves in its cache. While `tokenize_held`, its /tokenize answers nothing (until
+    released); `tokenize_answered` counts the answers it gave."""
 
     def __init__(self):
         self.context = zmq.Context()
@@ -53,7 +54,8 @@ class CachingUpstream(ScriptedUpstream):
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = 0
         self.cached: set[int] = set()
-        self.tokenize_delay_s = 0.0
+        self.tokenize_held = False
+        self.tokenize_answered = 0
         super().__init__(model="m")
 
     async def chat(self, request: Request):
@@ -72,7 +74,9 @@ class CachingUpstream(ScriptedUpstream):
         if "untokenizable" in json.dumps(body):
             self.seen.append((request.url.path, body))
             return JSONResponse({"error": {"message": "no", "type": "BadRequestError", "code": 400}}, status_code=400)
-        await asyncio.sleep(self.tokenize_delay_s)
+        while self.tokenize_held:
+            await asyncio.sleep(0.01)
+        self.tokenize_answered += 1
         return await super().tokenize(request)
 
     def publish(self, events: list[dict]) -> None:
@@ -190,16 +194,17 @@ def test_a_prompt_the_tokenizer_refuses_is_not_held_against_the_server(gw, upstr
 
 def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at_once(gw, upstreams, exporter, caplog):
     policy = gw.state.registry.pools[0].policy
+    answered = [up.tokenize_answered for up in upstreams]
     for up in upstreams:
-        up.tokenize_delay_s = 2.0  # past tokenize_timeout_s
+        up.tokenize_held = True  # no answer until the test is done: past any tokenize_timeout_s
     failures = policy.kv_feed.tokens.remote_failures
     try:
         with caplog.at_level(logging.WARNING, logger="kvgate.routing"):
             for question in ("a question the index has never seen", "and another one", "and a third"):
-                started = time.monotonic()
                 exporter.clear()
                 chat(gw, question, system="another system prompt entirely")
-                assert time.monotonic() - started < 1.5  # bounded by the timeout, not the slow upstream
+                # served with no /tokenize answered: the route gave up on them (its timeout), no clock read
+                assert [up.tokenize_answered for up in upstreams] == answered
                 assert route_of(exporter).get("kvgate.kv_prefix_matched_tokens") is None  # by affinity
             assert any("/tokenize on deployment vllm-" in r.getMessage() and "no answer in time" in r.getMessage()
                        for r in caplog.records)
@@ -210,5 +215,5 @@ def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at
             assert f'kvgate_kv_route_tokenize_failures_total{{model="m"}} {float(policy.kv_feed.tokens.remote_failures)}' in metrics
     finally:
         for up in upstreams:
-            up.tokenize_delay_s = 0.0
+            up.tokenize_held = False
         policy.kv_feed.tokens._backoff.clear()  # the module's other tests ask them again
