@@ -2,7 +2,8 @@
 
 Engines (ours, vLLM, SGLang) publish batches of BlockStored / BlockRemoved / AllBlocksCleared on a
 ZMQ PUB socket as three frames, [topic, seq (8 bytes, big-endian), msgpack payload]; a ROUTER at
-the replay endpoint resends buffered batches from a sequence number on, then [-1, b""]. Both the
+the replay endpoint resends buffered batches from a sequence number on, then [-1, b""] (vLLM 0.32
+puts the topic before each seq, as on the live stream: both forms are read). Both the
 legacy positional form (arrays tagged by their first element) and the current map form
 (`{"type": "BlockStored", ...}`) are accepted, at the batch and at the event level.
 
@@ -294,17 +295,26 @@ class EventStream:
             dealer.connect(self.source.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while await dealer.poll(int(REPLAY_TIMEOUT_S * 1000)):
-                frames = await dealer.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                frames = _replayed_frames(await dealer.recv_multipart())
+                if frames is None:
                     break
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[0], "big", signed=True)
                 if seq == END_OF_REPLAY:
                     return _once_in_order(batches, start)
-                batches.append((seq, frames[2]))
+                batches.append((seq, frames[1]))
             log.warning("KV events of deployment %s: the replay from %d did not finish", self.deployment, start)
             return _once_in_order(batches, start)
         finally:
             dealer.close(linger=0)
+
+
+def _replayed_frames(frames: list[bytes]) -> list[bytes] | None:
+    """[seq, payload] of one replay message, in either form a vLLM sends behind the DEALER's empty
+    frame: [b"", seq, payload] (older releases) or [b"", topic, seq, payload], a live batch's
+    frames (vLLM 0.32's ZmqEventPublisher; its end marker [b"", b"", -1, b""]); None otherwise."""
+    if len(frames) not in (3, 4) or len(frames[-2]) != 8:
+        return None
+    return frames[-2:]
 
 
 def _once_in_order(batches: list[tuple[int, bytes]], start: int) -> list[tuple[int, bytes]]:

@@ -90,6 +90,7 @@ class RawPublisher:
         self.replays: list[int] = []
         self.replay_script: list[tuple[int, bytes]] | None = None
         self.replay_ends = True
+        self.replay_topic = False  # vLLM 0.32's replay: [topic, seq, payload], end [b"", -1, b""]
         self._server = asyncio.get_running_loop().create_task(self._serve())
 
     def source(self, replay=True) -> KVEventsSource:
@@ -109,10 +110,12 @@ class RawPublisher:
             frames = self.replay_script
             if frames is None:
                 frames = [(seq, self.kept[seq]) for seq in sorted(s for s in self.kept if s >= first)]
+            topic = [self.topic] if self.replay_topic else []
             for seq, payload in frames:
-                await self.router.send_multipart([ident, empty, seq.to_bytes(8, "big"), payload])
+                await self.router.send_multipart([ident, empty, *topic, seq.to_bytes(8, "big"), payload])
             if self.replay_ends:
-                await self.router.send_multipart([ident, empty, (-1).to_bytes(8, "big", signed=True), b""])
+                end = [b""] if self.replay_topic else []
+                await self.router.send_multipart([ident, empty, *end, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self._server.cancel()
@@ -151,8 +154,13 @@ def run(scenario):
     asyncio.run(main())
 
 
-def test_a_gap_is_repaired_through_the_replay_endpoint():
+@pytest.mark.parametrize("replay_topic", [False, True], ids=["seq-payload", "vllm-0.32-topic-seq-payload"])
+def test_a_gap_is_repaired_through_the_replay_endpoint(replay_topic):
+    """Both replay forms: vLLM 0.32 (vllm/distributed/kv_events.py _service_replay) sends
+    (client_id, b"", topic, seq, payload) per batch and (client_id, b"", b"", END_SEQ, b"") at
+    the end, one frame more than the older form; a real vLLM's replay was read as nothing."""
     async def scenario(context, publisher, stream_for):
+        publisher.replay_topic = replay_topic
         index = KVIndex()
         stream = await stream_for(index)
         await publisher.send(0, batch(stored(1, 2)))
