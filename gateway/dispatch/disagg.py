@@ -31,6 +31,7 @@ take the hop, or when the prefill answered no params (it stopped before its toke
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -152,6 +153,12 @@ async def prefill_hop(pool: ModelPool, index: int, request: GenerationRequest, r
         if params is None:
             _count_colocated(recorder, "no_params")
             return None
+        if not known_producer(pool, params):  # a decode engine would connect wherever it says
+            log.warning("request %s: prefill on %s answered remote_host %r, remote_port %r, which is none of "
+                        "model %s's prefill deployments; the decode computes the prompt", request.request_id,
+                        deployment.name, params.get("remote_host"), params.get("remote_port"), pool.name)
+            _count_colocated(recorder, "unknown_producer")
+            return None
         return HeldPrefill(deployment, params)
     _count_colocated(recorder, "no_prefill")
     return None
@@ -191,6 +198,30 @@ def engine_hop(parsed, key, body):
     if not isinstance(params, dict) or not trusted(key):
         return parsed
     return replace(parsed, extra={**(parsed.extra or {}), TRANSFER_PARAMS: params})
+
+
+def known_producer(pool: ModelPool, params: dict) -> bool:
+    """Whether `params` (a prefill's answer) name no producer, or one of `pool`'s prefill
+    deployments as its backend says where decode engines reach it (`kv_producer_address`:
+    host, and port where the deployment knows it). A deployment that cannot say is no match."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if host is None and port is None:
+        return True
+    for deployment in pool.deployments:
+        address = getattr(deployment.backend, "kv_producer_address", None) if deployment.role == "prefill" else None
+        known = address() if address is not None else None
+        if known is not None and _same_host(known[0], host) and known[1] in (None, port):
+            return True
+    return False
+
+
+def _same_host(known: str, named) -> bool:
+    if not isinstance(named, str):
+        return False
+    try:
+        return ipaddress.ip_address(known.strip("[]")) == ipaddress.ip_address(named.strip("[]"))
+    except ValueError:  # a DNS name: the same name
+        return known.lower().rstrip(".") == named.lower().rstrip(".")
 
 
 def trusted(key) -> bool:

@@ -77,7 +77,7 @@ class GatewayMetrics:
                                         ["model", "pool"], buckets=LATENCY_BUCKETS, registry=r)
         self.pd_colocated = Counter("kvgate_pd_colocated", "Requests of a disaggregated model the decode pool "
                                     "served without KV from a prefill hop, by reason (short_prompt, passthrough, "
-                                    "no_prefill, no_params).", ["model", "reason"], registry=r)
+                                    "no_prefill, no_params, unknown_producer).", ["model", "reason"], registry=r)
         self.cache_requests = Counter("kvgate_response_cache_requests", "Requests of models with a response cache, "
                                       "by result: hit, miss, bypass (not cacheable, or no-store) and stored.",
                                       ["model", "result"], registry=r)

@@ -190,6 +190,20 @@ def test_transfer_params_from_clients_are_dropped(gw, engines):
     assert "kv_transfer_params" not in sent and engines["solo"].request_ids == [None]
 
 
+def test_a_prefill_answer_naming_another_host_is_not_forwarded(gw, engines):
+    """The decode engine connects where the prefill's answer says: an answer naming a host that is
+    none of the model's prefill deployments (here every one names 203.0.113.9, a documentation
+    address) goes no further; the decode computes the prompt, counted (issue 40 item 2)."""
+    engines["P0"].forged_host = engines["P1"].forged_host = "203.0.113.9"
+    answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
+    assert answer.choices[0].message.content == LONG
+    [prefill], [decode] = prefills(engines), decodes(engines)
+    assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+    assert "kv_transfer_params" not in decode
+    assert loaded(engines) == [] and engines["D0"].computed + engines["D1"].computed == 1
+    assert metric(gw, "kvgate_pd_colocated_total", model="pd", reason="unknown_producer") == 1
+
+
 def test_a_request_the_prefill_refuses_is_refused_without_a_decode(gw, engines):
     engines["P0"].refuse = engines["P1"].refuse = True
     response = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30,

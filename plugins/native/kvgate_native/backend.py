@@ -468,6 +468,15 @@ class NativeBackend:
             topic=events.topic, block_size=self.config.cache.block_size,
             hash_seed=self.config.cache.prefix_hash_seed, bind=not publisher_binds(events.endpoint))
 
+    def kv_producer_address(self) -> tuple[str, int | None] | None:
+        """Where decode engines read this deployment's prefills (gateway.dispatch.disagg): the host
+        its answers name (the engine's advertised_host), and kv_transfer_port unless the system
+        picks it (0: any port of that host)."""
+        transfer = self.config.transfer
+        if transfer.kv_role not in ("producer", "both"):
+            return None
+        return transfer.advertised_host, transfer.kv_transfer_port or None
+
     def prompt_token_ids(self, request: GenerationRequest) -> list[int] | None:
         """The prompt's token ids for routing (the same template as generation); None before the
         tokenizer is loaded."""

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 import gateway
 from gateway import fastjson
@@ -82,6 +83,12 @@ class OpenAIBackend(TokenCalls):
             self._scrapes = ClientPool(1, s.keepalive_expiry_s, headers=headers, connect_s=s.connect_s,
                                        head_limits=limits)
             self._poller = asyncio.create_task(poll_forever(self._scrapes, url, self.tracker, self.name))
+
+    def kv_producer_address(self) -> tuple[str, int | None]:
+        """Where decode engines read this deployment's prefills (gateway.dispatch.disagg): the
+        upstream's host (a vLLM pod's side channel, or the kvgate engine pod's producer, listens
+        there), on a port the gateway does not know."""
+        return urlsplit(self.settings.base_url).hostname or "", None
 
     def _api_key(self) -> str | None:
         env = self.settings.api_key_env

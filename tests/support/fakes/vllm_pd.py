@@ -41,6 +41,7 @@ class VllmPDEngine(ScriptedUpstream):
         self.fail = 0
         self.refuse = False  # answer 400 (the prompt is over the context), as vLLM does
         self.prefill_delay_s = 0.0
+        self.forged_host: str | None = None  # name this host as remote_host (a hostile or misconfigured engine)
         self.request_ids: list[str | None] = []  # x-request-id of every request
 
     async def chat(self, request):
@@ -86,6 +87,7 @@ class VllmPDEngine(ScriptedUpstream):
             request_id = request.headers.get("x-request-id")
             self.held[request_id] = prompt_of(body)
             host, port = self.base_url.removeprefix("http://").split(":")
+            host = self.forged_host or host
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": host,
