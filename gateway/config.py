@@ -296,6 +296,22 @@ class ModelConfig(StrictModel):
                              f"{missing.pop()} deployment too")
         return deployments
 
+    @model_validator(mode="after")
+    def _precise_prefix_can_follow(self):
+        """precise_prefix reads each deployment's KV events from one endpoint its settings name;
+        a deployment discovered in DNS (a chart's engines[] group) is many pods, each publishing
+        its own, which the gateway does not subscribe to: the policy would silently route by
+        prefix affinity forever. Said here rather than found in a routing trace."""
+        if self.policy != "precise_prefix":
+            return self
+        for d in self.deployments:
+            if d.discovery is not None:
+                raise ValueError(
+                    f"policy precise_prefix: deployment '{d.name}' is discovered in DNS (discovery.dns, e.g. a "
+                    "chart's engines[] group); the gateway does not subscribe to discovered pods' KV events, "
+                    "so precise_prefix could only route by prefix affinity there: use policy prefix_affinity")
+        return self
+
     @property
     def disaggregated(self) -> bool:
         return any(d.role != "colocated" for d in self.deployments)

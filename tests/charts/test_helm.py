@@ -683,6 +683,20 @@ def test_rendered_configs_pass_check_config(rendered, name, tmp_path, monkeypatc
         assert code == 0, f"{cm_name}:\n{output}"
 
 
+def test_precise_prefix_on_chart_engines_is_refused_by_check_config(helm, tmp_path, monkeypatch):
+    """The gateway does not subscribe to discovered engine pods' KV events: precise_prefix there
+    would route by prefix affinity without a word, so check-config (and serve) refuse it, naming
+    the group (issue 40 item 1)."""
+    values = tmp_path / "precise.yaml"
+    values.write_text(VALUE_SETS["kv-events"][0].read_text().replace("policy: prefix_affinity", "policy: precise_prefix"))
+    docs = render(helm, [values])
+    code, output = check_config(config_maps(docs)[f"{RELEASE}-kvgate-config"],
+                                secret_env(docs, "Deployment", f"{RELEASE}-kvgate"), tmp_path, monkeypatch)
+    assert code == 1
+    assert "policy precise_prefix: deployment 'smollm2' is discovered in DNS" in output, output
+    assert "use policy prefix_affinity" in output
+
+
 def test_a_quantized_kv_cache_reaches_the_engine_and_a_bad_one_is_refused(helm, tmp_path, monkeypatch):
     docs = render(helm, [], ["engineDefaults.kvCacheDtype=int8"])
     text = config_maps(docs)[f"{RELEASE}-kvgate-smollm2-config"]
