@@ -1,6 +1,6 @@
 """The Backend protocol: the one seam between the gateway and every engine.
 
-A backend plugin returns objects that satisfy `Backend`. The gateway calls `generate` once per
+A backend plugin's backend class subclasses `Backend`. The gateway calls `generate` once per
 choice of a request and reads the token events it yields; it calls `load()` on every routing
 decision, so `load()` must be cheap (a cached snapshot, no I/O). Everything crossing this seam is
 plain data: the dataclasses below, and the exceptions in `gateway.errors`.
@@ -9,10 +9,12 @@ plain data: the dataclasses below, and the exceptions in `gateway.errors`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
 
 # Capabilities is re-exported: a plugin imports the whole seam from this module.
-from gateway.capabilities import PLAIN_CHAT, Capabilities, Needs  # noqa: F401
+from gateway.capabilities import DEFAULT_CAPABILITIES, PLAIN_CHAT, Capabilities, Needs  # noqa: F401
+from gateway.config import RequestLimits
+from gateway.errors import InvalidRequestError
 
 
 # vLLM's prefill/decode field (in requests and in answers): where a decode engine loads a
@@ -263,45 +265,18 @@ class DetokenizeRequest:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend plugin provides.
+    """What every backend plugin provides: a plugin's backend class subclasses this one.
+
+    Five members every backend defines: `start`, `stop`, `generate`, `abort` and `load`. The rest
+    are optional: each has a default here, which a backend overrides when it does more. The
+    gateway calls every member directly (never looks one up by name), so a backend that does not
+    subclass `Backend` is refused when its deployment is built.
 
     `generate` raises an exception from `gateway.errors` *before the first event* when it refuses
     a request (bad input, context too long, overloaded), and may raise `BackendError` later when it
     fails mid-stream. Cancelling the iteration (client went away) must free the request's
-    resources; the gateway also calls `abort(request_id)`.
-
-    Optionally a backend has `capabilities() -> Capabilities` (gateway.capabilities): the
-    endpoints, request features and vendor fields it serves. Without it, it serves chat and
-    completions with logprobs and n. A backend that declares "embeddings" has
-    `async embed(EmbeddingRequest) -> EmbeddingResult`; one that declares "tokenize" has
-    `async tokenize(TokenizeRequest) -> TokenizeResult` and `async detokenize(DetokenizeRequest)
-    -> str` (see below). These raise the same errors as `generate`. One that declares "responses"
-    serves OpenAI's Responses API itself: `generate` then gets requests with `passthrough` (the
-    client's body) and answers with events whose `raw` is that API's own answer (its SSE events,
-    or its JSON body), with text, finish_reason and usage filled in for the books. Requests to
-    backends that do not declare it are translated onto chat (gateway.translate), as are all of
-    Anthropic's Messages requests.
-
-    Optionally a backend publishes KV events: `kv_events_source() -> KVEventsSource | None`; the
-    `precise_prefix` policy then indexes its cached blocks. To score a prompt it needs its token
-    ids: `prompt_token_ids(request) -> list[int] | None` (cheap and synchronous: it runs while
-    routing; None or an exception means "cannot tell", and routing falls back).
-
-    Optionally a backend enforces some of `server.limits` itself (the native engine bounds the
-    grammars it compiles): `use_limits(limits: gateway.config.RequestLimits)` is called once,
-    after it is built and before `start`.
-
-    Optionally a backend whose engines hold a prefill hop's KV for a decode engine (prefill/decode
-    disaggregation, gateway.dispatch.disagg) can free it early: `async release_kv(params: dict)`, with the
-    `kv_transfer_params` its prefill hop answered, called (at most once per hop, not awaited by
-    the request) when no decode engine will read those blocks: the decode hop has its first
-    token, or ended without one. It must be cheap, must leave a read in progress alone, and
-    ignores params it does not know. Without it the engine frees them on its own timeout.
-
-    Optionally a backend also has `generate_batches(request)`, the same events in non-empty lists:
-    the events that became ready together (one network read of an upstream stream). The gateway
-    then reads that instead, and passes each list through its layers once (every layer costs
-    Python calls per item it passes on); see `batched_events`.
+    resources; the gateway also calls `abort(request_id)`. The optional members embed, tokenize
+    and detokenize raise the same errors as `generate`.
     """
 
     async def start(self) -> None: ...
@@ -312,12 +287,74 @@ class Backend(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def load(self) -> LoadSnapshot: ...
+    def load(self) -> LoadSnapshot:
+        """Called on every routing decision: cheap (a cached snapshot, no I/O)."""
+        ...
+
+    # ---------------------------------------------------------------- optional, with defaults
+
+    def capabilities(self) -> Capabilities:
+        """The endpoints, request features and vendor fields this backend serves
+        (gateway.capabilities); the gateway sends it only requests those cover. One that declares
+        "responses" serves OpenAI's Responses API itself: `generate` then gets requests with
+        `passthrough` (the client's body) and answers with events whose `raw` is that API's own
+        answer, with text, finish_reason and usage filled in for the books; requests to other
+        backends are translated onto chat (gateway.translate), as are all Messages requests.
+        Default: chat and completions with logprobs and n."""
+        return DEFAULT_CAPABILITIES
+
+    def use_limits(self, limits: RequestLimits) -> None:
+        """Called once, after the backend is built and before `start`, for a backend that enforces
+        some of `server.limits` itself (the native engine bounds the grammars it compiles).
+        Default: nothing to enforce."""
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """For a backend that declares the "embeddings" endpoint."""
+        raise InvalidRequestError("This deployment does not serve /v1/embeddings.")
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        """For a backend that declares the "tokenize" endpoint (with `detokenize`)."""
+        raise InvalidRequestError("This deployment does not serve /tokenize.")
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        """For a backend that declares the "tokenize" endpoint (with `tokenize`)."""
+        raise InvalidRequestError("This deployment does not serve /detokenize.")
+
+    def kv_events_source(self) -> KVEventsSource | None:
+        """Where this backend's engine publishes KV events, for the `precise_prefix` policy to
+        index its cached blocks. Default None: it publishes none."""
+        return None
+
+    # Optional members whose presence is the declaration: None here, a method in a backend that
+    # has one (the gateway tests `is not None`, and calls it).
+
+    # generate_batches(request) -> AsyncIterator[list[TokenEvent]]: the same events as `generate`,
+    # in non-empty lists of those that became ready together (one network read of an upstream
+    # stream); the gateway then reads that instead and passes each list through its layers once
+    # (every layer costs Python calls per item it passes on); see `batched_events`.
+    generate_batches: Callable[[GenerationRequest], AsyncIterator[list[TokenEvent]]] | None = None
+
+    # prompt_token_ids(request) -> list[int] | None: the prompt's token ids from a tokenizer in the
+    # gateway process, for `precise_prefix` to score it: cheap and synchronous (it runs while
+    # routing); None or an exception means "cannot tell", and routing falls back.
+    prompt_token_ids: Callable[[GenerationRequest], list[int] | None] | None = None
+
+    # async release_kv(params: dict): free a prefill hop's KV early (prefill/decode
+    # disaggregation, gateway.dispatch.disagg). `params` is the `kv_transfer_params` the prefill
+    # hop answered; called at most once per hop, not awaited by the request, when no decode engine
+    # will read those blocks (the decode hop has its first token, or ended without one). Cheap;
+    # leaves a read in progress alone; ignores params it does not know. Without it the engine
+    # frees them on its own timeout.
+    release_kv: Callable[[dict], Awaitable[None]] | None = None
+
+    # async reset_prefix_cache(): vLLM's POST /reset_prefix_cache, for a backend with a prefix
+    # cache: forget the cached prefixes (and tell KV-event subscribers); an APIError when the
+    # engine cannot be reached.
+    reset_prefix_cache: Callable[[], Awaitable[None]] | None = None
 
 
-def batched_events(backend, request: GenerationRequest) -> tuple[AsyncIterator, bool]:
+def batched_events(backend: Backend, request: GenerationRequest) -> tuple[AsyncIterator, bool]:
     """(the backend's event iterator for `request`, whether it yields lists of events)."""
-    batches = getattr(backend, "generate_batches", None)
-    if batches is not None:
-        return batches(request), True
+    if backend.generate_batches is not None:
+        return backend.generate_batches(request), True
     return backend.generate(request), False

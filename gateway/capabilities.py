@@ -83,11 +83,8 @@ PLAIN_COMPLETIONS = Needs("completions")
 
 
 def capabilities_of(backend) -> Capabilities:
-    """The backend's declaration (checked), or the default for backends that make none."""
-    declare = getattr(backend, "capabilities", None)
-    if declare is None:
-        return DEFAULT_CAPABILITIES
-    return declare().checked()
+    """The backend's declaration, checked (`Backend.capabilities`: the default unless it declares)."""
+    return backend.capabilities().checked()
 
 
 def unservable(model: str, needs: Needs, declared: list[tuple[str, Capabilities]]) -> InvalidRequestError | None:

@@ -41,8 +41,8 @@ def register_routing_policies(register):
     """Register routing policies this plugin provides.
 
     Called once at start-up. Call `register(name: str, factory)` where `factory(options: dict)`
-    returns an object with `choose(request, candidates) -> candidate`. Registering a name twice is
-    an error.
+    returns an instance of a `gateway.policy.RoutingPolicy` subclass (`choose(request, candidates)
+    -> candidate`, and the optional members it overrides). Registering a name twice is an error.
     """
 
 

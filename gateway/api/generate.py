@@ -36,7 +36,7 @@ from gateway.protocol.bodies import (
     total_usage,
     usage_chunk,
 )
-from gateway.protocol.completions import ParsedRequest, parse_chat, parse_completion
+from gateway.protocol.completions import EventWriter, ParsedRequest, parse_chat, parse_completion
 from gateway.protocol.json_body import parse_body
 from gateway.state import GatewayState, state_of
 from gateway.translate.anthropic import parse_messages
@@ -401,9 +401,9 @@ async def _collect(recorder: RequestRecorder, parsed: ParsedRequest, shape: Resp
     return full_body(shape, states, total_usage(states, _prompt_tokens(states, parsed.n))), states
 
 
-class OpenAIEvents:
+class OpenAIEvents(EventWriter):
     """A stream's chunks as OpenAI sends them. A translated request brings its own writer of
-    another API's events (`ParsedRequest.translation.stream`), with the same three members."""
+    another API's events (`ParsedRequest.translation.stream`)."""
 
     done = SSE_DONE
     chunk = staticmethod(sse)  # sse itself: no extra call per token

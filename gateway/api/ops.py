@@ -86,7 +86,7 @@ async def admin_reset_prefix_cache(request: Request) -> JSONResponse:
     pools = [registry.resolve(model)] if model is not None else registry.pools
     answer: dict[str, list[str]] = {"reset": [], "unavailable": [], "not_supported": []}
     for d in (d for pool in pools for d in pool.deployments):
-        reset = getattr(d.backend, "reset_prefix_cache", None)
+        reset = d.backend.reset_prefix_cache
         if reset is None:
             answer["not_supported"].append(d.name)
             continue

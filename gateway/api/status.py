@@ -71,7 +71,7 @@ def _pool(pool) -> dict:
     return {
         "name": pool.name, "aliases": pool.aliases, "policy": pool.config.policy,
         "in_flight": pool.in_flight, "queued": pool.admission.queued,
-        "deployments": [_with_kv_index(_deployment(d), getattr(pool.policy, "kv_feed", None)) for d in pool.deployments],
+        "deployments": [_with_kv_index(_deployment(d), pool.policy.kv_feed) for d in pool.deployments],
         "discovery": [g.status() for g in pool.groups],
     }
 

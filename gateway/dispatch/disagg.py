@@ -112,7 +112,7 @@ def release_unread(held: HeldPrefill | None, request_id: str) -> None:
     if held is None or held.released:
         return
     held.released = True
-    release = getattr(held.deployment.backend, "release_kv", None)
+    release = held.deployment.backend.release_kv
     if release is not None:
         task = asyncio.get_running_loop().create_task(_release(held, release, request_id))
         _releasing.add(task)

@@ -63,8 +63,7 @@ class RequestRecorder:
             if hop is not None:
                 attrs["kvgate.pd.hop"] = hop
             policy = pool.prefill_policy if hop == "prefill" and pool.prefill_policy is not None else pool.policy
-            matched = getattr(policy, "matched_tokens", None)
-            tokens = matched(self.request_id) if matched is not None else None
+            tokens = policy.matched_tokens(self.request_id)
             if tokens is not None:  # precise_prefix: the prompt tokens the index says it holds
                 attrs["kvgate.kv_prefix_matched_tokens"] = tokens
             self.trace.child("kvgate.route", attrs).end()

@@ -263,7 +263,7 @@ def _kv_index_metrics(registry):
     counters = {name: CounterMetricFamily(f"kvgate_kv_events_{name}", doc, labels=["model", "deployment"])
                 for name, doc in KV_EVENT_COUNTERS.items()}
     for pool in registry.pools:
-        feed = getattr(pool.policy, "kv_feed", None)
+        feed = pool.policy.kv_feed
         if feed is None:
             continue
         size.add_metric([pool.name], len(feed.index))

@@ -11,6 +11,7 @@ from gateway.capabilities import DEFAULT_CAPABILITIES, Capabilities, Needs, capa
 from gateway.config import DeploymentConfig, GatewayConfig, ModelConfig, RequestLimits, SaturationConfig
 from gateway.errors import ModelNotFound
 from gateway.plugins import Registry
+from gateway.policy import RoutingPolicy
 from gateway.pools.admission import PoolAdmission
 from gateway.pools.breaker import CircuitBreaker
 from gateway.pools.discovery import DiscoveryGroup
@@ -66,12 +67,12 @@ class ModelPool:
     name: str
     aliases: list[str]
     deployments: list[Deployment]
-    policy: object = field(repr=False)
+    policy: RoutingPolicy = field(repr=False)
     config: ModelConfig = field(repr=False)
     groups: list[DiscoveryGroup] = field(default_factory=list, repr=False)  # deployments found in DNS
     # A disaggregated model's prefill hops are chosen by a policy instance of their own: one shared
     # with the decode hops would hand its turns (and its memory of choices) alternately to each.
-    prefill_policy: object = field(default=None, repr=False)
+    prefill_policy: RoutingPolicy | None = field(default=None, repr=False)
     admission: PoolAdmission = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -96,16 +97,14 @@ class ModelPool:
     def kv_feeds(self) -> list:
         """The KV-event feeds of its policies, each once (precise_prefix has one; a disaggregated
         model's prefill policy shares it: one subscription per engine)."""
-        feeds = [p.kv_feed for p in (self.policy, self.prefill_policy) if p is not None and hasattr(p, "kv_feed")]
+        feeds = [p.kv_feed for p in (self.policy, self.prefill_policy) if p is not None and p.kv_feed is not None]
         return list({id(f): f for f in feeds}.values())
 
     async def prepare_routing(self, request) -> None:
         """What the policy computes before it can choose, outside the synchronous `take`
         (precise_prefix: the prompt's token ids, on threads or from a backend's /tokenize). Its
         prefill policy, where it has one, shares what this prepares."""
-        prepare = getattr(self.policy, "prepare", None)
-        if prepare is not None:
-            await prepare(request, self.deployments)
+        await self.policy.prepare(request, self.deployments)
 
     def take(self, request, exclude: frozenset[str] = frozenset(), role: str = "decode") -> Deployment | None:
         """Choose a deployment that can take `request` now (and serves what it needs) and claim a
@@ -248,16 +247,24 @@ def _build_pool(index: int, model: ModelConfig, backends: Registry, policies: Re
         make_policy = policies.get(model.policy)
     except KeyError as exc:
         raise ValueError(f"models[{index}].policy: {exc.args[0]}") from None
-    policy = make_policy(dict(model.policy_options))
+    policy = _policy(index, model, make_policy)
     prefill_policy = _prefill_policy(policy, make_policy, model) if model.disaggregated else None
     return ModelPool(model.name, list(model.aliases), deployments, policy, model, groups, prefill_policy)
+
+
+def _policy(index: int, model: ModelConfig, make_policy) -> RoutingPolicy:
+    policy = make_policy(dict(model.policy_options))
+    if not isinstance(policy, RoutingPolicy):
+        raise ValueError(f"models[{index}].policy: '{model.policy}' made a {type(policy).__name__}, which does not "
+                         "subclass gateway.policy.RoutingPolicy")
+    return policy
 
 
 def _prefill_policy(policy, make_policy, model: ModelConfig):
     """The prefill hops' own policy instance: its turns and memory of choices apart, but what it
     may share with the decode hops' (precise_prefix: the KV index and its subscriptions) shared."""
-    sibling = getattr(policy, "sibling", None)
-    return sibling() if sibling is not None else make_policy(dict(model.policy_options))
+    sibling = policy.sibling()
+    return sibling if sibling is not None else make_policy(dict(model.policy_options))
 
 
 def _build_group(where: str, model: ModelConfig, d: DeploymentConfig, backends: Registry,
@@ -291,9 +298,10 @@ def _build_deployment(where: str, model: ModelConfig, d: DeploymentConfig, backe
         backend = factory(dict(d.settings), d.name)
     except ValueError as exc:
         raise ValueError(f"{where}.{exc}") from None
-    use_limits = getattr(backend, "use_limits", None)
-    if use_limits is not None:  # a backend that enforces some of server.limits itself (before start)
-        use_limits(limits)
+    if not isinstance(backend, Backend):
+        raise ValueError(f"{where}.backend: kind '{d.backend}' made a {type(backend).__name__}, which does not "
+                         "subclass gateway.backend.Backend (the gateway calls its optional members' defaults)")
+    backend.use_limits(limits)  # a backend that enforces some of server.limits itself (before start)
     try:
         capabilities = capabilities_of(backend)
     except ValueError as exc:

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Protocol, Sequence, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from gateway import fastjson
 from gateway.backend import TRANSFER_PARAMS, SamplingParams
-from gateway.capabilities import Needs
+from gateway.capabilities import Capabilities, Needs
 from gateway.config import RequestLimits, format_path
-from gateway.errors import InvalidRequestError
+from gateway.errors import APIError, InvalidRequestError
+from gateway.protocol.bodies import ChoiceState, ResponseShape
 from gateway.protocol.tools import (
     FunctionTool, ResponseFormat, ToolCall, ToolChoice, check_response_format, check_tools)
 
@@ -201,6 +202,34 @@ class _Unsupported(ValueError):
         self.param = param
 
 
+class EventWriter(Protocol):
+    """A stream's bytes in the client's API: one chunk's event(s), an error's, and the end."""
+
+    done: bytes
+
+    def chunk(self, chunk: dict) -> bytes: ...
+
+    def error(self, exc: APIError) -> bytes: ...
+
+
+class Translation(Protocol):
+    """Another API's request answered through chat completions (gateway.translate): it turns the
+    chat answer into that API's answer. The translations subclass it."""
+
+    def routed(self, parsed: ParsedRequest, declared: list[tuple[str, Capabilities]]) -> ParsedRequest:
+        """The request as it goes to the pool, given what each of its deployments declares
+        (name, capabilities): passed through where one serves that API itself. Default: as parsed."""
+        return parsed
+
+    def whole(self, shape: ResponseShape, chat: dict, states: Sequence[ChoiceState] = ()) -> dict:
+        """The whole answer in that API, from the chat answer (and the choices' states)."""
+        ...
+
+    def stream(self, shape: ResponseShape) -> EventWriter:
+        """The writer of a stream's events in that API."""
+        ...
+
+
 @dataclass
 class ParsedRequest:
     """A validated request: what to run, how many choices, and how to answer."""
@@ -223,8 +252,8 @@ class ParsedRequest:
     extra: dict[str, Any] | None = None  # vendor fields, verbatim
     needs: Needs = Needs("chat")
     # Set when the request came in another API's shape (gateway.translate): it turns the chat
-    # answer into that API's answer, `.whole(shape, body)` and `.stream(shape)`.
-    translation: Any = None
+    # answer into that API's answer.
+    translation: Translation | None = None
     passthrough: dict | None = None  # the client's own body, for a backend that serves its API itself
 
     @property

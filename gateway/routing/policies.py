@@ -1,8 +1,8 @@
 """Routing policies: which of a pool's available deployments takes a request.
 
 A policy gets only deployments that can take a request now (started, healthy, breaker closed,
-not saturated) and returns one. Policies are registered by plugins through
-`register_routing_policies`; these are the built-in ones.
+not saturated) and returns one (the `RoutingPolicy` protocol, gateway/policy.py). Policies are
+registered by plugins through `register_routing_policies`; these are the built-in ones.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+
+from gateway.policy import RoutingPolicy
 
 
 def load_score(deployment) -> float:
@@ -21,7 +23,7 @@ def load_score(deployment) -> float:
     return busy + load.kv_cache_usage
 
 
-class RoundRobin:
+class RoundRobin(RoutingPolicy):
     """Each request goes to the next deployment in turn."""
 
     def __init__(self, options: dict):
@@ -31,7 +33,7 @@ class RoundRobin:
         return candidates[next(self._counter) % len(candidates)]
 
 
-class WeightedRandom:
+class WeightedRandom(RoutingPolicy):
     """A random deployment, in proportion to the deployments' `weight`."""
 
     def __init__(self, options: dict):
@@ -41,7 +43,7 @@ class WeightedRandom:
         return self._random.choices(candidates, weights=[d.weight for d in candidates])[0]
 
 
-class LeastLoaded:
+class LeastLoaded(RoutingPolicy):
     """The deployment with the lowest load score per unit of weight; ties are taken in turn, so
     equal deployments share the traffic instead of herding onto the first."""
 
@@ -55,7 +57,7 @@ class LeastLoaded:
         return ties[next(self._turn) % len(ties)]
 
 
-class PowerOfTwo:
+class PowerOfTwo(RoutingPolicy):
     """Two deployments picked at random; the less loaded one wins. Cheap, and it does not herd."""
 
     def __init__(self, options: dict):
@@ -68,7 +70,7 @@ class PowerOfTwo:
         return a if load_score(a) / a.weight <= load_score(b) / b.weight else b
 
 
-class PrefixAffinity:
+class PrefixAffinity(RoutingPolicy):
     """The same prompt prefix goes to the same deployment, so engine prefix caches hit.
 
     Rendezvous hashing on the first `prefix_chars` characters of the prompt picks the home

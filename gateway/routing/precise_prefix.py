@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from gateway.kv_index.events import EventStream
 from gateway.kv_index.index import KVIndex, iter_block_hashes
+from gateway.policy import RoutingPolicy
 from gateway.routing.policies import PrefixAffinity, load_score
 from gateway.routing.prompt_tokens import PromptTokens
 
@@ -91,8 +92,7 @@ class KVFeed:
             self._context = None
 
     def _follow(self, d) -> None:
-        declare = getattr(d.backend, "kv_events_source", None)
-        source = declare() if declare is not None else None
+        source = d.backend.kv_events_source()
         if source is None:
             self._silent.add(d.name)
             return
@@ -120,7 +120,7 @@ class KVFeed:
         task.add_done_callback(self._retiring.discard)
 
 
-class PrecisePrefix:
+class PrecisePrefix(RoutingPolicy):
     """The deployment holding the longest cached prefix of the prompt, blended with load."""
 
     def __init__(self, options: dict):

@@ -149,8 +149,7 @@ class PromptTokens:
     def _local_now(self, request, deployments, default):
         """backend.prompt_token_ids of the first deployment that has one (inline); `default`
         when none has, None when it fails (the request's own errors surface in generate)."""
-        local = next((d.backend.prompt_token_ids for d in deployments
-                      if getattr(d.backend, "prompt_token_ids", None) is not None), None)
+        local = next((d.backend.prompt_token_ids for d in deployments if d.backend.prompt_token_ids is not None), None)
         if local is None:
             return default
         try:
@@ -159,7 +158,7 @@ class PromptTokens:
             return None
 
     async def _tokenized(self, request, deployments, long: bool, key: bytes) -> list[int] | None:
-        local = next((d for d in deployments if getattr(d.backend, "prompt_token_ids", None) is not None), None)
+        local = next((d for d in deployments if d.backend.prompt_token_ids is not None), None)
         if local is not None:
             if not long:
                 return self._local_now(request, [local], None)

@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.protocol.completions import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
 from gateway.protocol.tokens import ParsedTokenize, parse_tokenize
 from gateway.translate.common import (
     chat_request, chat_tool, chunk_parts, named_event, parse_translated, renamed_error, renames, typed, validated)
@@ -292,14 +292,10 @@ def stop_reason(finish_reason: str | None, refused: bool = False) -> str:
 
 
 @dataclass
-class AnthropicTranslation:
+class AnthropicTranslation(Translation):
     """Turns the chat answer to `request` into the Messages API's (see the module doc)."""
 
     request: MessagesBody
-
-    def routed(self, parsed: ParsedRequest, declared: list) -> ParsedRequest:
-        """Translated onto chat for every backend (none is asked to speak Anthropic's API)."""
-        return parsed
 
     def whole(self, shape, chat: dict, states=()) -> dict:
         choice = chat["choices"][0]
@@ -350,7 +346,7 @@ def usage(chat_usage: dict) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-class AnthropicEvents:
+class AnthropicEvents(EventWriter):
     """Chat stream chunks in, Anthropic's stream events out (bytes; b"" while a chunk adds
     nothing). Blocks are sent one after the other, as Anthropic sends them."""
 

@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from gateway import fastjson
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.protocol.completions import Int, ParsedRequest, _Strict, _Unsupported
+from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
 from gateway.translate.common import (
     chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
 
@@ -275,7 +275,7 @@ def _chat_response_format(fmt: ResponsesTextFormat) -> dict:
 
 
 @dataclass
-class ResponsesTranslation:
+class ResponsesTranslation(Translation):
     """Turns the chat answer to `request` into the Responses API's (see the module doc)."""
 
     request: ResponsesBody
@@ -301,7 +301,7 @@ class ResponsesTranslation:
 
 
 @dataclass
-class PassedThrough:
+class PassedThrough(Translation):
     """The answer of a deployment that serves the Responses API itself: relayed as it came
     (`TokenEvent.raw`), its id and events the upstream's."""
 
@@ -425,7 +425,7 @@ PART_EVENTS = {"output_text": ("response.output_text", "text"), "refusal": ("res
                "reasoning_text": ("response.reasoning_text", "text")}
 
 
-class ResponsesEvents:
+class ResponsesEvents(EventWriter):
     """Chat stream chunks in, Responses events out (bytes; b"" while a chunk adds nothing).
     One reasoning or message item is open at a time; function calls stay open until the end
     (their fragments may interleave)."""

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gateway.backend import GenerationRequest, LoadSnapshot, SamplingParams, TokenEvent, Usage
+from gateway.backend import Backend, GenerationRequest, LoadSnapshot, SamplingParams, TokenEvent, Usage
 from gateway.hookspecs import hookimpl
 from gateway.observability.metrics import observe_times
 from kvgate_openai import make_openai_backend
@@ -144,7 +144,7 @@ def test_an_error_after_tokens_of_the_same_read_comes_after_them():
     assert events[3:] == ["[DONE]"]
 
 
-class ScriptedBatches:
+class ScriptedBatches(Backend):
     """A third-party backend that batches: it yields the lists it was given, as given."""
 
     def __init__(self, script):

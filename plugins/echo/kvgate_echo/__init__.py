@@ -20,8 +20,8 @@ import time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.backend import (
-    Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, LoadSnapshot, TokenEvent,
-    TokenizeRequest, TokenizeResult, TokenLogprob, Usage)
+    Backend, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, LoadSnapshot,
+    TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError
 from gateway.hookspecs import hookimpl
@@ -49,7 +49,7 @@ class EchoSettings(BaseModel):
     refuse_at_start: bool = Field(False, description="start() raises: a backend that cannot start.")
 
 
-class EchoBackend:
+class EchoBackend(Backend):
     def __init__(self, settings: EchoSettings, name: str = "echo"):
         self.settings = settings
         self.name = name

@@ -27,8 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.backend import (
-    TRANSFER_PARAMS, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, KVEventsSource,
-    LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
+    TRANSFER_PARAMS, Backend, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest,
+    KVEventsSource, LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
 from gateway.config import format_path
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
@@ -275,7 +275,7 @@ class NativeSettings(BaseModel):
                                   kv_events=self.kv_events.options() if self.kv_events is not None else None)
 
 
-class NativeBackend:
+class NativeBackend(Backend):
     def __init__(self, settings: NativeSettings, name: str = "native"):
         self.settings = settings
         self.name = name

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import gateway
 from gateway import fastjson
 from gateway.backend import (
-    TRANSFER_PARAMS, Capabilities, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, Usage)
+    TRANSFER_PARAMS, Backend, Capabilities, GenerationRequest, KVEventsSource, LoadSnapshot, TokenEvent, Usage)
 from gateway.errors import APIError, BackendError, BackendTimeout, Overloaded, RateLimited
 from gateway.idle import IdleWatch
 from kvgate_openai import relay, upstream_errors, wire
@@ -42,7 +42,7 @@ DONE = b"[DONE]"
 MAX_ERROR_BODY = 64 * 1024
 
 
-class OpenAIBackend(TokenCalls):
+class OpenAIBackend(TokenCalls, Backend):
     """Generation here; embeddings and tokenize in token_calls.TokenCalls."""
 
     def __init__(self, settings: OpenAISettings, name: str = "openai"):

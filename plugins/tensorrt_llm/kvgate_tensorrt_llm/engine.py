@@ -20,7 +20,7 @@ import inspect
 import logging
 from collections.abc import Mapping
 
-from gateway.backend import GenerationRequest, LoadSnapshot, TokenEvent, Usage
+from gateway.backend import Backend, GenerationRequest, LoadSnapshot, TokenEvent, Usage
 from gateway.errors import APIError, BackendError, ContextLengthExceeded, InvalidRequestError
 from kvgate_tensorrt_llm import mapping
 from kvgate_tensorrt_llm.admission import Aborted, PriorityAdmission
@@ -34,7 +34,7 @@ log = logging.getLogger("kvgate.tensorrt_llm")
 LENGTH_HINTS = ("max_seq_len", "max_num_tokens", "context", "too long", "exceed")
 
 
-class TensorRtLlmBackend:
+class TensorRtLlmBackend(Backend):
     def __init__(self, settings: TrtLlmSettings, name: str = "tensorrt_llm"):
         self.settings = settings
         self.name = name
