@@ -40,6 +40,7 @@ async def status_json(request: Request) -> JSONResponse:
         },
         "recent_errors": list(recent.errors),  # with the key's name: the operator may see whose
         "limits_store": state.limiter.status(),
+        "budgets": state.budgets.overview() if state.budgets is not None else None,
         "key_problems": list(state.key_problems),  # keys-file entries left out (no key is shown)
     })
 

@@ -198,6 +198,15 @@ class Budgets:
                         "soft_limit": r.cfg.soft_limit})
         return out
 
+    def overview(self) -> dict:
+        """The status page's view: each budget and subject as this replica last saw it, and the store."""
+        rules = {r.name: r for r in self.rules}
+        rows = [{"budget": b, "subject": subj, "unit": rules[b].cfg.unit, "window": rules[b].cfg.window,
+                 "limit": rules[b].limit, "spend": spent, "reserved": held,
+                 "remaining": max(0.0, rules[b].limit - spent - held), "shadow": rules[b].cfg.shadow}
+                for (b, subj), (spent, held) in sorted(self._last.items()) if b in rules]
+        return {"store": self.store.status(), "budgets": rows}
+
     def collect(self):
         """Prometheus families: the counters and the last spend this replica saw per budget and subject
         (subjects are the config's keys and teams: a bounded set)."""

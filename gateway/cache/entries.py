@@ -10,9 +10,10 @@ stream hit is SSE with usage as the hit asked for, and a whole hit a whole answe
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
+
+import orjson
 
 from gateway import fastjson
 from gateway.backend import TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage
@@ -35,12 +36,16 @@ def cacheable(parsed, tools_allowed: bool) -> bool:
 def cache_key(parsed, model: str, scope: str) -> str:
     canonical = {
         "model": model, "scope": scope, "chat": parsed.chat, "n": parsed.n,
-        "sampling": dataclasses.asdict(parsed.sampling), "prompts": parsed.prompts, "messages": parsed.messages,
+        "sampling": vars(parsed.sampling), "prompts": parsed.prompts, "messages": parsed.messages,
         "tools": parsed.tools, "tool_choice": parsed.tool_choice, "parallel_tool_calls": parsed.parallel_tool_calls,
         "response_format": parsed.response_format, "reasoning_effort": parsed.reasoning_effort,
         "extra": parsed.extra,
     }
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    try:
+        text = orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):  # what fastjson hands to the standard library
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(text).hexdigest()
 
 
 def encode(batches: list[tuple[int, list[TokenEvent]]]) -> bytes:

@@ -153,6 +153,9 @@ def test_metrics_and_the_usage_log(gw):
     text = gw.state.metrics.exposition().decode()
     assert 'kvgate_budget_spend{budget="ml-daily",subject="team=ml"}' in text
     assert 'kvgate_budget_refused_total{budget="ml-daily"}' in text
+    view = gw.state.budgets.overview()  # the status page's (operator) view
+    row = next(r for r in view["budgets"] if r["budget"] == "ml-daily")
+    assert row["subject"] == "team=ml" and row["spend"] == budget(gw, ALICE, "ml-daily")["spend"]
     records = [json.loads(line) for line in gw.usage_log.read_text().splitlines()]
     last = [r for r in records if r["key"] == "alice"][-1]
     assert last["team"] == "ml" and last["model"] == "echo" and last["input_tokens"] == 1
