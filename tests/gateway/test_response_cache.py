@@ -187,3 +187,35 @@ def test_a_redis_cache_needs_the_limits_store_redis():
     from gateway.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match=r"models\[0\].cache.store: redis is auth.limits_store's Redis"):
         parse_config("models: [{name: e, cache: {store: redis}, deployments: [{name: e0, backend: echo}]}]\n")
+
+
+def test_hits_show_in_the_metrics(gw):
+    for _ in range(2):
+        chat(gw, "metric words")
+    text = gw.state.metrics.exposition().decode()
+    hits = [line for line in text.splitlines()
+            if line.startswith('kvgate_response_cache_requests_total{model="echo",result="hit"}')]
+    assert hits and float(hits[0].split()[-1]) >= 1
+    assert 'deployment="cache"' in text and 'result="stored"' in text and 'result="bypass"' in text
+
+
+def test_a_hit_is_traced_without_a_backend_attempt():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    exporter = InMemorySpanExporter()
+    config = "models: [{name: echo, cache: {}, deployments: [{name: e0, backend: echo}]}]\n"
+    with GatewayServer(config, span_exporter=exporter) as server:
+        body = {"model": "echo", "messages": [{"role": "user", "content": "traced words"}], "max_tokens": 3,
+                "temperature": 0}
+        for _ in range(2):
+            assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+        deadline = time.monotonic() + 10
+        while len([s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.kind == SpanKind.SERVER]
+    assert [r.attributes["kvgate.cache"] for r in roots] == ["miss", "hit"]
+    attempts = [s for s in spans if s.kind == SpanKind.CLIENT]
+    assert {a.context.trace_id for a in attempts} == {roots[0].context.trace_id}  # the miss's attempt only
