@@ -324,6 +324,10 @@ class SlaClass(StrictModel):
     ttft_target_s: float | None = Field(None, gt=0, description="Time-to-first-token target, seconds.")
     tpot_target_s: float | None = Field(None, gt=0, description="Time per output token target, seconds.")
     sheddable: bool = Field(False, description="Refused first when the pool is saturated.")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="Keep this class's prompts apart in engines' prefix caches "
+        "(vLLM's cache_salt): per_key, a salt of each key's own, or a fixed string that the class's keys share. "
+        "A key's own cache_salt wins over its class's.")
 
 
 DEFAULT_SLA_CLASSES = (
@@ -356,6 +360,11 @@ class ApiKeyConfig(StrictModel):
         "of a gateway whose prefill/decode hops this server's engine serves); everyone else's are dropped.")
     tokens_per_minute: int | None = Field(None, gt=0, description="Prompt + completion tokens.")
     max_concurrency: int | None = Field(None, gt=0, description="Requests in flight at once.")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="Keep this key's prompts apart from other tenants' in "
+        "engines' prefix caches (vLLM's cache_salt), whatever its clients send: per_key, a salt of its own "
+        "derived from the key; or a fixed string, shared by the keys that name it (a team). Its deployments must "
+        "accept cache_salt (vllm, kvgate, native): elsewhere its requests are refused rather than sent unsalted.")
 
     @model_validator(mode="after")
     def _one_source(self):

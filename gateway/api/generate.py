@@ -22,7 +22,7 @@ from gateway.dispatch.choices import OpenChoice, choice_requests, merged_events,
 from gateway.dispatch.recorder import RequestRecorder
 from gateway.errors import APIError, AuthenticationError, InvalidRequestError, ModelNotFound, RateLimited
 from gateway.http.asgi import EventStreamResponse, run_until_disconnect, watch_disconnect
-from gateway.keys.store import ApiKey
+from gateway.keys.store import ApiKey, tenant_salt
 from gateway.plugins import notify
 from gateway.pools.admission import Ticket
 from gateway.protocol.bodies import (
@@ -36,7 +36,7 @@ from gateway.protocol.bodies import (
     total_usage,
     usage_chunk,
 )
-from gateway.protocol.completions import EventWriter, ParsedRequest, parse_chat, parse_completion
+from gateway.protocol.completions import EventWriter, ParsedRequest, parse_chat, parse_completion, with_cache_salt
 from gateway.protocol.json_body import parse_body
 from gateway.state import GatewayState, state_of
 from gateway.translate.anthropic import parse_messages
@@ -311,8 +311,11 @@ def _parse_and_route(request: Request, state: GatewayState, key: ApiKey | None, 
     pool = _resolve_pool(state, key, parsed.model)
     if parsed.translation is not None:  # passed through where a deployment serves the API itself
         parsed = parsed.translation.routed(parsed, pool.declared())
+    sla = _sla_class(request, state, key)
+    parsed = with_cache_salt(parsed, key.salt_for(sla.cache_salt) if key is not None else tenant_salt(
+        sla.cache_salt, None))
     pool.check_servable(parsed.needs)
-    return parsed, pool, _sla_class(request, state, key)
+    return parsed, pool, sla
 
 
 async def parsed_body(request: Request, parse):

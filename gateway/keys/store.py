@@ -38,6 +38,11 @@ class ApiKey:
     sla_classes: frozenset[str] | None = None  # classes it may ask for; None: every class
     scopes: frozenset[str] = frozenset()  # "metrics": reads the operator pages for every model
     team: str | None = None  # team budgets count every key of the team
+    cache_salt: str | None = None  # the salt its requests carry (tenant_salt), resolved
+
+    def salt_for(self, configured: str | None) -> str | None:
+        """The key's own cache salt, else the one `configured` for its SLA class, resolved."""
+        return self.cache_salt or tenant_salt(configured, self.digest)
 
     def may_use(self, model_names: list[str]) -> bool:
         return self.models is None or any(n in self.models for n in model_names)
@@ -157,8 +162,22 @@ def _resolve(where: str, k: ApiKeyConfig, env, default_class: str) -> ApiKey:
     # No list: the key's default class alone (opt in to the others), so a key cannot jump the
     # queue with x-sla-class unless it was given that class.
     sla_classes = None if "*" in k.sla_classes else frozenset(k.sla_classes or [k.sla_class or default_class])
-    return ApiKey(k.name, _digest(secret), models, k.sla_class, k.requests_per_minute,
-                  k.tokens_per_minute, k.max_concurrency, sla_classes, frozenset(k.scopes), k.team)
+    digest = _digest(secret)
+    return ApiKey(k.name, digest, models, k.sla_class, k.requests_per_minute, k.tokens_per_minute,
+                  k.max_concurrency, sla_classes, frozenset(k.scopes), k.team, tenant_salt(k.cache_salt, digest))
+
+
+TENANT_SALT_PREFIX = "kvgate."  # a client's own cache_salt may not start so: it cannot name a tenant's
+
+
+def tenant_salt(configured: str | None, digest: bytes | None) -> str | None:
+    """The cache_salt the gateway sets for a tenant: `per_key` derives one from the key's digest (no
+    one without the key can name it), a fixed string is hashed, so a client cannot send a tenant's
+    salt as its own. None: no tenant salt (no key for per_key: nothing to tell tenants apart)."""
+    if configured is None or (configured == "per_key" and digest is None):
+        return None
+    material = b"per_key\0" + digest if configured == "per_key" else b"fixed\0" + configured.encode()
+    return TENANT_SALT_PREFIX + hashlib.sha256(b"kvgate-cache-salt\0" + material).hexdigest()[:32]
 
 
 def _env_secret(where: str, name: str, env) -> str:

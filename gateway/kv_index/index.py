@@ -28,19 +28,23 @@ def _root(seed: str) -> bytes:
     return _sha256_cbor(seed)  # vLLM's NONE_HASH for PYTHONHASHSEED=seed
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, seed: str) -> list[int]:
+def prefix_block_hashes(token_ids: list[int], block_size: int, seed: str, salt: str | None = None) -> list[int]:
     """The published hashes of the prompt's full blocks, in order: hash_i = sha256(canonical CBOR
-    [hash_{i-1}, block_i tokens, null]), the first parent sha256(CBOR(seed)), each published as
-    its last 8 bytes read big-endian (vLLM's int block hashes)."""
-    return list(iter_block_hashes(token_ids, block_size, seed))
+    [hash_{i-1}, block_i tokens, extra keys]), the first parent sha256(CBOR(seed)), each published
+    as its last 8 bytes read big-endian (vLLM's int block hashes). Extra keys are null, but for a
+    request's cache_salt: [salt] on the first block (vLLM's generate_block_hash_extra_keys, and the
+    native engine's block_manager.hash_block), so each salt's blocks are apart in the index too."""
+    return list(iter_block_hashes(token_ids, block_size, seed, salt))
 
 
-def iter_block_hashes(token_ids: list[int], block_size: int, seed: str) -> Iterator[int]:
+def iter_block_hashes(token_ids: list[int], block_size: int, seed: str, salt: str | None = None) -> Iterator[int]:
     """`prefix_block_hashes` one at a time: routing (on the event loop) stops hashing at the first
     block nobody holds, ~80 us a block (an 8k-token prompt whole: ~40 ms)."""
     parent = _root(seed)
+    extra = (salt,) if salt else None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _sha256_cbor((parent, tuple(token_ids[start:start + block_size]), None))
+        parent = _sha256_cbor((parent, tuple(token_ids[start:start + block_size]), extra))
+        extra = None
         yield int.from_bytes(parent[-8:], "big")
 
 

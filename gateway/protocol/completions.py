@@ -25,7 +25,7 @@ there for everyone.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Protocol, Sequence, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -47,7 +47,9 @@ EXTRA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 ENGINE_ONLY_FIELDS = frozenset({TRANSFER_PARAMS, "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 # Vendor fields whose type the gateway knows (vLLM's extensions a backend here reads itself): a
 # wrong one is the client's 400 naming it, whichever deployment would have taken the field.
-TYPED_EXTRAS = {"skip_special_tokens": (bool, "a boolean")}
+TYPED_EXTRAS = {"skip_special_tokens": (bool, "a boolean"), "cache_salt": (str, "a non-empty string")}
+CACHE_SALT = "cache_salt"  # vLLM's: the prompt's blocks hash apart from other salts' (no shared prefix)
+RESERVED_SALT_PREFIX = "kvgate."  # the gateway's tenant salts (gateway.keys.store.tenant_salt)
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 MAX_SEED = 2**63 - 1  # int64 (OpenAI, vLLM) and uint64 (TensorRT-LLM) both hold [0, 2**63)
@@ -319,6 +321,21 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     )
 
 
+def with_cache_salt(parsed: ParsedRequest, tenant: str | None) -> ParsedRequest:
+    """`parsed` carrying its tenant's cache salt (its key's or SLA class's, gateway.keys.store):
+    alone, or before the client's own, which then partitions the tenant's cache further but can
+    never reach another tenant's. Its deployments must accept cache_salt (it joins the needs):
+    one that does not would share the prefix cache, so it refuses instead."""
+    if tenant is None:
+        return parsed
+    extra = dict(parsed.extra or {})
+    client = extra.get(CACHE_SALT)
+    extra[CACHE_SALT] = tenant if client is None else f"{tenant}/{client}"
+    needs = replace(parsed.needs, extras=parsed.needs.extras | {CACHE_SALT})
+    passthrough = {**parsed.passthrough, CACHE_SALT: extra[CACHE_SALT]} if parsed.passthrough is not None else None
+    return replace(parsed, extra=extra, needs=needs, passthrough=passthrough)
+
+
 def _dumped(value):
     return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
 
@@ -362,9 +379,14 @@ def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
             raise InvalidRequestError(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64],
                                       code="unknown_parameter")
         expected = TYPED_EXTRAS.get(name)
-        if expected is not None and not isinstance(value, expected[0]):
+        if name == CACHE_SALT and value is None:  # null: no salt, as vLLM reads it
+            continue
+        if expected is not None and (not isinstance(value, expected[0]) or value == ""):
             shown = fastjson.dumps(value)[:64].decode(errors="replace")  # JSON as sent, not a bytes repr
             raise InvalidRequestError(f"'{name}' must be {expected[1]}, got {shown}.", param=name)
+        if name == CACHE_SALT and value.startswith(RESERVED_SALT_PREFIX):
+            raise InvalidRequestError(f"A cache_salt starting with '{RESERVED_SALT_PREFIX}' is the gateway's own "
+                                      "(a tenant's salt).", param=name)
         size = len(fastjson.dumps(value))
         if size > limits.max_extra_bytes:
             raise InvalidRequestError(f"'{name}' is {size} bytes of JSON, over this server's limit of "

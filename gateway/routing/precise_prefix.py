@@ -166,7 +166,7 @@ class PrecisePrefix(RoutingPolicy):
         tokens = self.kv_feed.tokens.ids(request, live) if live else None
         if not tokens:
             return self._fallback.choose(request, candidates)
-        cached = self._cached_tokens(tokens, live)
+        cached = self._cached_tokens(tokens, live, _cache_salt(request))
         if not any(cached.values()):  # a new prefix: its home by affinity, so its next turns meet there
             self._remember(request, 0)
             return self._fallback.choose(request, candidates)
@@ -189,7 +189,7 @@ class PrecisePrefix(RoutingPolicy):
             if len(self._matched) > MATCHES_KEPT:
                 self._matched.popitem(last=False)
 
-    def _cached_tokens(self, tokens: list[int], live) -> dict[str, int]:
+    def _cached_tokens(self, tokens: list[int], live, salt: str | None = None) -> dict[str, int]:
         """Leading prompt tokens each live deployment holds in its cache, as the index knows it."""
         by_scheme: dict[tuple[int, str], list] = {}
         for d in live:
@@ -197,8 +197,14 @@ class PrecisePrefix(RoutingPolicy):
             by_scheme.setdefault((source.block_size, source.hash_seed), []).append(d.name)
         cached: dict[str, int] = {}
         for (block_size, seed), names in by_scheme.items():
-            hashes = iter_block_hashes(tokens, block_size, seed)  # hashed as far as the index matches
+            hashes = iter_block_hashes(tokens, block_size, seed, salt)  # hashed as far as the index matches
             for name, blocks in self.kv_feed.index.longest_prefix(hashes, names).items():
                 cached[name] = blocks * block_size
         return cached
 
+
+def _cache_salt(request) -> str | None:
+    """The request's cache_salt (the client's, or its tenant's: gateway.protocol.completions):
+    engines hash its blocks apart, so the index looks them up apart."""
+    salt = (getattr(request, "extra", None) or {}).get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None

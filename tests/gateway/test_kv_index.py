@@ -24,6 +24,35 @@ def test_prompt_hashes_are_the_ones_the_engine_publishes(seed, block_size):
     assert prefix_block_hashes(tokens, block_size, "other seed") != prefix_block_hashes(tokens, block_size, seed)
 
 
+@pytest.mark.parametrize("salt", ["tenant-a", "kvgate.0123abcd"])
+def test_salted_prompt_hashes_are_the_engines_and_vllms(salt):
+    """A cache_salt is the first block's extra keys: vLLM's hash_block_tokens(hash_fn, parent,
+    tokens, extra_keys=(salt,)) for block 0 and None after (generate_block_hash_extra_keys), recomputed
+    here with cbor2 and hashlib, and the native engine publishes the same (issue 40 item 4)."""
+    import hashlib
+
+    import cbor2
+
+    def sha(value):
+        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+    tokens = [(7919 * i) % 49152 for i in range(3 * 4 + 1)]
+    parent, expected = sha("0"), []
+    for i in range(3):
+        parent = sha((parent, tuple(tokens[4 * i:4 * i + 4]), (salt,) if i == 0 else None))
+        expected.append(int.from_bytes(parent[-8:], "big"))
+    assert prefix_block_hashes(tokens, 4, "0", salt) == expected
+    assert set(expected).isdisjoint(prefix_block_hashes(tokens, 4, "0"))  # apart from the unsalted
+    bm = BlockManager(num_blocks=64, block_size=4, hash_seed="0", record_kv_events=True)
+    seq = Sequence("a", tokens)
+    seq.cache_salt = salt
+    bm.allocate_slots(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(seq)
+    stored = [e for e in bm.take_kv_events() if isinstance(e, BlockStored)]
+    assert list(stored[0].block_hashes) == expected
+
+
 def test_longest_prefix_counts_leading_blocks_without_a_break():
     index = KVIndex()
     index.stored("a", [1, 2, 3])

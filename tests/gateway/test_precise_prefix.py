@@ -45,8 +45,9 @@ class Engine:
         self.blocks = BlockManager(num_blocks=256, block_size=BLOCK, record_kv_events=True)
         self.publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{self.port}"))
 
-    def serve(self, tokens: list[int]) -> None:
+    def serve(self, tokens: list[int], cache_salt: str | None = None) -> None:
         seq = Sequence(f"r{time.monotonic_ns()}", tokens)
+        seq.cache_salt = cache_salt
         cached = self.blocks.get_computed_prefix(seq)
         self.blocks.allocate_slots(seq, len(tokens) - cached, cached)
         seq.num_computed_tokens = len(tokens)
@@ -72,8 +73,9 @@ def deployment(name: str, engine: Engine | None) -> Deployment:
     return Deployment(name, "m", "m", 1.0, PublishingEcho(name, engine), CircuitBreaker(3, 1.0), started=True)
 
 
-def request(tokens, request_id="r"):
-    return GenerationRequest(request_id=request_id, model="m", sampling=SamplingParams(), prompt=tokens)
+def request(tokens, request_id="r", cache_salt=None):
+    return GenerationRequest(request_id=request_id, model="m", sampling=SamplingParams(), prompt=tokens,
+                             extra={"cache_salt": cache_salt} if cache_salt else {})
 
 
 SYSTEM_A = list(range(100, 132))  # 8 blocks
@@ -117,6 +119,24 @@ def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix():
         assert policy.choose(request(SYSTEM_B + [7] * 5, "qb"), ds).name == "d2"
         assert policy.choose(request(SYSTEM_A[:8] + [0] * 30, "q0"), ds).name in {"d0", "d1"}  # both hold 2 blocks
         assert policy.matched_tokens("q0") == 8
+    with_engines(scenario)
+
+
+def test_a_salted_prompt_matches_only_blocks_stored_under_its_salt():
+    """The engine hashes a salted prompt's blocks apart (cache_salt on the first block): the index
+    looks them up the same way, so a tenant's prompt goes where its own salt's blocks are, and
+    another salt's (or no salt's) blocks of the same tokens count for nothing (issue 40 item 4)."""
+    async def scenario(policy, ds, engines):
+        engines[1].serve(SYSTEM_A + [1, 2, 3, 4], cache_salt="tenant-a")
+        engines[2].serve(SYSTEM_A + [1, 2, 3, 4])
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d1") == 9 and
+                     policy.kv_feed.index.blocks_of("d2") == 9)
+        assert policy.choose(request(SYSTEM_A + [9] * 4, "qa", cache_salt="tenant-a"), ds).name == "d1"
+        assert policy.matched_tokens("qa") == 32
+        assert policy.choose(request(SYSTEM_A + [9] * 4, "qn"), ds).name == "d2"
+        assert policy.matched_tokens("qn") == 32
+        policy.choose(request(SYSTEM_A + [9] * 4, "qb", cache_salt="tenant-b"), ds)
+        assert policy.matched_tokens("qb") == 0  # held by nobody under its salt: affinity places it
     with_engines(scenario)
 
 
