@@ -131,3 +131,35 @@ def test_the_memory_store_refuses_the_same_way():
         assert (await a.info(KEY))[0]["spend"] == 12  # refunded to what was used
         await a.reserve(KEY, "echo", request(5, 10))
     asyncio.run(main())
+
+
+def test_a_gateway_failing_closed_answers_503_and_frees_the_key():
+    import httpx
+
+    from tests.support.servers.loopback import GatewayServer
+
+    server = redis_or_skip()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVGATE_TEST_BUDGET_REDIS", server.url)
+    config = """
+auth:
+  keys: [{name: alice, key: sk-alice-0123456789, max_concurrency: 1}]
+budgets:
+  store: {kind: redis, url_env: KVGATE_TEST_BUDGET_REDIS, timeout_s: 0.5}
+  on_store_down: closed
+  limits: [{name: d, key: alice, limit: 1000, window: day}]
+models: [{name: echo, deployments: [{name: e0, backend: echo}]}]
+"""
+    body = {"model": "echo", "prompt": "a b", "max_tokens": 2}
+    headers = {"authorization": "Bearer sk-alice-0123456789"}
+    try:
+        with GatewayServer(config) as gw:
+            post = lambda: httpx.post(gw.base_url + "/v1/completions", json=body, headers=headers, timeout=10)
+            assert post().status_code == 200
+            server.kill()
+            for _ in range(2):  # the first refusal released the key's one slot: the second is a 503 too, not a 429
+                r = post()
+                assert r.status_code == 503 and r.json()["error"]["code"] == "budget_store_unavailable"
+    finally:
+        mp.undo()
+        server.kill()
