@@ -1053,8 +1053,7 @@ def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
     headless-Service DNS name (served by a loopback DNS server): a long prompt is prefilled on
     the prefill pool's pod and decoded on the decode pool's, which loads the prefill's blocks;
     a short one goes to the decode pod alone."""
-    from gateway.dispatch.disagg import PREFILL_PARAMS
-    from tests.support.fakes.vllm_pd import VllmPDEngine
+    from tests.support.fakes.vllm_pd import VLLM_PREFILL_PARAMS, VllmPDEngine
 
     docs = rendered("disaggregated-vllm")
     gateway_cfg = gateway_config(docs)
@@ -1069,7 +1068,7 @@ def test_rendered_vllm_pools_serve_a_request_in_two_hops(rendered, tmp_path):
                                                 max_tokens=500, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == long_prompt
         [prefill] = pods["prefill"].bodies("/v1/chat/completions")
-        assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+        assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS and prefill["max_tokens"] == 1
         assert prefill["model"] == "Qwen/Qwen2.5-7B-Instruct"
         [decode] = pods["decode"].bodies("/v1/chat/completions")
         assert decode["kv_transfer_params"]["remote_engine_id"] == "prefill-pod"
@@ -1088,8 +1087,7 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
     protocol, which the native engine speaks); the gateway serves its rendered config, finding
     each pool's pod in its headless Service's DNS name. A long prompt's params travel gateway ->
     prefill pod -> engine and back, then to the decode pod's engine, which loads the blocks."""
-    from gateway.dispatch.disagg import PREFILL_PARAMS
-    from tests.support.fakes.vllm_pd import VllmPDEngine
+    from tests.support.fakes.vllm_pd import VLLM_PREFILL_PARAMS, VllmPDEngine
     from tests.support.servers.loopback import GatewayServer
 
     docs = rendered("disaggregated")
@@ -1113,7 +1111,7 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
                                                 max_tokens=500)
         assert answer.choices[0].message.content == long_prompt
         [prefill] = engines["smollm2-prefill"].bodies("/v1/chat/completions")
-        assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+        assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS and prefill["max_tokens"] == 1
         [decode] = engines["smollm2-decode"].bodies("/v1/chat/completions")
         assert decode["kv_transfer_params"]["remote_engine_id"] == "smollm2-prefill"
         assert [engine for engine, _ in engines["smollm2-decode"].loaded] == ["smollm2-prefill"]

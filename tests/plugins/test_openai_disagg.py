@@ -13,8 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from gateway.dispatch.disagg import PREFILL_PARAMS
-from tests.support.fakes.vllm_pd import VllmPDEngine, prompt_of
+from tests.support.fakes.vllm_pd import VLLM_PREFILL_PARAMS, VllmPDEngine, prompt_of
 from tests.support.servers.loopback import GatewayServer
 
 MIN_PROMPT_CHARS = 20
@@ -88,7 +87,7 @@ def test_a_stream_is_prefilled_on_one_engine_and_decoded_on_another(gw, engines)
     request_id = chunks[0].id
     [prefill], [decode] = prefills(engines), decodes(engines)
     # The prefill hop, as vLLM's proxy sends it.
-    assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+    assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "stream_options" not in prefill
     assert prefill["messages"] == ASK
     # The decode hop: the client's request plus what the prefill engine returned; it read the KV.
@@ -179,7 +178,7 @@ def test_transfer_params_from_clients_are_dropped(gw, engines):
                                             extra_body={"kv_transfer_params": forged, "bootstrap_room": 7})
     assert answer.choices[0].message.content == LONG
     [prefill], [decode] = prefills(engines), decodes(engines)
-    assert prefill["kv_transfer_params"] == PREFILL_PARAMS and "bootstrap_room" not in prefill
+    assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS and "bootstrap_room" not in prefill
     assert decode["kv_transfer_params"]["remote_request_id"] == answer.id != "someone-else"
     assert "someone-else" in engines["P0"].held  # never read
     # A colocated vLLM model neither forwards nor refuses them.
@@ -267,7 +266,7 @@ def test_completions_and_the_status_page_of_a_disaggregated_model(gw, engines):
     assert answer.choices[0].text == LONG
     [prefill] = [b for n in ("P0", "P1") for b in engines[n].bodies("/v1/completions")]
     [decode] = [b for n in ("D0", "D1") for b in engines[n].bodies("/v1/completions")]
-    assert prefill["kv_transfer_params"] == PREFILL_PARAMS and prefill["max_tokens"] == 1
+    assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS and prefill["max_tokens"] == 1
     assert decode["kv_transfer_params"]["remote_request_id"] == answer.id
     status = httpx.get(gw.base_url + "/status.json", timeout=10).json()
     [model] = [m for m in status["models"] if m["name"] == "pd"]
@@ -315,7 +314,7 @@ def test_a_kvgate_engine_server_passes_transfer_params_only_for_a_key_with_the_k
     [prefill], [decode] = engines["P0"].bodies("/v1/chat/completions"), engines["D0"].bodies("/v1/chat/completions")
     assert prefill["max_tokens"] == 1
     if scopes == "kv_transfer":
-        assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+        assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS
         assert decode["kv_transfer_params"]["remote_engine_id"] == "P0"
         assert [engine for engine, _ in engines["D0"].loaded] == ["P0"]
     else:

@@ -11,6 +11,20 @@ from starlette.responses import JSONResponse
 from tests.support.fakes.scripted_upstream import ScriptedUpstream
 
 
+# The prefill hop's kv_transfer_params exactly as vLLM's own proxy sends them, written out from
+# vLLM's source (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py,
+# send_request_to_service, vllm-project/vllm e009930), not from the gateway's constant: the same
+# function sets stream False and max_tokens 1 and deletes stream_options.
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 class VllmPDEngine(ScriptedUpstream):
     """One vLLM engine started with `--kv-transfer-config '{"kv_connector":"NixlConnector",
     "kv_role":"kv_both"}'`, as its OpenAI server answers (tests/support/fakes/scripted_upstream.py's echo for
