@@ -6,7 +6,9 @@
 #   bash bench/guidellm.sh tokenizer DIR           # SmolLM2's tokenizer, from the GGUF, saved to DIR
 #   bash bench/guidellm.sh run TARGET OUT.json [SECONDS] [STREAMS] [MODEL]
 #                                                  # a concurrent profile: STREAMS (4) requests at
-#                                                  # once for SECONDS (30), its default backend check
+#                                                  # once for SECONDS (30), its default backend check;
+#                                                  # REQUESTS=N (env) ends it after N requests instead,
+#                                                  # however long they take (a test on a loaded box)
 #   bash bench/guidellm.sh python                  # print the venv's python (empty if not installed)
 #
 # KVGATE_GUIDELLM_VENV picks the venv (default /tmp/kvgate-guidellm-venv); the tokenizer comes
@@ -55,10 +57,12 @@ run() {
     tokenizer "$tok"
     local backend="kind=openai_http,target=$target${BACKEND_ARGS:+,$BACKEND_ARGS}"
     if [ -n "$model" ]; then backend="$backend,model=$model"; fi
+    local constraint="kind=max_duration,seconds=$seconds"
+    if [ -n "${REQUESTS:-}" ]; then constraint="kind=max_requests,count=$REQUESTS"; fi
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 "$VENV/bin/guidellm" run \
         --backend "$backend" \
         --profile "kind=concurrent,streams=$streams" \
-        --constraint "kind=max_duration,seconds=$seconds" \
+        --constraint "$constraint" \
         --data "kind=synthetic_text,prompt_tokens=${PROMPT_TOKENS:-128},output_tokens=${OUTPUT_TOKENS:-64}" \
         --tokenizer "kind=huggingface_auto,model=$tok" \
         --output "kind=json,path=$out"
