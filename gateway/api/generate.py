@@ -203,7 +203,7 @@ def _cache_noted(recorder: RequestRecorder, cache, found: Lookup) -> None:
     if found.hit is None:
         recorder.capture = found if found.store else None
     else:
-        recorder.deployment = "cache"
+        recorder.deployment, recorder.replayed = "cache", True
     if recorder.trace is not None:
         recorder.trace.root.set_attribute("kvgate.cache", "hit" if found.hit is not None else "miss")
 

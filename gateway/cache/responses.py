@@ -40,14 +40,13 @@ class ReplayChoice:
 
     def __init__(self, index: int, batches: list):
         self.index = index
-        self.batches = batches
+        self.events = [e for batch in batches for e in batch]  # one batch: written out in one go
         self.first = batches[0] if batches else []
         self.closed = False
         self.last_event = None  # no kv_transfer_params: a hit never answers a prefill hop
 
     async def stream(self):
-        for batch in self.batches:
-            yield batch
+        yield self.events
 
     async def close(self) -> None:
         self.closed = True

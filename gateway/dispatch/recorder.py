@@ -34,6 +34,7 @@ class RequestRecorder:
         self.cache = None  # (ResponseCache, Lookup) of a request the model's cache looked up
         self.capture = None  # the Lookup that keeps this answer's events (a miss to be stored)
         self.free = False  # a cache hit not charged: 0 tokens to the key's limits and budgets
+        self.replayed = False  # a cache hit: its tokens were not generated now, so TTFT and ITL skip them
         self.trace = None
         if state.tracer is not None:
             self.trace = RequestTrace(state.tracer, f"{operation} {model}", headers, _request_attributes(
@@ -118,6 +119,8 @@ class RequestRecorder:
             self.hold.observe(events)
         if self.capture is not None:
             self.capture.tokens(index, events)
+        if self.replayed:
+            return
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.series(self.metrics.ttft, self.model, self.sla_class).observe(now - self.started)

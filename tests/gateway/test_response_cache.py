@@ -190,8 +190,15 @@ def test_a_redis_cache_needs_the_limits_store_redis():
 
 
 def test_hits_show_in_the_metrics(gw):
-    for _ in range(2):
-        chat(gw, "metric words")
+    def ttft_count():
+        text = gw.state.metrics.exposition().decode()
+        line = next(x for x in text.splitlines()
+                    if x.startswith("kvgate_time_to_first_token_seconds_count") and 'model="echo"' in x)
+        return float(line.split()[-1])
+    chat(gw, "metric words")
+    timed = ttft_count()
+    assert chat(gw, "metric words").headers["x-kvgate-cache"] == "hit"
+    assert ttft_count() == timed  # a hit generated nothing now: not a TTFT (nor ITL) of the model
     text = gw.state.metrics.exposition().decode()
     hits = [line for line in text.splitlines()
             if line.startswith('kvgate_response_cache_requests_total{model="echo",result="hit"}')]
