@@ -52,6 +52,16 @@ REPLAY_TIMEOUT_S = 2.0  # per message of a replay
 MAX_REPLAYED_AHEAD = 1024  # replayed batches past the live one kept to tell their live copies from a restart
 RECEIVE_HWM = 10_000  # batches queued in the SUB socket; a flood past it is a gap, then a replay
 YIELD_EVERY = 64  # batches applied before the subscriber lets the event loop serve requests
+# A hostile or broken publisher's bounds (one 10.8 MB batch of 1.2 M hashes held the loop 4.1 s):
+# an engine's batch is an engine step's blocks, far under these.
+MAX_MESSAGE_BYTES = 2 << 20  # zmq.MAXMSGSIZE: a larger message drops the publisher's connection
+MAX_EVENTS_PER_BATCH = 4096
+MAX_HASHES_PER_BATCH = 1 << 16
+APPLY_CHUNK = 4096  # hashes applied before the subscriber yields to the event loop (~2-3 ms)
+MAX_REPLAY_BATCHES = 10_000  # a replay longer than this stops there (what it missed is forgotten)
+# libzmq reconnects a dropped connection within 0.1 s, but not one it cut for a protocol error
+# (a message over MAXMSGSIZE): still down after this long, the subscriber connects afresh.
+REVIVE_AFTER_S = 2.0
 _U64 = (1 << 64) - 1
 _CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
@@ -90,11 +100,14 @@ def _event(raw) -> tuple[str, list[int]]:
 
 
 def decode_batch(payload: bytes) -> list[tuple[str, list[int]]]:
-    """The events of one payload, as (kind, hashes); BadBatch when it is not a batch."""
+    """The events of one payload, as (kind, hashes); BadBatch when it is not a batch, or holds
+    more than MAX_EVENTS_PER_BATCH events or MAX_HASHES_PER_BATCH hashes."""
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise BadBatch(f"not msgpack: {exc}") from None
+    except RecursionError:  # arrays nested thousands deep: msgspec recurses per level
+        raise BadBatch("not a batch: nested too deep") from None
     if isinstance(batch, dict):
         events = batch.get("events")
     elif isinstance(batch, (list, tuple)) and len(batch) >= 2:
@@ -103,7 +116,15 @@ def decode_batch(payload: bytes) -> list[tuple[str, list[int]]]:
         events = None
     if not isinstance(events, (list, tuple)):
         raise BadBatch("no event list")
-    return [_event(e) for e in events]
+    if len(events) > MAX_EVENTS_PER_BATCH:
+        raise BadBatch(f"{len(events)} events in one batch, over {MAX_EVENTS_PER_BATCH}")
+    decoded, hashes = [], 0
+    for raw in events:
+        decoded.append(_event(raw))
+        hashes += len(decoded[-1][1])
+        if hashes > MAX_HASHES_PER_BATCH:
+            raise BadBatch(f"over {MAX_HASHES_PER_BATCH} block hashes in one batch")
+    return decoded
 
 
 @dataclass
@@ -146,6 +167,7 @@ class EventStream:
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = self._sub.get_monitor_socket(_CONNECTION_EVENTS)
         try:
@@ -172,6 +194,7 @@ class EventStream:
     async def _watch_connection(self, monitor) -> None:
         """Follow the publisher's connection: while it is gone the index's view of it may go
         stale (its engine may be restarting), so `live` is false and routing does not trust it."""
+        revive = None
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
@@ -179,8 +202,26 @@ class EventStream:
                 if was and not self.connected:
                     log.warning("KV events of deployment %s: the publisher at %s went away",
                                 self.deployment, self.source.endpoint)
+                    if not self.source.bind and (revive is None or revive.done()):
+                        revive = asyncio.get_running_loop().create_task(self._revive_later())
         finally:
+            if revive is not None:
+                revive.cancel()
             monitor.close(linger=0)
+
+    async def _revive_later(self) -> None:
+        """Connect afresh when libzmq will not: it cut the connection itself (a message over
+        MAX_MESSAGE_BYTES). The old endpoint is dropped first, so there is never a second link."""
+        await asyncio.sleep(REVIVE_AFTER_S)
+        if self.connected or self._sub is None:
+            return
+        log.warning("KV events of deployment %s: still no connection to %s (a message over %d bytes cuts it); "
+                    "connecting afresh", self.deployment, self.source.endpoint, MAX_MESSAGE_BYTES)
+        try:
+            self._sub.disconnect(self.source.endpoint)
+        except zmq.ZMQError:
+            pass  # libzmq already dropped it
+        self._sub.connect(self.source.endpoint)
 
     def forget(self, why: str) -> None:
         """Drop the deployment's blocks and start over from the next batch."""
@@ -224,7 +265,7 @@ class EventStream:
             await self._resync(expected, seq)
             if self._expected is not None and self._expected > seq:
                 return  # the replay brought this one too
-        self._apply(seq, payload)
+        await self._apply(seq, payload)
 
     def _differs_from_replay(self, seq: int, payload: bytes) -> bool:
         """Whether a live batch the replay brought already came with other bytes (a new publisher
@@ -242,7 +283,9 @@ class EventStream:
         self._expected = None
         self._replayed_ahead.clear()
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode (bounded by MAX_MESSAGE_BYTES and the batch caps) and apply, yielding to the
+        event loop every APPLY_CHUNK hashes so that a large batch never holds it for long."""
         self._expected = seq + 1
         try:
             events = decode_batch(payload)
@@ -250,16 +293,25 @@ class EventStream:
             self._garbage(str(exc))
             self.forget(f"batch {seq} was lost")
             return
+        budget = APPLY_CHUNK
         for kind, hashes in events:
-            if kind == "BlockStored":
-                self.index.stored(self.deployment, hashes)
-            elif kind == "BlockRemoved":
-                self.index.removed(self.deployment, hashes)
-            else:
-                self.index.forget(self.deployment)
+            for start in range(0, max(len(hashes), 1), APPLY_CHUNK):
+                self._apply_event(kind, hashes[start:start + APPLY_CHUNK])
+                budget -= max(len(hashes[start:start + APPLY_CHUNK]), 1)
+                if budget <= 0:
+                    budget = APPLY_CHUNK
+                    await asyncio.sleep(0)
         self.stats.batches += 1
         self.stats.events += len(events)
         self.stats.last_batch_at = time.monotonic()
+
+    def _apply_event(self, kind: str, hashes: list[int]) -> None:
+        if kind == "BlockStored":
+            self.index.stored(self.deployment, hashes)
+        elif kind == "BlockRemoved":
+            self.index.removed(self.deployment, hashes)
+        else:
+            self.index.forget(self.deployment)
 
     def _garbage(self, what: str) -> None:
         self.stats.garbage += 1
@@ -279,7 +331,7 @@ class EventStream:
         for seq, payload in batches:
             if seq > following:
                 self.forget(f"batches {following}..{seq - 1} were missed, {what}")
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
             following, what = seq + 1, "the replay skipped them"
             if seq > upto and len(self._replayed_ahead) < MAX_REPLAYED_AHEAD:
                 self._replayed_ahead[seq] = payload  # its live copy is still on the way
@@ -290,6 +342,7 @@ class EventStream:
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         batches: list[tuple[int, bytes]] = []
         try:
             dealer.connect(self.source.replay_endpoint)
@@ -302,6 +355,10 @@ class EventStream:
                 if seq == END_OF_REPLAY:
                     return _once_in_order(batches, start)
                 batches.append((seq, frames[1]))
+                if len(batches) >= MAX_REPLAY_BATCHES:  # a replay that never ends must not fill memory
+                    log.warning("KV events of deployment %s: the replay from %d passed %d batches; stopped there",
+                                self.deployment, start, MAX_REPLAY_BATCHES)
+                    return _once_in_order(batches, start)
             log.warning("KV events of deployment %s: the replay from %d did not finish", self.deployment, start)
             return _once_in_order(batches, start)
         finally:

@@ -7,6 +7,9 @@ scores the number of leading blocks it holds, as llm-d's LongestPrefix scorer do
 
 Bounded: at most `max_blocks` hashes; past that the least recently stored or looked-up one goes
 (forgetting a block only makes routing miss a hit, never send a request where it cannot run).
+Each deployment holds at most its share, `max_blocks` over the deployments that have stored
+blocks: past it, its own oldest stored blocks go, so one publisher (a hostile one sending
+millions of hashes, or a huge engine) cannot evict the others' blocks.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ class KVIndex:
         self.max_blocks = max_blocks
         self._holders: OrderedDict[int, set[str]] = OrderedDict()
         # deployment -> the hashes it holds: forgetting one deployment touches its own blocks only
-        self._held: defaultdict[str, set[int]] = defaultdict(set)
-        self.evicted = 0  # hashes dropped to stay under max_blocks
+        # (in the order it stored them: past its share, its oldest go)
+        self._held: defaultdict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self.evicted = 0  # hashes dropped to stay under max_blocks or a deployment's share
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -67,7 +71,13 @@ class KVIndex:
         held = self._held.get(deployment)
         return len(held) if held else 0
 
+    def share(self, deployment: str) -> int:
+        """The most blocks `deployment` may hold: an equal part of max_blocks."""
+        others = len(self._held) - (deployment in self._held)
+        return max(1, self.max_blocks // (others + 1))
+
     def stored(self, deployment: str, hashes) -> None:
+        held = self._held[deployment]
         for h in hashes:
             holders = self._holders.get(h)
             if holders is None:
@@ -75,19 +85,31 @@ class KVIndex:
             else:
                 self._holders.move_to_end(h)
             holders.add(deployment)
-            self._held[deployment].add(h)
-        while len(self._holders) > self.max_blocks:
+            held[h] = None
+            held.move_to_end(h)
+        share = self.share(deployment)
+        while len(held) > share:  # its own oldest, never another deployment's
+            self._drop(deployment, held.popitem(last=False)[0])
+            self.evicted += 1
+        while len(self._holders) > self.max_blocks:  # shares shrank as deployments came
             h, gone = self._holders.popitem(last=False)
             for d in gone:
-                self._held[d].discard(h)
+                self._held[d].pop(h, None)
             self.evicted += 1
+
+    def _drop(self, deployment: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(deployment)
+            if not holders:
+                del self._holders[h]
 
     def removed(self, deployment: str, hashes) -> None:
         for h in hashes:
             holders = self._holders.get(h)
             if holders is not None and deployment in holders:
                 holders.discard(deployment)
-                self._held[deployment].discard(h)
+                self._held[deployment].pop(h, None)
                 if not holders:
                     del self._holders[h]
 

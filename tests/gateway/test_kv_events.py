@@ -61,8 +61,13 @@ def test_both_wire_forms_decode_to_the_same_events():
     assert decode_batch(batch(stored(b"\xff" * 24 + (5).to_bytes(8, "big"), -1))) == [("BlockStored", [5, 2**64 - 1])]
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", ENCODE({"ts": 1.0}), ENCODE([1.0, [{"type": "Nope"}]]),
-                                     ENCODE({"ts": 1, "events": [{"type": "BlockStored"}]}), ENCODE("x")])
+@pytest.mark.parametrize("payload", [
+    b"\xc1", ENCODE({"ts": 1.0}), ENCODE([1.0, [{"type": "Nope"}]]),
+    ENCODE({"ts": 1, "events": [{"type": "BlockStored"}]}), ENCODE("x"),
+    b"\x91" * 200_000 + b"\xc0",  # arrays nested 200,000 deep: msgspec's RecursionError, a bad batch
+    ENCODE({"ts": 1, "events": [removed(1)] * 4097}),  # over 4,096 events
+    ENCODE({"ts": 1, "events": [removed(*range(40_000)), removed(*range(30_000))]}),  # over 65,536 hashes
+], ids=["not-msgpack", "no-events", "unknown-type", "no-hashes", "a-string", "nested", "events", "hashes"])
 def test_what_is_not_a_batch_is_refused(payload):
     with pytest.raises(BadBatch):
         decode_batch(payload)
@@ -376,6 +381,76 @@ def test_a_flood_stays_within_the_bound_and_the_loop_keeps_serving():
         assert len(index) <= 500 and index.blocks_of("engine-a") == len(index)
         assert ticks > 3000 // 64  # the subscriber yielded to other tasks while it applied the flood
     run(scenario)
+
+
+def test_a_message_over_the_size_bound_is_never_read(monkeypatch):
+    """zmq.MAXMSGSIZE (2 MiB): a 2.6 MB batch of 64,000 hashes (under the hash cap) is dropped by
+    the socket with its connection, never decoded; libzmq does not reconnect after that, so the
+    subscriber connects afresh (REVIVE_AFTER_S) and the next batches are read."""
+    monkeypatch.setattr(kv_events, "REVIVE_AFTER_S", 0.3)
+
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=False)
+        big = batch(stored(*[i.to_bytes(8, "big") * 5 for i in range(1, 64_001)]))
+        assert len(big) > 2 << 20
+        await publisher.send(0, big)
+        seq = 0
+        while stream.stats.batches == 0:  # until the reconnected subscription hears one (no replay: a gap is forgotten)
+            seq += 1
+            assert seq < 500, f"no batch after the big one: {stream.stats} {stream.connected}"
+            await publisher.send(seq, batch(stored(70_000 + seq)))
+            await asyncio.sleep(0.02)
+        assert index.longest_prefix([int.from_bytes((1).to_bytes(8, "big") * 5, "big") & (2**64 - 1)],
+                                    ["engine-a"]) == {"engine-a": 0}
+        assert index.blocks_of("engine-a") <= seq
+    run(scenario)
+
+
+def test_a_large_batch_is_applied_in_pieces_between_which_the_loop_serves_others(monkeypatch):
+    """60,000 hashes in one batch reach the index in pieces of at most 4,096, and other tasks run
+    between the pieces (one call for the whole batch held the loop: 1.2 M hashes, 4.1 s)."""
+    async def scenario(context, publisher, stream_for):
+        index = KVIndex()
+        stream = await stream_for(index, replay=False)
+        ticks, seen = 0, []
+        real = index.stored
+
+        def stored_in_pieces(deployment, hashes):
+            seen.append((len(hashes), ticks))
+            real(deployment, hashes)
+        monkeypatch.setattr(index, "stored", stored_in_pieces)
+
+        async def other_work():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        worker = asyncio.get_running_loop().create_task(other_work())
+        await publisher.send(0, batch(stored(*range(1, 60_001))))
+        await until(lambda: stream.stats.batches == 1, timeout_s=30)
+        worker.cancel()
+        assert sum(n for n, _ in seen) == 60_000 and max(n for n, _ in seen) <= 4096
+        assert all(a[1] < b[1] for a, b in zip(seen, seen[1:]))  # the worker ran between every two pieces
+    run(scenario)
+
+
+def test_a_replay_that_never_ends_is_cut_at_its_bound(monkeypatch, caplog):
+    monkeypatch.setattr(kv_events, "MAX_REPLAY_BATCHES", 5)
+
+    async def scenario(context, publisher, stream_for):
+        for seq in range(20):  # published before the subscriber came: only the replay has them
+            publisher.kept[seq] = batch(stored(seq + 1))
+        publisher.replay_ends = False
+        index = KVIndex()
+        stream = await stream_for(index)
+        await publisher.send(20, batch(stored(21)))
+        await until(lambda: stream.stats.batches == 6)  # 5 replayed, then the live one
+        assert index.longest_prefix([1], ["engine-a"]) == {"engine-a": 0}  # forgotten: 5..19 were not read
+        assert index.longest_prefix([21], ["engine-a"]) == {"engine-a": 1}
+    with caplog.at_level(logging.WARNING, "kvgate.kv_events"):
+        run(scenario)
+    assert any("passed 5 batches; stopped there" in r.message for r in caplog.records)
 
 
 def test_a_publisher_that_goes_away_is_no_longer_live(caplog):

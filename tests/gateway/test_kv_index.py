@@ -53,6 +53,17 @@ def test_salted_prompt_hashes_are_the_engines_and_vllms(salt):
     assert list(stored[0].block_hashes) == expected
 
 
+def test_one_deployment_flooding_the_index_evicts_only_its_own_blocks():
+    """Each deployment holds at most an equal share of max_blocks: a publisher storing 10,000
+    hashes in an index of 100 keeps its newest 50, and the other deployment's 40 stay (issue 40 item 5)."""
+    index = KVIndex(max_blocks=100)
+    index.stored("quiet", range(1, 41))
+    index.stored("flood", range(1000, 11_000))
+    assert index.blocks_of("quiet") == 40 and index.longest_prefix(range(1, 41), ["quiet"]) == {"quiet": 40}
+    assert index.blocks_of("flood") == 50 and index.longest_prefix([10_999], ["flood"]) == {"flood": 1}
+    assert len(index) <= 100
+
+
 def test_longest_prefix_counts_leading_blocks_without_a_break():
     index = KVIndex()
     index.stored("a", [1, 2, 3])
