@@ -11,19 +11,14 @@ import threading
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse
 
-from gateway.api import generate as api
-from gateway.api import ops
-from gateway.api import tokens as token_api
-from gateway.api.openapi import openapi_json
-from gateway.api.status import status_json, status_page
+from gateway.api import routes
 from gateway.errors import APIError, MethodNotAllowed, NotFoundError
-from gateway.http import login
 from gateway.http.asgi import AnthropicErrors, BodyLimitMiddleware
 from gateway.http.auth import AuthMiddleware
 from gateway.http.hot_routes import HotRoutes
+from gateway.http.routes import access_by_path, hot_handlers, paths_erring_in, starlette_routes
 from gateway.lifecycle.keys_file import watch_keys_file
 from gateway.lifecycle.reload import reload_config
 from gateway.state import GatewayState
@@ -53,35 +48,13 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return await _api_error(request, APIError("The server had an error while processing the request."))
 
 
-ROUTES = [
-    Route("/v1/models", api.list_models, methods=["GET"]),
-    Route("/key/info", api.key_info, methods=["GET"]),
-    Route("/v1/completions", api.completions, methods=["POST"]),
-    Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-    Route("/health", ops.health, methods=["GET"]),
-    Route("/version", ops.version, methods=["GET"]),
-    Route("/v1/responses", api.responses, methods=["POST"]),
-    Route("/v1/messages", api.messages, methods=["POST"]),
-    Route("/v1/embeddings", token_api.embeddings, methods=["POST"]),
-    Route("/tokenize", token_api.tokenize, methods=["POST"]),
-    Route("/v1/messages/count_tokens", token_api.count_message_tokens, methods=["POST"]),
-    Route("/detokenize", token_api.detokenize, methods=["POST"]),
-    Route("/health/live", ops.health_live, methods=["GET"]),
-    Route("/health/ready", ops.health_ready, methods=["GET"]),
-    Route("/admin/reload", ops.admin_reload, methods=["POST"]),
-    Route("/admin/reset_prefix_cache", ops.admin_reset_prefix_cache, methods=["POST"]),
-    Route("/metrics", ops.metrics, methods=["GET"]),
-    Route("/openapi.json", openapi_json, methods=["GET"]),
-    Route("/", lambda request: RedirectResponse("/status"), methods=["GET"]),
-    Route("/status", status_page, methods=["GET"]),
-    Route("/status.json", status_json, methods=["GET"]),
-    Route("/status/login", login.status_login, methods=["POST"]),
-    Route("/status/logout", login.status_logout, methods=["POST"]),
-]
 
 
 def create_app(state: GatewayState):
-    """The ASGI app for a built state; backends start in the lifespan, stop at shutdown."""
+    """The ASGI app for a built state; backends start in the lifespan, stop at shutdown. Its
+    router, auth rules, hot routes and Anthropic-error paths all come from one table,
+    gateway/api/routes.py (read when the app is built)."""
+    endpoints = routes.ENDPOINTS
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -107,15 +80,15 @@ def create_app(state: GatewayState):
                 state.tracer_provider.shutdown()  # flushes spans still in the batch queue
 
     app = Starlette(
-        routes=ROUTES,
+        routes=starlette_routes(endpoints),
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
     )
     app.state.kvgate = state
-    app = HotRoutes(app, {"/v1/completions": api.completions, "/v1/chat/completions": api.chat_completions})
-    app = AuthMiddleware(app, keys_of=lambda: state.keys, sessions=state.sessions)
+    app = HotRoutes(app, hot_handlers(endpoints))
+    app = AuthMiddleware(app, keys_of=lambda: state.keys, sessions=state.sessions, access=access_by_path(endpoints))
     app = BodyLimitMiddleware(app, max_bytes=state.config.server.limits.max_body_bytes)
-    return AnthropicErrors(app, paths=frozenset({"/v1/messages", "/v1/messages/count_tokens"}))
+    return AnthropicErrors(app, paths=paths_erring_in(endpoints, "anthropic"))
 
 
 def _reload_on_sighup(state: GatewayState) -> None:

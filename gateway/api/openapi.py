@@ -9,6 +9,8 @@ client generator or a fuzzer (schemathesis) sees exactly what this gateway accep
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -39,37 +41,109 @@ ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "
                   "502": "Backend failed", "503": "Overloaded", "504": "Backend timed out"}
 
 
-def openapi_document(models: list[str], limits: RequestLimits, served: Capabilities = DEFAULT_CAPABILITIES) -> dict:
-    """`served`: what the gateway's deployments declare together (the union)."""
-    defs: dict = {}
-    completion = _body_schema(CompletionBody, defs, models, limits, served)
-    chat = _body_schema(ChatBody, defs, models, limits, served)
-    _chat_features(chat["properties"], defs, limits, served)
-    token_paths = _token_paths(defs, models, limits, served)
-    defs["Message"] = _message_by_role(defs["Message"], "tools" in served.features)
-    paths = {
-        "/v1/completions": {"post": _generation("Create a completion", completion)},
-        "/v1/chat/completions": {"post": _generation("Create a chat completion", chat)},
-        "/v1/responses": {"post": _generation("Create a response (OpenAI Responses API, stateless)",
-                                              _responses_body(defs, models, limits, served))},
-        "/v1/messages": {"post": _generation("Create a message (Anthropic Messages API)",
-                                             _messages_body(defs, models, limits, served), error="AnthropicError")},
-        **token_paths,
-        **_count_tokens_path(defs, models, limits, served),
-        "/v1/models": {"get": {"summary": "List models", "responses": _responses({"type": "object"})}},
-        "/health": {"get": {"summary": "Can serve every model (vLLM's health check)",
-                            "responses": _responses({"type": "object"})}},
-        "/version": {"get": {"summary": "Version", "responses": _responses({"type": "object"})}},
-        "/health/live": {"get": {"summary": "Liveness", "responses": _responses({"type": "object"})}},
-        "/health/ready": {"get": {"summary": "Readiness", "responses": _responses({"type": "object"})}},
-    }
+@dataclass
+class Context:
+    """What every entry of the document is built from; `defs` gathers the schemas they share."""
+
+    models: list[str]
+    limits: RequestLimits
+    served: Capabilities
+    defs: dict = field(default_factory=dict)
+
+    def body(self, model, served: Capabilities | None = None) -> dict:
+        return _body_schema(model, self.defs, self.models, self.limits, self.served if served is None else served)
+
+
+def openapi_document(endpoints: Sequence, models: list[str], limits: RequestLimits,
+                     served: Capabilities = DEFAULT_CAPABILITIES) -> dict:
+    """`endpoints`: the route table (gateway/api/routes.py), each with its `openapi` entry or None;
+    `served`: what the gateway's deployments declare together (the union)."""
+    ctx = Context(models, limits, served)
+    paths = {}
+    for endpoint in endpoints:
+        operation = endpoint.openapi(ctx) if endpoint.openapi is not None else None
+        if operation is not None:  # None: an endpoint no deployment serves now
+            paths[endpoint.path] = {method.lower(): operation for method in endpoint.methods}
+    ctx.defs["Message"] = _message_by_role(ctx.defs["Message"], "tools" in served.features)
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": "0.1.0",
                  "description": "OpenAI-compatible inference gateway. Errors are OpenAI-style."},
         "paths": paths,
-        "components": {"schemas": {**defs, "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR}},
+        "components": {"schemas": {**ctx.defs, "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR}},
     }
+
+
+# ------------------------------------------------------------------ each endpoint's entry
+
+
+def completions_entry(ctx: Context) -> dict:
+    return _generation("Create a completion", ctx.body(CompletionBody))
+
+
+def chat_entry(ctx: Context) -> dict:
+    chat = ctx.body(ChatBody)
+    _chat_features(chat["properties"], ctx.defs, ctx.limits, ctx.served)
+    return _generation("Create a chat completion", chat)
+
+
+def responses_entry(ctx: Context) -> dict:
+    return _generation("Create a response (OpenAI Responses API, stateless)",
+                       _responses_body(ctx.defs, ctx.models, ctx.limits, ctx.served))
+
+
+def messages_entry(ctx: Context) -> dict:
+    return _generation("Create a message (Anthropic Messages API)",
+                       _messages_body(ctx.defs, ctx.models, ctx.limits, ctx.served), error="AnthropicError")
+
+
+def embeddings_entry(ctx: Context) -> dict | None:
+    if "embeddings" not in ctx.served.endpoints:
+        return None
+    body = ctx.body(EmbeddingsBody)
+    for option in body["properties"]["input"]["anyOf"]:  # no empty input, text or token array
+        for inner in (option, option.get("items", {})):
+            if inner.get("type") == "string":
+                inner["minLength"] = 1
+                inner["maxLength"] = ctx.limits.max_embedding_input_chars
+            elif inner.get("type") == "array":
+                inner["minItems"] = 1
+        if option["type"] == "array" and option["items"].get("type") != "integer":
+            option["maxItems"] = ctx.limits.max_embedding_inputs
+    return _call("Create embeddings", body)
+
+
+def tokenize_entry(ctx: Context) -> dict | None:
+    if "tokenize" not in ctx.served.endpoints:
+        return None
+    forms = [ctx.body(m) for m in (TokenizePromptBody, TokenizeChatBody)]
+    forms[0]["properties"]["prompt"]["maxLength"] = ctx.limits.max_embedding_input_chars
+    forms[1]["properties"]["messages"]["maxItems"] = ctx.limits.max_messages
+    forms[1]["properties"]["chat_template"] = {"type": "null", "description": "Not supported."}
+    return _call("Tokenize a prompt or chat messages (vLLM's shape)", {"anyOf": forms})
+
+
+def detokenize_entry(ctx: Context) -> dict | None:
+    if "tokenize" not in ctx.served.endpoints:
+        return None
+    detokenize = ctx.body(DetokenizeBody)
+    detokenize["properties"]["tokens"]["maxItems"] = ctx.limits.max_prompt_tokens
+    return _call("Turn token ids into text (vLLM's shape)", detokenize)
+
+
+def count_tokens_entry(ctx: Context) -> dict | None:
+    """Anthropic's count_tokens, where some deployment serves tokenize (it counts with it)."""
+    if "tokenize" not in ctx.served.endpoints:
+        return None
+    body = _messages_body(ctx.defs, ctx.models, ctx.limits, ctx.served, anthropic.CountTokensBody)
+    return {"summary": "Count a message's input tokens (Anthropic Messages API)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": _responses({"type": "object"}, error="AnthropicError")}
+
+
+def summary_entry(summary: str) -> Callable[[Context], dict]:
+    """An endpoint with no request body: its summary, and a JSON object answered."""
+    return lambda ctx: {"summary": summary, "responses": _responses({"type": "object"})}
 
 
 def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
@@ -88,33 +162,6 @@ def _body_schema(model, defs: dict, models: list[str], limits: RequestLimits, se
         props["messages"]["maxItems"] = limits.max_messages
     _server_rules(props, limits)
     return schema
-
-
-def _token_paths(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
-    """/v1/embeddings, /tokenize and /detokenize, where some deployment serves them."""
-    paths = {}
-    if "embeddings" in served.endpoints:
-        body = _body_schema(EmbeddingsBody, defs, models, limits, served)
-        for option in body["properties"]["input"]["anyOf"]:  # no empty input, text or token array
-            for inner in (option, option.get("items", {})):
-                if inner.get("type") == "string":
-                    inner["minLength"] = 1
-                    inner["maxLength"] = limits.max_embedding_input_chars
-                elif inner.get("type") == "array":
-                    inner["minItems"] = 1
-            if option["type"] == "array" and option["items"].get("type") != "integer":
-                option["maxItems"] = limits.max_embedding_inputs
-        paths["/v1/embeddings"] = {"post": _call("Create embeddings", body)}
-    if "tokenize" in served.endpoints:
-        forms = [_body_schema(m, defs, models, limits, served) for m in (TokenizePromptBody, TokenizeChatBody)]
-        forms[0]["properties"]["prompt"]["maxLength"] = limits.max_embedding_input_chars
-        forms[1]["properties"]["messages"]["maxItems"] = limits.max_messages
-        forms[1]["properties"]["chat_template"] = {"type": "null", "description": "Not supported."}
-        paths["/tokenize"] = {"post": _call("Tokenize a prompt or chat messages (vLLM's shape)", {"anyOf": forms})}
-        detokenize = _body_schema(DetokenizeBody, defs, models, limits, served)
-        detokenize["properties"]["tokens"]["maxItems"] = limits.max_prompt_tokens
-        paths["/detokenize"] = {"post": _call("Turn token ids into text (vLLM's shape)", detokenize)}
-    return paths
 
 
 def _call(summary: str, body: dict) -> dict:
@@ -206,17 +253,6 @@ def _responses_body(defs: dict, models: list[str], limits: RequestLimits, served
         props[name] = {"enum": [False, None], "description": "Only false: this server keeps no responses."}
     props["include"] = {"type": ["array", "null"], "maxItems": 0}
     return body
-
-
-def _count_tokens_path(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities) -> dict:
-    """Anthropic's count_tokens, where some deployment serves tokenize (it counts with it)."""
-    if "tokenize" not in served.endpoints:
-        return {}
-    body = _messages_body(defs, models, limits, served, anthropic.CountTokensBody)
-    return {"/v1/messages/count_tokens": {"post": {
-        "summary": "Count a message's input tokens (Anthropic Messages API)",
-        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-        "responses": _responses({"type": "object"}, error="AnthropicError")}}}
 
 
 def _messages_body(defs: dict, models: list[str], limits: RequestLimits, served: Capabilities,
@@ -329,10 +365,15 @@ def _responses(ok: dict, streaming: bool = False, error: str = "Error") -> dict:
     return out
 
 
-async def openapi_json(request: Request) -> JSONResponse:
-    state = state_of(request)
-    names = sorted(n for p in state.registry.pools for n in [p.name, *p.aliases])
-    return JSONResponse(openapi_document(names, state.config.server.limits, served_by(state.registry)))
+def serving(endpoints: Callable[[], Sequence]):
+    """The GET /openapi.json handler documenting `endpoints()` (the route table, which holds it)."""
+
+    async def openapi_json(request: Request) -> JSONResponse:
+        state = state_of(request)
+        names = sorted(n for p in state.registry.pools for n in [p.name, *p.aliases])
+        return JSONResponse(openapi_document(endpoints(), names, state.config.server.limits, served_by(state.registry)))
+
+    return openapi_json
 
 
 def served_by(registry) -> Capabilities:
