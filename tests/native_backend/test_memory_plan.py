@@ -203,7 +203,7 @@ def test_the_real_gguf_has_the_built_in_tables_shape():
 
 
 def test_an_hf_directory_is_read_from_its_config_json(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # pinned in requirements.txt: never a skip
     transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              max_position_embeddings=128).save_pretrained(tmp_path)

@@ -62,7 +62,7 @@ def test_the_real_smollm2_gguf(capsys):
 
 
 def test_an_hf_directory(capsys, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # pinned in requirements.txt: never a skip
     transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              max_position_embeddings=128).save_pretrained(tmp_path)

@@ -23,6 +23,7 @@ from kvgate_openai import h1
 from kvgate_openai.h1 import H1Client
 from kvgate_openai.pool import ClientPool
 from kvgate_openai.transport import StreamBroken, UpstreamUnreachable
+from tests.support.checks.skips import required
 from tests.support.servers.loopback import content_length
 
 
@@ -781,8 +782,9 @@ def _ipv6_loopback() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_an_ipv6_literal_is_connected_to_and_bracketed_in_the_host_header():
+    if not _ipv6_loopback():  # CI sets the variable where ::1 binds (.ci/run): there this is a failure
+        required("KVGATE_REQUIRE_IPV6", "this machine has no IPv6 loopback (::1)")
     async def main():
         async with Upstream(fixed(b"ok"), host="::1") as up:
             c = client()
