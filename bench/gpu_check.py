@@ -497,7 +497,18 @@ def trtllm_contract() -> dict:
     test = ROOT / "tests" / "plugins" / "test_tensorrt_llm_contract.py"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=ROOT,
                           env={**os.environ, "KVGATE_REQUIRE_TRTLLM": "1"}, capture_output=True, text=True, timeout=600)
-    return {"ok": proc.returncode == 0, "output": proc.stdout[-3000:]}
+    # what docs/testing-ci.md records as the contract's last run: when, against which release
+    return {"ok": proc.returncode == 0, "ran_at": time.strftime("%Y-%m-%d"),
+            "tensorrt_llm": _package_version("tensorrt_llm"), "output": proc.stdout[-3000:]}
+
+
+def _package_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def run_sections(names, args) -> dict:

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,10 +128,13 @@ def test_the_summary_names_each_section_figure():
 
 def test_the_trtllm_section_runs_the_contract_with_the_real_package_required():
     result = gpu_check.trtllm_contract()
+    assert result["ran_at"] == time.strftime("%Y-%m-%d")  # the record docs/testing-ci.md keeps of its last run
     if importlib.util.find_spec("tensorrt_llm") is None:  # here: the section fails, saying why
         assert not result["ok"] and "required here: KVGATE_REQUIRE_TRTLLM is set" in result["output"]
+        assert result["tensorrt_llm"] is None
     else:
         assert result["ok"], result["output"]
+        assert result["tensorrt_llm"]
 
 
 def test_the_structured_section_runs_constrained_batches_and_validates_them():
