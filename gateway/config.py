@@ -29,6 +29,10 @@ class RequestLimits(StrictModel):
     max_stop: int = Field(4, ge=0, description="Most stop strings per request.")
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs / logprobs.")
     max_messages: int = Field(256, gt=0, description="Most chat messages per request.")
+    max_input_items: int = Field(1024, gt=0, description="Most Responses input items, or Anthropic content "
+                                 "blocks across a request's messages (each becomes part of a chat message).")
+    max_tool_calls: int = Field(256, gt=0, description="Most tool calls in one request's conversation (chat "
+                                "tool_calls, Responses function_call items, Anthropic tool_use blocks).")
     # A request's total work: what one body can make the backends do.
     max_prompts: int = Field(32, gt=0, description="Most prompts in one completions request.")
     max_choices: int = Field(64, gt=0, description="Most choices per request: n x the number of prompts.")

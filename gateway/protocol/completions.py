@@ -288,11 +288,14 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
 
 
 def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
+    raw = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(raw, list) and len(raw) > limits.max_messages:  # before validating each of them
+        raise InvalidRequestError(f"Too many messages: {len(raw)} > {limits.max_messages}.", param="messages")
     req = _validate(ChatBody, body)
-    if len(req.messages) > limits.max_messages:
-        raise InvalidRequestError(
-            f"Too many messages: {len(req.messages)} > {limits.max_messages}.", param="messages"
-        )
+    calls = sum(len(m.tool_calls or ()) for m in req.messages)
+    if calls > limits.max_tool_calls:
+        raise InvalidRequestError(f"The messages hold {calls} tool calls, over this server's limit of "
+                                  f"{limits.max_tool_calls}.", param="messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     _check_limits(req, max_tokens, logprobs, limits)

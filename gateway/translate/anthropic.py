@@ -36,7 +36,8 @@ from gateway.errors import APIError, InvalidRequestError
 from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
 from gateway.protocol.tokens import ParsedTokenize, parse_tokenize
 from gateway.translate.common import (
-    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renamed_error, renames, typed, validated)
+    chat_request, chat_tool, check_item_counts, chunk_parts, named_event, parse_translated, renamed_error, renames,
+    typed, validated)
 
 # ---------------------------------------------------------------------------------- errors
 
@@ -185,8 +186,20 @@ def parse_messages(body: Any, limits: RequestLimits) -> ParsedRequest:
     """An Anthropic Messages request as a chat request that answers in Anthropic's shapes."""
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
+    _check_counts(body.get("messages"), limits)
     req = validated(MessagesBody, body)
     return parse_translated(chat_body(req), limits, RENAMES, AnthropicTranslation(req))
+
+
+def _check_counts(messages, limits: RequestLimits) -> None:
+    """max_messages, then the content blocks across all messages (tool_use ones among them),
+    before any of them is validated."""
+    if not isinstance(messages, list):
+        return
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(f"Too many messages: {len(messages)} > {limits.max_messages}.", param="messages")
+    blocks = [b for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for b in m["content"]]
+    check_item_counts(blocks, limits, "messages", "tool_use")
 
 
 def parse_count_tokens(body: Any, limits: RequestLimits) -> ParsedTokenize:

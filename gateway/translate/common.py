@@ -75,6 +75,19 @@ def chunk_parts(chunk: dict) -> tuple[dict, str | None, dict | None]:
     return {}, None, chunk.get("usage")
 
 
+def check_item_counts(items: list, limits: RequestLimits, param: str, calls_kind: str) -> None:
+    """Before any item is validated: at most max_input_items of them, and at most max_tool_calls of
+    `calls_kind` (Responses function_call items, Anthropic tool_use blocks). Thousands of them
+    become one chat message, which max_messages does not count, after each was validated alone."""
+    if len(items) > limits.max_input_items:
+        raise InvalidRequestError(f"{len(items)} input items, over this server's limit of {limits.max_input_items}.",
+                                  param=param)
+    calls = sum(1 for item in items if isinstance(item, dict) and item.get("type") == calls_kind)
+    if calls > limits.max_tool_calls:
+        raise InvalidRequestError(f"{calls} {calls_kind} items, over this server's limit of {limits.max_tool_calls} "
+                                  "tool calls.", param=param)
+
+
 def parse_translated(chat_body: dict, limits: RequestLimits, renamed: Renames, translation) -> ParsedRequest:
     """The translated chat body checked as a chat request (limits, tools, formats), carrying
     `translation` (what turns the chat answer back into the client's API); a refusal that names

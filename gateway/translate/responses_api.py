@@ -35,7 +35,7 @@ from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
 from gateway.translate.common import (
-    chat_request, chat_tool, chunk_parts, named_event, parse_translated, renames, typed, validated)
+    chat_request, chat_tool, check_item_counts, chunk_parts, named_event, parse_translated, renames, typed, validated)
 
 ID_PREFIX = "resp_"
 
@@ -193,6 +193,9 @@ RENAMES = renames((r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"), (r"\
 
 def parse_responses(body: Any, limits: RequestLimits) -> ParsedRequest:
     """A Responses request as a chat request that answers in Responses' shapes."""
+    raw = body.get("input") if isinstance(body, dict) else None
+    if isinstance(raw, list):
+        check_item_counts(raw, limits, "input", "function_call")
     req = validated(ResponsesBody, body) if isinstance(body, dict) else _not_an_object()
     items = _input_items(req.input)
     chat = chat_body(req, items)

@@ -82,3 +82,20 @@ def test_a_chat_without_max_tokens_gets_what_the_context_leaves_not_a_400(client
     import openai
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="short", prompt=prompt, max_tokens=8)
+
+
+def test_over_many_messages_are_refused_before_each_is_validated_and_tool_calls_are_bounded():
+    """Issue 40 item 8: 2,000 messages the parser would refuse one by one are refused by their
+    count; 300 tool calls in a conversation (one assistant message can hold them all) are over 256."""
+    from gateway.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "nobody"}] * 2000}, LIMITS)
+    assert info.value.param == "messages" and "Too many messages: 2000 > 256" in info.value.message
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(300)]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}]}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat(body, LIMITS)
+    assert info.value.param == "messages" and "300 tool calls, over this server's limit of 256" in info.value.message
+    body["messages"][1]["tool_calls"] = calls[:256]
+    assert parse_chat(body, LIMITS).messages[1]["tool_calls"][255]["id"] == "c255"

@@ -221,3 +221,18 @@ def test_a_whole_answer_with_reasoning_has_a_thinking_block_first():
     message = Message.model_validate(translation.whole(shape(), chat))
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "Let me think." and message.stop_reason == "end_turn"
+
+
+def test_over_many_content_blocks_are_refused_before_they_are_validated():
+    """Thousands of tool_use blocks collapse into one chat message that max_messages does not
+    count: the blocks across the messages are counted first (issue 40 item 8)."""
+    limits = RequestLimits()
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "assistant", "content": [{"type": "nope"}] * 2000}]}, limits)
+    assert info.value.param == "messages" and "2000 input items" in info.value.message
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": [use] * 300}]}, limits)
+    assert info.value.param == "messages" and "300 tool_use items" in info.value.message

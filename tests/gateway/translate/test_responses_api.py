@@ -237,3 +237,18 @@ def test_a_whole_answer_with_reasoning_has_a_reasoning_item_first():
     response = Response.model_validate(parsed.translation.whole(shape(), chat))
     assert [o.type for o in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == "Let me think." and response.output_text == "42"
+
+
+def test_an_over_long_input_list_is_refused_before_its_items_are_validated():
+    """2,000 items the server would refuse one by one (an unknown type) are refused by their count
+    first (issue 40 item 8), and so are 300 function_call items, which become one chat message."""
+    limits = RequestLimits()
+    with pytest.raises(InvalidRequestError) as info:
+        parse_responses({"model": "m", "input": [{"type": "nope"}] * 2000}, limits)
+    assert info.value.param == "input" and "2000 input items, over this server's limit of 1024" in info.value.message
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_responses({"model": "m", "input": [call] * 300 + [{"role": "user", "content": "hi"}]}, limits)
+    assert info.value.param == "input" and "300 function_call items" in info.value.message
+    parsed = parse_responses({"model": "m", "input": [call] * 3 + [{"role": "user", "content": "hi"}]}, limits)
+    assert sum(len(m.get("tool_calls") or ()) for m in parsed.messages) == 3
