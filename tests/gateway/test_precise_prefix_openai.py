@@ -3,8 +3,8 @@ for them, so it asks one of them (POST /tokenize, chat prompts as messages throu
 template) before it chooses, and matches the ids against the blocks the engines announce on their
 KV-event streams. Each upstream here is the scripted OpenAI server with a prefix cache of its own:
 a chat request stores its prompt's blocks and publishes them with a plain pyzmq PUB socket,
-written from vLLM's wire format (three frames, map-form msgpack batches, sha256_cbor chained
-hashes), not from the gateway's or the engine's code."""
+written from vLLM's wire format (three frames, msgpack batches [ts, events] with map-form events
+as vLLM 0.32 sends them, sha256_cbor chained hashes), not from the gateway's or the engine's code."""
 
 from __future__ import annotations
 
@@ -60,12 +60,17 @@ class CachingUpstream(ScriptedUpstream):
 
     async def chat(self, request: Request):
         body = await request.json()
-        hashes = block_hashes(self.token_ids(body)[0])
-        new = [h for h in hashes if h not in self.cached]
+        tokens = self.token_ids(body)[0]
+        hashes = block_hashes(tokens)
+        first = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes))
+        new = hashes[first:]
         if new:
             self.cached.update(new)
-            event = {"type": "BlockStored", "block_hashes": new, "parent_block_hash": None,
-                     "token_ids": [], "block_size": BLOCK}
+            # As vLLM 0.32 sends it (seen from bench/vllm_server.sh's vLLM): the stored blocks'
+            # tokens, the parent of the first one (null at the prompt's start), lora_id null.
+            parent = hashes[first - 1] if first else None
+            event = {"type": "BlockStored", "block_hashes": new, "parent_block_hash": parent,
+                     "token_ids": tokens[first * BLOCK:len(hashes) * BLOCK], "block_size": BLOCK, "lora_id": None}
             self.publish([event])
         return await super().chat(request)
 
@@ -80,7 +85,7 @@ class CachingUpstream(ScriptedUpstream):
         return await super().tokenize(request)
 
     def publish(self, events: list[dict]) -> None:
-        payload = msgspec.msgpack.encode({"ts": time.time(), "events": events})
+        payload = msgspec.msgpack.encode([time.time(), events])  # vLLM 0.32's EventBatch is array_like
         self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
 
