@@ -43,7 +43,12 @@ async def embeddings(request: Request):
                                 dimensions=parsed.dimensions, user=parsed.user, priority=priority,
                                 trace_context=trace, extra=parsed.extra or {}, needs=parsed.needs)
 
-    call = await _serve(request, parsed.model, parsed.needs, "embeddings", "embd", build, _embed)
+    # Each input is a sequence the engine runs (up to max_embedding_inputs of them): counted as a
+    # request's worth of work each, and its tokens reserved up front (a text's characters bound
+    # them; the usage is charged and the rest refunded when it finishes), as generation does.
+    reserve = sum(len(item) for item in parsed.inputs)
+    call = await _serve(request, parsed.model, parsed.needs, "embeddings", "embd", build, _embed,
+                        weight=len(parsed.inputs), reserve_tokens=reserve)
     if call.answer is None:
         return call.closed()
     result: EmbeddingResult = call.answer
@@ -130,7 +135,8 @@ class _Call:
         return JSONResponse({}, status_code=api.CLIENT_CLOSED)
 
 
-async def _serve(request: Request, model: str, needs, operation: str, id_prefix: str, build, call) -> _Call:
+async def _serve(request: Request, model: str, needs, operation: str, id_prefix: str, build, call,
+                 weight: int = 1, reserve_tokens: int = 0) -> _Call:
     state = state_of(request)
     key = api._api_key(request)
     with api.refusals_counted(request, model):
@@ -138,7 +144,7 @@ async def _serve(request: Request, model: str, needs, operation: str, id_prefix:
         pool.check_servable(needs)
         sla = api._sla_class(request, state, key)
     if key is not None:
-        await api._admit_key(state, key, 1, 0)  # nothing is generated: no tokens reserved up front
+        await api._admit_key(state, key, weight, reserve_tokens)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     recorder = RequestRecorder(state, key=key, request_id=request_id, model=pool.name, sla_class=sla.name,
                                operation=operation, headers=request.headers, path=request.scope["path"],

@@ -348,3 +348,23 @@ def test_a_changed_keys_file_reloads_the_keys_and_a_bad_entry_does_not_keep_a_re
         assert call(server, "POST", "/v1/completions", key="short", json=body).status_code == 401
         problems = call(server, "GET", "/status.json", key=ADMIN).json()["key_problems"]
         assert problems == ["keys file [TEST_KEYS_FILE][1].key: String should have at least 8 characters"]
+
+
+def test_embeddings_count_each_input_and_reserve_their_tokens(gw, monkeypatch):
+    """Issue 40 item 9: an embeddings request runs one sequence per input: bob (3 requests a minute)
+    gets one of 2 inputs, not a second; each is admitted reserving its inputs' characters (which
+    bound their tokens) and refunded to its usage at the end."""
+    body = {"model": "echo", "input": ["a b", "c d e"]}
+    assert call(gw, "POST", "/v1/embeddings", key=BOB, json=body).status_code == 200
+    r = call(gw, "POST", "/v1/embeddings", key=BOB, json=body)
+    assert r.status_code == 429 and "3 requests per minute" in r.json()["error"]["message"]
+    limiter, admitted = gw.state.limiter, []
+    real = limiter.acquire
+
+    async def recorded(key, weight=1, reserve_tokens=0):
+        admitted.append((key.name, weight, reserve_tokens))
+        await real(key, weight, reserve_tokens)
+    monkeypatch.setattr(limiter, "acquire", recorded)
+    assert call(gw, "POST", "/v1/embeddings", key=ALICE, json={"model": "echo", "input": ["abcd", "xyz"]}
+                ).status_code == 200
+    assert admitted == [("alice", 2, 7)]
