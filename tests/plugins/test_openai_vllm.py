@@ -240,6 +240,25 @@ def test_messages_passed_through(a, gw):
     assert got.json()["usage"]["output_tokens"] == want["usage"]["output_tokens"]
 
 
+def test_server_vllm_defaults_are_what_this_vllm_serves(a):
+    """The openai backend's `server: vllm` capabilities against vLLM's own OpenAPI document: each
+    endpoint kvgate routes to it is one of its routes, and each vendor field kvgate forwards is a
+    field of its chat or completion request (a field it does not know would be ignored or
+    refused there); /v1/embeddings is not served for a generative model."""
+    from kvgate_openai.servers import SERVER_DEFAULTS
+
+    spec = httpx.get(a.vllm.base_url + "/openapi.json", timeout=30).json()
+    paths = set(spec["paths"])
+    routes = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "tokenize": "/tokenize",
+              "responses": "/v1/responses", "messages": "/v1/messages", "embeddings": "/v1/embeddings"}
+    declared = SERVER_DEFAULTS["vllm"]
+    assert {routes[e] for e in declared.endpoints} <= paths
+    assert "/v1/embeddings" not in paths and "embeddings" not in declared.endpoints
+    schemas = spec["components"]["schemas"]
+    fields = set(schemas["ChatCompletionRequest"]["properties"]) | set(schemas["CompletionRequest"]["properties"])
+    assert sorted(declared.extras - fields) == []
+
+
 # -- errors and load --------------------------------------------------------------------------------
 
 def test_vllm_400_reaches_the_client_with_its_message(clients):
