@@ -151,6 +151,7 @@ class MessagesBody(_Strict):
     metadata: AnthropicMetadata | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
+    cache_salt: Any = None  # vLLM's, not Anthropic's: carried onto the chat request (a vendor field there)
     thinking: AnthropicThinking | None = None
     service_tier: str | None = None  # accepted and ignored: one tier here
     # known, refused unless empty
@@ -221,7 +222,8 @@ def chat_body(req: MessagesBody) -> dict:
     """The chat completions body that asks for what `req` asks."""
     body = chat_request(req.model, _messages(req), req.stream, max_tokens=req.max_tokens,
                         stop=req.stop_sequences or None, temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k, user=req.metadata.user_id if req.metadata else None)
+                        top_k=req.top_k, user=req.metadata.user_id if req.metadata else None,
+                        cache_salt=req.cache_salt)
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -153,6 +153,7 @@ class ResponsesBody(_Strict):
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = Field(None, max_length=512)
+    cache_salt: Any = None  # vLLM's (its Responses API takes it too): checked as chat's vendor field
     # accepted and ignored: they do not change the output
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -219,7 +220,8 @@ def chat_body(req: ResponsesBody, items: list) -> dict:
     body = chat_request(req.model, _messages(req.instructions, items), req.stream,
                         max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                         user=req.user, parallel_tool_calls=req.parallel_tool_calls,
-                        reasoning_effort=req.reasoning.effort if req.reasoning else None)
+                        reasoning_effort=req.reasoning.effort if req.reasoning else None,
+                        cache_salt=req.cache_salt)
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:

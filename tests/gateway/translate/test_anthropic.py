@@ -236,3 +236,12 @@ def test_over_many_content_blocks_are_refused_before_they_are_validated():
         parse_messages({"model": "m", "max_tokens": 5, "messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": [use] * 300}]}, limits)
     assert info.value.param == "messages" and "300 tool_use items" in info.value.message
+
+
+def test_a_cache_salt_is_carried_onto_the_chat_request_and_checked_there():
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    parsed = parse_messages({**body, "cache_salt": "mine"}, RequestLimits())
+    assert parsed.extra == {"cache_salt": "mine"} and "cache_salt" in parsed.needs.extras
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages({**body, "cache_salt": ""}, RequestLimits())
+    assert info.value.param == "cache_salt"

@@ -252,3 +252,11 @@ def test_an_over_long_input_list_is_refused_before_its_items_are_validated():
     assert info.value.param == "input" and "300 function_call items" in info.value.message
     parsed = parse_responses({"model": "m", "input": [call] * 3 + [{"role": "user", "content": "hi"}]}, limits)
     assert sum(len(m.get("tool_calls") or ()) for m in parsed.messages) == 3
+
+
+def test_a_cache_salt_is_carried_onto_the_chat_request_and_checked_there():
+    parsed = parse_responses({"model": "m", "input": "hi", "cache_salt": "mine"}, RequestLimits())
+    assert parsed.extra == {"cache_salt": "mine"} and "cache_salt" in parsed.needs.extras
+    with pytest.raises(InvalidRequestError) as info:
+        parse_responses({"model": "m", "input": "hi", "cache_salt": 7}, RequestLimits())
+    assert info.value.param == "cache_salt"
