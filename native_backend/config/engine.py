@@ -268,7 +268,8 @@ class KVEventsOptions:
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):
                 raise ValueError(f"kv_events.{name}: {value!r} is not a ZMQ address "
                                  f"({', '.join(t + '...' for t in ZMQ_TRANSPORTS)})")
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint \
+                and not self.endpoint.endswith(":*"):  # any free port: two different ones
             raise ValueError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
         _positive("kv_events", buffer_steps=self.buffer_steps, hwm=self.hwm)
 

@@ -101,6 +101,15 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvgate-kv-events", daemon=True)
         self._thread.start()
 
+    @property
+    def bound_endpoint(self) -> str:
+        """Where the PUB socket listens, as bound: a `tcp://host:*` endpoint's real port."""
+        return self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    @property
+    def bound_replay_endpoint(self) -> str | None:
+        return self._replay.getsockopt(zmq.LAST_ENDPOINT).decode() if self._replay is not None else None
+
     def _socket(self, kind: int, endpoint: str, bind: bool | None = None) -> zmq.Socket:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)

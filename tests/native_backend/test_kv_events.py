@@ -148,12 +148,6 @@ def test_nothing_is_kept_when_not_recording():
 
 # --- the wire ------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def decode_event(raw) -> tuple[str, dict]:
     """An event in either form vLLM has used: a map with "type", or a positional array."""
     if isinstance(raw, dict):
@@ -205,11 +199,12 @@ def replay(context, endpoint: str, start: int) -> list[tuple[int, list]]:
 
 
 def test_batches_arrive_as_three_frames_with_consecutive_sequence_numbers(zmq_context):
-    port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}",
+    # any free ports, bound by the publisher itself (a port picked beforehand can be taken meanwhile)
+    publisher = KVEventPublisher(KVEventsOptions(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                                                  topic="kv@e1", publish_token_ids=True))
+    at, replay_at = publisher.bound_endpoint, publisher.bound_replay_endpoint
     try:
-        sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"kv@")
+        sub = subscriber(zmq_context, at, b"kv@")
         time.sleep(0.3)  # a PUB drops what it sends before the subscription has arrived
         publisher.publish([AllBlocksCleared()])
         publisher.publish([BlockStored((1, 2**64 - 1), None, tuple(range(8)), 4), BlockRemoved([5])])
@@ -224,8 +219,8 @@ def test_batches_arrive_as_three_frames_with_consecutive_sequence_numbers(zmq_co
         assert removed["block_hashes"] == [5]
         assert isinstance(msgspec.msgpack.decode(second[2])["ts"], float)
 
-        assert replay(zmq_context, f"tcp://127.0.0.1:{replay_port}", 1) == [(1, decode_batch(second[2]))]
-        assert [seq for seq, _ in replay(zmq_context, f"tcp://127.0.0.1:{replay_port}", 0)] == [0, 1]
+        assert replay(zmq_context, replay_at, 1) == [(1, decode_batch(second[2]))]
+        assert [seq for seq, _ in replay(zmq_context, replay_at, 0)] == [0, 1]
     finally:
         publisher.close()
 
@@ -245,11 +240,9 @@ def test_by_default_the_publisher_and_its_replay_listen_on_loopback_alone(zmq_co
     with socket.socket() as probe:  # the default's own port, unless another process has it
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             pytest.skip(f"port {port} of the default endpoint is taken here")
-    replay_port = free_port()
-    publisher = KVEventPublisher(KVEventsOptions(replay_endpoint=f"tcp://127.0.0.1:{replay_port}"))
+    publisher = KVEventPublisher(KVEventsOptions(replay_endpoint="tcp://127.0.0.1:*"))
     try:
-        pub_at = publisher._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        replay_at = publisher._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        pub_at, replay_at = publisher.bound_endpoint, publisher.bound_replay_endpoint
         assert loopback_only(pub_at) and loopback_only(replay_at), (pub_at, replay_at)
         sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"")
         time.sleep(0.3)  # a PUB drops what it sends before the subscription has arrived
@@ -263,10 +256,9 @@ def test_by_default_the_publisher_and_its_replay_listen_on_loopback_alone(zmq_co
 def test_stored_blocks_carry_their_tokens_only_when_a_setting_asks(zmq_context, asked):
     """The prompts' token ids stay in the engine unless kv_events.publish_token_ids: a subscriber
     (anyone who reaches the port) otherwise reads every tenant's prompt off the feed."""
-    port = free_port()
-    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://127.0.0.1:{port}", publish_token_ids=asked))
+    publisher = KVEventPublisher(KVEventsOptions(endpoint="tcp://127.0.0.1:*", publish_token_ids=asked))
     try:
-        sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"")
+        sub = subscriber(zmq_context, publisher.bound_endpoint, b"")
         time.sleep(0.3)
         secret = tuple(range(100, 108))
         publisher.publish([BlockStored((7, 8), None, secret, 4)])
@@ -285,13 +277,12 @@ def test_the_real_engine_publishes_its_prompt_blocks_with_recipe_hashes(tmp_path
     from native_backend.model.loader import default_gguf_path
     from native_backend.process.factory import make_engine_core
 
-    port = free_port()
-    sub = subscriber(zmq_context, f"tcp://127.0.0.1:{port}", b"")
     config = EngineConfig.build(path=default_gguf_path(), tokenizer_cache_dir=str(tmp_path), num_threads=1,
                                 block_size=16, prefix_hash_seed="42",
-                                kv_events={"endpoint": f"tcp://*:{port}", "topic": "kv@smol"})
-    engine = make_engine_core(config)
+                                kv_events={"endpoint": "tcp://127.0.0.1:*", "topic": "kv@smol"})
+    engine = make_engine_core(config)  # its publisher binds a free port and says which
     try:
+        sub = subscriber(zmq_context, engine.core._kv_events.__self__.bound_endpoint, b"")
         prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
         time.sleep(0.3)  # the subscription reaches the PUB before the request's events
         engine.add_request(EngineRequest("r1", prompt, SamplingParams(max_tokens=2, temperature=0.0)))
@@ -307,3 +298,15 @@ def test_the_real_engine_publishes_its_prompt_blocks_with_recipe_hashes(tmp_path
         assert expected and hashes[:len(expected)] == expected
     finally:
         engine.core._kv_events.__self__.close()  # the factory's publisher: its port and thread
+
+
+def test_the_replay_endpoint_differs_from_the_publishers_unless_both_ask_for_any_port():
+    with pytest.raises(ValueError, match="must differ"):
+        KVEventsOptions(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5557")
+    options = KVEventsOptions(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    publisher = KVEventPublisher(options)
+    try:
+        assert publisher.bound_endpoint != publisher.bound_replay_endpoint  # two ports the system chose
+        assert not publisher.bound_endpoint.endswith(":*")
+    finally:
+        publisher.close()
