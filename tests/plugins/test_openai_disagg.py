@@ -197,7 +197,7 @@ def test_a_prefill_answer_naming_another_host_is_not_forwarded(gw, engines):
     answer = gw.openai(timeout=30).chat.completions.create(model="pd", messages=ASK, max_tokens=50)
     assert answer.choices[0].message.content == LONG
     [prefill], [decode] = prefills(engines), decodes(engines)
-    assert prefill["kv_transfer_params"] == PREFILL_PARAMS
+    assert prefill["kv_transfer_params"] == VLLM_PREFILL_PARAMS
     assert "kv_transfer_params" not in decode
     assert loaded(engines) == [] and engines["D0"].computed + engines["D1"].computed == 1
     assert metric(gw, "kvgate_pd_colocated_total", model="pd", reason="unknown_producer") == 1
