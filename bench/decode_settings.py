@@ -8,6 +8,8 @@
 - `lm-head`: `lm_head: float` against `lm_head: int8` (the int4 model's int8 copy of its head;
   two engines), and the greedy agreement of the two heads' answers to the chat battery
   (bench/kv_quant.py's 36 CHAT_PROMPTS through the chat template, up to 48 new tokens, EOS stops).
+- `decode-matmul`: `decode_matmul: fp32` against `auto` (bf16 products for decode steps of 16 rows
+  or more, issue 41), and the chat battery's agreement (all 36 at once: steps of 32 rows).
 
 Rows, each variant in turn within a round (the box's load shared alike; the order reversed every
 other round, so a load that drifts favours neither); medians over the rounds
@@ -88,7 +90,12 @@ def lm_head_variants(model: str, threads: int) -> list[Variant]:
     return [Variant(head, make_engine(model, threads, lm_head=head)) for head in ("float", "int8")]
 
 
-COMPARISONS = {"fp8-fused": fp8_fused_variants, "lm-head": lm_head_variants}
+def decode_matmul_variants(model: str, threads: int) -> list[Variant]:
+    return [Variant(d, make_engine(model, threads, decode_matmul=d)) for d in ("fp32", "auto")]
+
+
+COMPARISONS = {"fp8-fused": fp8_fused_variants, "lm-head": lm_head_variants, "decode-matmul": decode_matmul_variants}
+WITH_CHAT = ("lm-head", "decode-matmul")  # comparisons whose numerics differ: the chat battery's agreement too
 
 
 def one_round(variants: list[Variant], workload: dict, prompt: list[int], b1_new: int) -> dict[str, dict]:
@@ -156,7 +163,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="C2 requests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--b1-new", type=int, default=128)
-    parser.add_argument("--no-chat", action="store_true", help="skip lm-head's chat-battery agreement")
+    parser.add_argument("--no-chat", action="store_true", help="skip the chat-battery agreement")
+    parser.add_argument("--max-num-seqs", type=int, help="the engines' max_num_seqs (default: make serve's 32)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/decode_settings.json"))
     args = parser.parse_args()
 
@@ -165,6 +173,8 @@ def main() -> None:
     from native_backend.model.loader import default_gguf_path
 
     torch.set_num_threads(args.threads)
+    if args.max_num_seqs:
+        DEFAULT_SETTINGS["max_num_seqs"] = args.max_num_seqs
     model = default_gguf_path()
     spec = types.SimpleNamespace(seed=0, requests=args.requests, prompt_min=64, prompt_max=512, output_min=64,
                                  output_max=256, b1_prompt=128, b1_repeats=1)
@@ -189,8 +199,8 @@ def main() -> None:
               "load_average_start": load_start, "load_average_rounds": loads, "results": {}}
     for name, variants in comparisons.items():
         report["results"][name] = summarize(rounds[name], [v.name for v in variants])
-    if "lm-head" in comparisons and not args.no_chat:
-        report["results"]["lm-head"]["chat"] = chat_agreement(comparisons["lm-head"], model)
+    for name in (n for n in WITH_CHAT if n in comparisons and not args.no_chat):
+        report["results"][name]["chat"] = chat_agreement(comparisons[name], model)
     report["load_average_end"] = os.getloadavg()
     print_report(report)
     Path(args.out).write_text(json.dumps(report, indent=2))

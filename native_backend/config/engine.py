@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from native_backend.config.formats import (DTYPES, KV_CACHE_DTYPES, KV_SCALES, LM_HEADS, PREFILL_ATTENTIONS,
-                                           PREFILL_MATMULS, WEIGHT_QUANTIZATIONS)
+from native_backend.config.formats import (DECODE_MATMULS, DTYPES, KV_CACHE_DTYPES, KV_SCALES, LM_HEADS,
+                                           PREFILL_ATTENTIONS, PREFILL_MATMULS, WEIGHT_QUANTIZATIONS)
 
 MAX_BLOCK_SIZE = 256  # tokens per KV block, at most
 # CUDA: device memory the KV budget leaves free for activations, the CUDA context and the
@@ -53,6 +53,9 @@ class ModelOptions:
     # CPU, float32 activations: prefill chunks' products in bf16 (auto: int4 linears on a CPU with AMX
     # or AVX512_BF16 where a start-up probe measures it faster) or fp32; decode keeps its kernels.
     prefill_matmul: str = "auto"
+    # CPU, float32 activations: decode steps of many rows (DECODE_BF16_MIN_ROWS and up) multiply the same bf16
+    # copies, the int4 model's LM head a bf16 copy of its own (auto: where prefill_matmul resolved to bf16).
+    decode_matmul: str = "auto"
     # CPU, float32 activations: prefill chunks' attention products in bf16 with fp32 sums and softmax (auto:
     # where the prefill matmuls run in bf16 and the AVX512_BF16 kernel measures faster) or fp32.
     prefill_attention: str = "auto"
@@ -65,6 +68,10 @@ class ModelOptions:
         _one_of("model", "dtype", self.dtype, DTYPES)
         _one_of("model", "prefill_matmul", self.prefill_matmul, PREFILL_MATMULS)
         _one_of("model", "prefill_attention", self.prefill_attention, PREFILL_ATTENTIONS)
+        _one_of("model", "decode_matmul", self.decode_matmul, DECODE_MATMULS)
+        if self.decode_matmul == "bf16" and self.prefill_matmul == "fp32":
+            raise ValueError("model.decode_matmul: bf16 multiplies prefill's bf16 copies of the weights; "
+                             "it needs prefill_matmul auto or bf16, got fp32")
         _one_of("model", "lm_head", self.lm_head, LM_HEADS)
         if self.quantization not in WEIGHT_QUANTIZATIONS:  # GPTQ, FP8 weights, ...: no kernels for them yet
             raise ValueError(f"model.quantization: {self.quantization!r} is not supported by this engine: it runs "

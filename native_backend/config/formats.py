@@ -18,6 +18,9 @@ WEIGHT_QUANTIZATIONS = ("none", "awq", "gguf")  # float (or AWQ detected) | AWQ 
 # Prefill chunks' matrix products: auto (bf16 for int4 linears where the CPU has AMX / AVX512_BF16
 # and it measures faster) | fp32 | bf16 (model/layers/prefill_matmul.py).
 PREFILL_MATMULS = ("auto", "fp32", "bf16")
+# Decode steps' matrix products (linears and the int8 LM head) from DECODE_BF16_MIN_ROWS rows: auto (bf16
+# where the prefill matmuls resolved to bf16: their copies are already resident) | fp32 | bf16.
+DECODE_MATMULS = ("auto", "fp32", "bf16")
 # Prefill chunks' attention (Q K^T and P V): auto (bf16 where the prefill matmuls run in bf16, the CPU has
 # AVX512_BF16 and it measures faster) | fp32 | bf16 (model/layers/prefill_attention.py).
 PREFILL_ATTENTIONS = ("auto", "fp32", "bf16")

@@ -82,8 +82,8 @@ class InProcessExecutor:
         self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels,
                                            shard=shard)
         self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf",  # GGUF Q4 linears kept int4
-                                       int8_head=mc.lm_head != "float", prefill_attention=mc.prefill_attention
-                                       ).with_prefill_matmul(mc.prefill_matmul)
+                                       int8_head=mc.lm_head != "float", prefill_attention=mc.prefill_attention,
+                                       decode_matmul=mc.decode_matmul).with_prefill_matmul(mc.prefill_matmul)
         self.model = load_model(mc.path, self.ctx)
         self.weights = weights_format(self.model)  # "float32", "int4 AWQ g64", ...: for the engine's stats
         self.kernel_path = self.ctx.kernel_path

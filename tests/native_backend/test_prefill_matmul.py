@@ -185,7 +185,7 @@ def _engine(prefill: str, tmp_dir: str):
 
     return make_engine_core(EngineConfig.build(
         path=default_gguf_path(), quantization="gguf", prefill_matmul=prefill, prefill_attention=prefill,
-        num_threads=2, max_num_seqs=16, kv_cache_bytes=64 << 20, tokenizer_cache_dir=tmp_dir))
+        decode_matmul="fp32", num_threads=2, max_num_seqs=16, kv_cache_bytes=64 << 20, tokenizer_cache_dir=tmp_dir))
 
 
 @pytest.fixture(scope="module")

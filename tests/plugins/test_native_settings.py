@@ -89,7 +89,7 @@ def _non_default_settings() -> dict:
                 kv_allowed_producers=("10.0.0.0/8", "prefill.llm.svc"), kv_transfer_key_env="KV_KEY",
                 kv_transfer_header_timeout_s=0.5, prefill_matmul="bf16", prefill_attention="fp32",
                 long_prefill_token_threshold=64,
-                lm_head="float")
+                lm_head="float", decode_matmul="fp32")
 
 
 def test_each_setting_arrives_in_its_part():
@@ -106,7 +106,7 @@ def test_each_setting_arrives_in_its_part():
                                           ("kv_hold_timeout_s", 0), ("kv_transfer_max_connections", 0),
                                           ("kv_transfer_header_timeout_s", 0),
                                           ("prefill_matmul", "fp16"), ("prefill_attention", "fp16"),
-                                          ("lm_head", "int4")])
+                                          ("lm_head", "int4"), ("decode_matmul", "fp16")])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         NativeSettings(**{field: value})

@@ -25,6 +25,7 @@ import torch
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import AttentionBackend, get_attention_backend
 from native_backend.model.layers import prefill_attention, prefill_matmul
+from native_backend.model.layers.prefill_matmul import BF16_MIN_ROWS
 from native_backend.model.layers.linear import C_KERNEL, DENSE, CKernelMethod, LinearMethod, with_bf16_prefill
 from native_backend.model.layers.ops import TORCH_OPS, TorchOps
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
@@ -47,6 +48,10 @@ class LayerContext:
     prefill_matmul: str = "fp32"  # the setting (auto | fp32 | bf16); resolved for float and int4 linears
     prefill_note: str = ""  # what it and prefill_attention resolved to, for the start-up line
     prefill_attention: str = "fp32"  # the setting (auto | fp32 | bf16), resolved with prefill_matmul
+    decode_matmul: str = "fp32"  # the setting (auto | fp32 | bf16), resolved with prefill_matmul
+    # Rows from which products run in bf16 (prefill_matmul.BF16_MIN_ROWS, or DECODE_BF16_MIN_ROWS where decode
+    # steps do too); the one-call decode step leaves steps of that many rows to the per-layer path
+    bf16_min_rows: int = BF16_MIN_ROWS
     kernel_path: str = ""  # the C kernels' path (cpu_kernels.path(): "avx512", "avx2"); "": no C kernels
     prefill_path: str = ""  # CPU float32: "matmuls bf16, attention bf16" etc., as resolved; "": no choice made
 
@@ -69,10 +74,13 @@ class LayerContext:
         float linears decided here (their twin that runs prefill chunks in bf16, the LM head kept
         on the float32 path), int4 ones by with_quantization once the checkpoint's format is known."""
         bf16, note = prefill_matmul.resolve(setting, device=self.device, dtype=self.dtype, int4=False)
-        ctx = dataclasses.replace(self, prefill_matmul=setting)._with_prefill_attention(bf16, note)
+        rows, decode_note = prefill_matmul.resolve_decode(self.decode_matmul, prefill_bf16=bf16, device=self.device,
+                                                          dtype=self.dtype)
+        ctx = dataclasses.replace(self, prefill_matmul=setting, bf16_min_rows=rows)._with_prefill_attention(
+            bf16, "; ".join(n for n in (note, decode_note) if n))
         if not bf16:
             return ctx
-        return dataclasses.replace(ctx, linear_method=with_bf16_prefill(self.linear_method),
+        return dataclasses.replace(ctx, linear_method=with_bf16_prefill(self.linear_method, rows),
                                    head_method=self.head_method or self.linear_method)
 
     def with_quantization(self, quant: QuantConfig | None) -> LayerContext:
@@ -87,14 +95,19 @@ class LayerContext:
 
         kernel = isinstance(self.linear_method, CKernelMethod) and cpu_kernels.int4_available()
         bf16, note = prefill_matmul.resolve(self.prefill_matmul, device=self.device, dtype=self.dtype, int4=True)
-        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda", prefill_bf16=bf16)
+        rows, decode_note = prefill_matmul.resolve_decode(self.decode_matmul, prefill_bf16=bf16, device=self.device,
+                                                          dtype=self.dtype)
+        method = int4_method(quant, kernel=kernel, triton=self.device.type == "cuda", prefill_bf16=bf16,
+                             bf16_min_rows=rows)
         int8_head = self.int8_head and self.device.type == "cpu" and self.dtype == torch.float32
-        head = Int8HeadMethod(kernel=kernel) if int8_head else self.head_method or self.linear_method
+        head_rows = rows if rows < prefill_matmul.BF16_MIN_ROWS else 0  # the head's own bf16 copy: decode's
+        head = Int8HeadMethod(kernel=kernel, bf16_min_rows=head_rows) if int8_head else \
+            self.head_method or self.linear_method
         fuse = self.fuse_decode and kernel
         kernels = self.kernels if fuse else self.kernels.replace(", one-call decode steps", "")
-        ctx = dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse,
+        ctx = dataclasses.replace(self, linear_method=method, head_method=head, fuse_decode=fuse, bf16_min_rows=rows,
                                   kernels=f"{kernels}; linears {method.name}, LM head {head.name}")
-        return ctx._with_prefill_attention(bf16, note)
+        return ctx._with_prefill_attention(bf16, "; ".join(n for n in (note, decode_note) if n))
 
     def _with_prefill_attention(self, bf16_matmuls: bool, matmul_note: str) -> LayerContext:
         """This context's attention backend with prompt chunks in bf16 or fp32 as prefill_attention

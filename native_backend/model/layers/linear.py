@@ -53,8 +53,9 @@ class DenseMethod(LinearMethod):
 
     name = "dense"
 
-    def __init__(self, *, prefill_bf16: bool = False):
+    def __init__(self, *, prefill_bf16: bool = False, bf16_min_rows: int = prefill_matmul.BF16_MIN_ROWS):
         self.prefill_bf16 = prefill_bf16
+        self.bf16_min_rows = bf16_min_rows  # DECODE_BF16_MIN_ROWS with decode_matmul bf16: decode steps too
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         layer.register_parameter("weight", nn.Parameter(
@@ -68,7 +69,7 @@ class DenseMethod(LinearMethod):
 
     def apply(self, layer, x):
         params = layer._parameters  # one dict read; `layer.weight` goes through nn.Module.__getattr__
-        if self.prefill_bf16 and prefill_matmul.takes(x):
+        if self.prefill_bf16 and prefill_matmul.takes(x, self.bf16_min_rows):
             return prefill_matmul.linear(x, layer, params["bias"])
         return F.linear(x, params["weight"], params["bias"])
 
@@ -85,7 +86,7 @@ class CKernelMethod(DenseMethod):
     def apply(self, layer, x):
         params = layer._parameters
         w, b = params["weight"], params["bias"]
-        if self.prefill_bf16 and prefill_matmul.takes(x):  # before the kernel: bf16 wins from its rows on
+        if self.prefill_bf16 and prefill_matmul.takes(x, self.bf16_min_rows):  # bf16 wins from its rows on
             return prefill_matmul.linear(x, layer, b)
         if _kernel_fits(x, w, b):
             return cpu_kernels.linear_unchecked(x, w, b)
@@ -106,9 +107,12 @@ DENSE_BF16_PREFILL = DenseMethod(prefill_bf16=True)
 C_KERNEL_BF16_PREFILL = CKernelMethod(prefill_bf16=True)
 
 
-def with_bf16_prefill(method: LinearMethod) -> LinearMethod:
-    """The float method that runs prefill-sized chunks in bf16 (a DENSE or C_KERNEL in, its twin out)."""
-    return C_KERNEL_BF16_PREFILL if isinstance(method, CKernelMethod) else DENSE_BF16_PREFILL
+def with_bf16_prefill(method: LinearMethod, min_rows: int = prefill_matmul.BF16_MIN_ROWS) -> LinearMethod:
+    """The float method that runs products of `min_rows` rows and more in bf16 (a DENSE or C_KERNEL in, its
+    twin out): prefill-sized chunks, and with decode_matmul bf16 the decode steps of DECODE_BF16_MIN_ROWS rows."""
+    if min_rows == prefill_matmul.BF16_MIN_ROWS:
+        return C_KERNEL_BF16_PREFILL if isinstance(method, CKernelMethod) else DENSE_BF16_PREFILL
+    return type(method)(prefill_bf16=True, bf16_min_rows=min_rows)
 
 
 class LinearBase(nn.Module):

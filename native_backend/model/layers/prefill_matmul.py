@@ -37,12 +37,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from native_backend.config.formats import PREFILL_MATMULS
+from native_backend.config.formats import DECODE_MATMULS, PREFILL_MATMULS
 
 # Rows from which bf16 takes a product; below, the C kernels' float32 path stays. On the
 # AVX512_BF16 box bf16 is ahead of the int4 C kernel from 32 rows (bench/prefill_matmul.py's row
 # sweep), but a decode batch (up to max_num_seqs, 32 by default) keeps the float32 numerics it had.
 BF16_MIN_ROWS = 64
+# With decode_matmul bf16 (auto where prefill resolved to bf16): from this many rows every product takes the bf16
+# copy, decode steps included. A decode step of the int4 model is compute, not weight reads, from a few rows on:
+# on the AVX512_BF16 box, one thread, one SmolLM2 layer's seven products at 16 rows 1.36 ms in the int4 C kernel
+# against 0.70 from the copy, at 32 rows 3.1 against 1.5, and the int8 head at 16 rows 28 ms against 18 ms in
+# bf16 (at 8 rows the int8 head's 7 ms beat bf16's 13): docs/design/kernels.md's decode breakdown.
+DECODE_BF16_MIN_ROWS = 16
 # auto: bf16 at least this much faster than float32 in the start-up probe. On the AVX512_BF16 box
 # (no AMX) the probe measured 3.5-16x on one thread, 60 probes at load averages 4-5 (two cores);
 # a CPU that only emulates bf16 has no unit and is never probed. Below 1.5x the copy's memory
@@ -58,9 +64,10 @@ Probe = tuple[str | None, float | None]  # (the CPU's bf16 unit, bf16's speed-up
 _followed: Probe | None = None  # a tensor-parallel worker: rank 0's probe (follow)
 
 
-def takes(x: torch.Tensor) -> bool:
-    """A product bf16 runs: a prefill-sized float32 chunk on the CPU, no autograd."""
-    return (x.dtype == torch.float32 and x.numel() >= BF16_MIN_ROWS * x.shape[-1] and x.device.type == "cpu"
+def takes(x: torch.Tensor, min_rows: int = BF16_MIN_ROWS) -> bool:
+    """A product bf16 runs: float32 on the CPU, at least `min_rows` rows (a prefill-sized chunk, or a
+    decode step of DECODE_BF16_MIN_ROWS rows with decode_matmul bf16), no autograd."""
+    return (x.dtype == torch.float32 and x.numel() >= min_rows * x.shape[-1] and x.device.type == "cpu"
             and not torch.is_grad_enabled())
 
 
@@ -148,3 +155,19 @@ def resolve(setting: str, *, device: torch.device, dtype: torch.dtype, int4: boo
     chosen = "bf16" if speedup >= MIN_SPEEDUP else "fp32"
     return chosen == "bf16", (f"prefill matmuls {chosen} from {BF16_MIN_ROWS} rows (auto: {unit}, bf16 "
                               f"{speedup:.1f}x fp32 at {'x'.join(map(str, PROBE_SHAPE))})")
+
+
+def resolve_decode(setting: str, *, prefill_bf16: bool, device: torch.device, dtype: torch.dtype) -> tuple[int, str]:
+    """(the rows from which every product runs in bf16: DECODE_BF16_MIN_ROWS, or BF16_MIN_ROWS where decode
+    keeps float32; the start-up line's words). Decode multiplies prefill's bf16 copies, so it follows them:
+    `auto` and `bf16` run where prefill's matmuls resolved to bf16."""
+    if setting not in DECODE_MATMULS:
+        raise ValueError(f"decode_matmul: {setting!r} is not one of {', '.join(DECODE_MATMULS)}")
+    if device.type != "cpu" or dtype != torch.float32:
+        return BF16_MIN_ROWS, ""
+    if setting == "fp32":
+        return BF16_MIN_ROWS, "decode matmuls fp32 (decode_matmul: fp32)"
+    if not prefill_bf16:
+        return BF16_MIN_ROWS, f"decode matmuls fp32 (decode_matmul: {setting}; prefill matmuls fp32)"
+    return DECODE_BF16_MIN_ROWS, (f"decode matmuls bf16 from {DECODE_BF16_MIN_ROWS} rows (decode_matmul: {setting}"
+                                  f"{', as prefill' if setting == 'auto' else ''})")

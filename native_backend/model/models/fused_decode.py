@@ -17,7 +17,8 @@ The model is built in its final form, so its weights never move after loading: t
 built once, when the model binds its KV cache (`FusedDecode.build`), from the model's declared
 list of decoder layers. A model the kernels cannot take (not float32 weights and cache, odd
 sizes, a linear method other than the C kernel's or the int4 C kernel's) gets no FusedDecode; a step they cannot take
-(prefill rows, too many rows) returns None and the caller runs the Python path.
+(prefill rows, too many rows: with decode_matmul bf16, DECODE_BF16_MIN_ROWS and up) returns None and the
+caller runs the Python path.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from native_backend.kernels import cpu_kernels
 from native_backend.model.attention import cpu as cpu_attention
+from native_backend.model.layers import prefill_matmul
 from native_backend.model.layers.cpu_ops import check_positions
 from native_backend.model.layers.linear import KERNEL_MAX_ROWS, CKernelMethod
 from native_backend.model.quantization.method import AWQLinearMethod
@@ -77,6 +79,9 @@ class FusedDecode:
         self.final_norm = model.model.norm.weight
         self.rotary = model.model.rotary_emb
         self.layers, self.dims = layers, dims
+        # decode_matmul bf16: steps of this many rows multiply bf16 copies through oneDNN, on the per-layer path
+        rows = model.ctx.bf16_min_rows
+        self.max_rows = min(KERNEL_MAX_ROWS, rows - 1) if rows < prefill_matmul.BF16_MIN_ROWS else KERNEL_MAX_ROWS
         self._keep_alive = keep_alive  # every tensor whose pointer the table holds
 
     @classmethod
@@ -113,7 +118,7 @@ class FusedDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor | None:
         """The final hidden states (num_tokens, hidden) of a decode step, or None: run the Python path."""
         n = input_ids.shape[0]
-        if (torch.is_grad_enabled() or n > KERNEL_MAX_ROWS or md.max_query_len > cpu_attention.SHORT_QUERY_MAX
+        if (torch.is_grad_enabled() or n > self.max_rows or md.max_query_len > cpu_attention.SHORT_QUERY_MAX
                 or input_ids.device.type != "cpu" or not _int64_rows(positions, md.slot_mapping, md.block_tables)):
             return None
         rotary = self.rotary

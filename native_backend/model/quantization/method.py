@@ -37,8 +37,10 @@ class AWQLinearMethod(LinearMethod):
 
     label = "int4 AWQ"  # the format, in names and load errors
 
-    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, prefill_bf16: bool = False):
+    def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, prefill_bf16: bool = False,
+                 bf16_min_rows: int = prefill_matmul.BF16_MIN_ROWS):
         self.group_size = group_size
+        self.bf16_min_rows = bf16_min_rows  # DECODE_BF16_MIN_ROWS with decode_matmul bf16: decode steps too
         self.kernel = kernel  # the C kernel for few rows (CPU, where it builds)
         self.triton = triton  # the Triton kernel (CUDA)
         self.prefill_bf16 = prefill_bf16  # prefill-sized chunks: a bf16 GEMM over a bf16 copy of the weight
@@ -82,7 +84,7 @@ class AWQLinearMethod(LinearMethod):
         p = layer._parameters
         qweight, qzeros, scales, bias = p["qweight"], p["qzeros"], p["scales"], p["bias"]
         rows = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        if self.prefill_bf16 and prefill_matmul.takes(rows):
+        if self.prefill_bf16 and prefill_matmul.takes(rows, self.bf16_min_rows):
             y = prefill_matmul.linear(rows, layer, bias)
         elif self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_unchecked(rows, qweight, qzeros, scales, bias)
@@ -108,9 +110,10 @@ class Int4OffsetMethod(AWQLinearMethod):
     Triton kernel's offset variant (triton_int4.int4_linear_offset) on CUDA, else the reference."""
 
     def __init__(self, group_size: int, *, kernel: bool, triton: bool = False, prefill_bf16: bool = False,
-                 source: str = "GGUF Q4"):
+                 bf16_min_rows: int = prefill_matmul.BF16_MIN_ROWS, source: str = "GGUF Q4"):
         self.label = f"int4 {source}"
-        super().__init__(group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16)
+        super().__init__(group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16,
+                         bf16_min_rows=bf16_min_rows)
 
     def create_weights(self, layer, out_features, in_features, bias, dtype, device):
         super().create_weights(layer, out_features, in_features, bias, dtype, device)
@@ -133,7 +136,7 @@ class Int4OffsetMethod(AWQLinearMethod):
         p = layer._parameters
         qweight, offsets, scales, bias = p["qweight"], p["offsets"], p["scales"], p["bias"]
         rows = x.reshape(-1, x.shape[-1])
-        if self.prefill_bf16 and prefill_matmul.takes(rows):
+        if self.prefill_bf16 and prefill_matmul.takes(rows, self.bf16_min_rows):
             y = prefill_matmul.linear(rows, layer, bias)
         elif self.kernel and _kernel_fits(rows, bias):
             y = cpu_kernels.int4_linear_off_unchecked(rows, qweight, offsets, scales, bias)
@@ -146,12 +149,14 @@ class Int4OffsetMethod(AWQLinearMethod):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def int4_method(quant, *, kernel: bool, triton: bool, prefill_bf16: bool = False) -> AWQLinearMethod:
+def int4_method(quant, *, kernel: bool, triton: bool, prefill_bf16: bool = False,
+                bf16_min_rows: int = prefill_matmul.BF16_MIN_ROWS) -> AWQLinearMethod:
     """The int4 method of a QuantConfig: AWQ's zero points, or GGUF Q4's offsets ("gguf Q4_1")."""
+    bf16 = {"prefill_bf16": prefill_bf16, "bf16_min_rows": bf16_min_rows}
     if quant.quant_method.startswith("gguf"):
-        return Int4OffsetMethod(quant.group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16,
-                                source=quant.quant_method.replace("gguf", "GGUF"))
-    return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton, prefill_bf16=prefill_bf16)
+        return Int4OffsetMethod(quant.group_size, kernel=kernel, triton=triton,
+                                source=quant.quant_method.replace("gguf", "GGUF"), **bf16)
+    return AWQLinearMethod(quant.group_size, kernel=kernel, triton=triton, **bf16)
 
 
 def _kernel_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -173,12 +178,13 @@ def describe_weights(model) -> str:
 
 
 def _copies_mib(model) -> str:
-    """", the head's int8 copy 27 MiB, bf16 prefill copies of the linears 202 MiB" (those present)."""
+    """", the head's int8 copy 27 MiB, bf16 prefill copies of the linears 202 MiB, the head's bf16 copy 54 MiB"
+    (those present; the head's bf16 copy is decode_matmul bf16's)."""
     named = {"weight_int8": "the head's int8 copy", "weight_scale": "the head's int8 copy",
-             "weight_bf16": "bf16 prefill copies of the linears"}
+             "weight_bf16": "bf16 prefill copies of the linears", "lm_head.weight_bf16": "the head's bf16 copy"}
     sizes: dict[str, int] = {}
     for name, b in model.named_buffers():
-        label = named.get(name.rsplit(".", 1)[-1])
+        label = named.get(name) or named.get(name.rsplit(".", 1)[-1])
         if label:
             sizes[label] = sizes.get(label, 0) + b.numel() * b.element_size()
     return "".join(f", {label} {n / 2**20:.0f} MiB" for label, n in sizes.items())
@@ -208,18 +214,26 @@ class Int8HeadMethod(DenseMethod):
         scale[n] = max_k |W[n, k]| / 127,   W8[n, k] = round(W[n, k] / scale[n])
     """
 
-    def __init__(self, *, kernel: bool):
+    def __init__(self, *, kernel: bool, bf16_min_rows: int = 0):
         self.kernel = kernel  # the C kernel; else torch on the same int8 numbers
-        self.name = f"int8 rows ({'C kernel' if kernel else 'torch reference'})"
+        # decode_matmul bf16: from this many rows a bf16 copy of the head (0: never). The int8 kernel streams
+        # the head once per 1-2 rows and falls behind oneDNN's bf16 GEMM from ~16 rows (prefill_matmul.py).
+        self.bf16_min_rows = bf16_min_rows
+        bf16 = f", bf16 from {bf16_min_rows} rows" if bf16_min_rows else ""
+        self.name = f"int8 rows ({'C kernel' if kernel else 'torch reference'}{bf16})"
 
     def process_weights_after_loading(self, layer):
         w = layer._parameters["weight"].detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (vocab,)
         layer.register_buffer("weight_int8", torch.round(w / scale[:, None]).to(torch.int8), persistent=False)
         layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
+        if self.bf16_min_rows:
+            prefill_matmul.keep_bf16_copy(layer, w)
 
     def apply(self, layer, x):
         w8, scale, bias = layer._buffers["weight_int8"], layer._buffers["weight_scale"], layer._parameters["bias"]
+        if self.bf16_min_rows and x.dim() == 2 and prefill_matmul.takes(x, self.bf16_min_rows):
+            return prefill_matmul.linear(x, layer, bias)
         if self.kernel and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() \
                 and x.dim() == 2:
             y = cpu_kernels.int8_rows(x, w8, scale)

@@ -168,7 +168,11 @@ class NativeSettings(BaseModel):
     prefill_matmul: str = Field("auto", description="CPU: the matrix products of prompt chunks (64 rows or more) "
                                 "in bf16 from a bf16 copy of each linear (2 bytes a weight), fp32 accumulation, "
                                 "or in fp32; auto: bf16 for int4 linears on a CPU with AMX or AVX512_BF16 where a "
-                                "start-up probe measures it faster (auto | fp32 | bf16). Decode keeps its kernels.")
+                                "start-up probe measures it faster (auto | fp32 | bf16).")
+    decode_matmul: str = Field("auto", description="CPU: decode steps of 16 rows or more (many sequences) "
+                               "multiply the same bf16 copies, and an int4 model's LM head a bf16 copy of its own "
+                               "(2 bytes a vocabulary x hidden weight), fp32 accumulation; fewer rows keep the "
+                               "int4 / fp32 kernels; auto: where prefill_matmul resolved to bf16 (auto | fp32 | bf16).")
     prefill_attention: str = Field("auto", description="CPU: the attention of prompt chunks (more than 8 new "
                                    "tokens) with bf16 products, fp32 sums and softmax, or in fp32; auto: bf16 where "
                                    "the prefill matmuls run in bf16, the CPU has AVX512_BF16 and a start-up probe "
