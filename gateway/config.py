@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -599,13 +599,27 @@ def _describe_errors(exc: ValidationError, root_node, source: str) -> list[str]:
     for err in exc.errors():
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         path = format_path(loc) or "(top level)"
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
+        message = problem_message(err)
         line = _line_of(root_node, loc)
         where = f" ({source}:{line})" if line else ""
         problems.append(f"{path}: {message}{where}")
     return problems
+
+
+def problem_message(err: dict) -> str:
+    """One pydantic error's message in check-config's words."""
+    return "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+
+
+def settings_error(exc: ValidationError, loc: Callable[[tuple], tuple] = tuple) -> ValueError:
+    """A plugin's settings refused: the first problem, as `settings.<path>: <message>` (the path
+    through `loc`, which may drop levels the YAML does not have), in check-config's words. A
+    check of the settings as a whole names the key it is about at the start of its message."""
+    err = exc.errors()[0]
+    path, message = format_path(loc(tuple(err["loc"]))), problem_message(err)
+    if path:
+        return ValueError(f"settings.{path}: {message}")
+    return ValueError(f"settings.{message}" if re.match(r"^\w+: ", message) else f"settings: {message}")
 
 
 def format_path(loc) -> str:

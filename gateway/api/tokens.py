@@ -187,20 +187,12 @@ async def _attempt(pool, deployment, request, call):
     try:
         async with asyncio.timeout(timeout):
             answer = await call(deployment.backend, request)
-    except TimeoutError:
-        breaker.record_failure()
-        raise BackendTimeout(f"The backend '{deployment.name}' did not answer within {timeout:g} s.") from None
-    except APIError as exc:
-        if exc.backend_fault:
-            breaker.record_failure()
-        else:
-            breaker.release_probe()
-        raise
-    except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
-        breaker.record_failure()
-        raise BackendError(f"The backend '{deployment.name}' failed: {type(exc).__name__}.") from exc
-    except BaseException:
-        breaker.release_probe()
+    except BaseException as exc:
+        breaker.judge(exc)
+        if isinstance(exc, TimeoutError):
+            raise BackendTimeout(f"The backend '{deployment.name}' did not answer within {timeout:g} s.") from None
+        if isinstance(exc, Exception) and not isinstance(exc, APIError):  # a backend bug: no traceback leaks
+            raise BackendError(f"The backend '{deployment.name}' failed: {type(exc).__name__}.") from exc
         raise
     breaker.record_success()
     return answer

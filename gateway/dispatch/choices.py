@@ -59,15 +59,13 @@ class OpenChoice:
                     item = await idle.read(anext(self.events))
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
-                    self.deployment.breaker.record_failure()
-                    raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") from None
-                except APIError as exc:
-                    if exc.backend_fault:
-                        self.deployment.breaker.record_failure()
-                    raise
                 except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a traceback
-                    self.deployment.breaker.record_failure()
+                    self.deployment.breaker.judge(exc, before_first_token=False)
+                    if isinstance(exc, asyncio.TimeoutError):
+                        raise BackendTimeout(f"The backend '{self.deployment.name}' sent nothing for {idle_s:g} s.") \
+                            from None
+                    if isinstance(exc, APIError):
+                        raise
                     raise _backend_failure(self.deployment, exc) from exc
                 if not self.batched:
                     yield self._note([item])
@@ -262,26 +260,18 @@ async def open_on(pool: ModelPool, deployment: Deployment, index: int, request: 
             first = await anext(events)
             while batched and not first:  # an empty list is no output yet
                 first = await anext(events)
-    except StopAsyncIteration:
-        deployment.breaker.record_failure()
-        raise BackendError(f"Backend '{deployment.name}' ended the request without output.") from None
-    except asyncio.TimeoutError:
-        deployment.breaker.record_failure()
-        await _close_events(events)
-        await _abort(deployment, request.request_id)
-        raise BackendTimeout(f"The backend '{deployment.name}' sent no token within {timeout:g} s.") from None
-    except APIError as exc:
-        if exc.backend_fault:
-            deployment.breaker.record_failure()
-        else:  # the request's fault, or load: no verdict on the backend
-            deployment.breaker.release_probe()
-        raise
-    except Exception as exc:  # noqa: BLE001
-        deployment.breaker.record_failure()
-        raise _backend_failure(deployment, exc) from exc
-    except BaseException:  # cancelled before the first token (the client left)
-        deployment.breaker.release_probe()
-        await asyncio.shield(_give_up(deployment, events, request.request_id))
+    except BaseException as exc:
+        deployment.breaker.judge(exc)
+        if isinstance(exc, StopAsyncIteration):
+            raise BackendError(f"Backend '{deployment.name}' ended the request without output.") from None
+        if isinstance(exc, asyncio.TimeoutError):
+            await _close_events(events)
+            await _abort(deployment, request.request_id)
+            raise BackendTimeout(f"The backend '{deployment.name}' sent no token within {timeout:g} s.") from None
+        if isinstance(exc, Exception) and not isinstance(exc, APIError):
+            raise _backend_failure(deployment, exc) from exc
+        if not isinstance(exc, Exception):  # cancelled before the first token (the client left)
+            await asyncio.shield(_give_up(deployment, events, request.request_id))
         raise
     deployment.breaker.record_success()
     return OpenChoice(index, request, pool, deployment, events, first if batched else [first], batched)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from gateway.errors import APIError
+
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
@@ -88,3 +90,19 @@ class CircuitBreaker:
     def release_probe(self) -> None:
         """A probe that ended with neither verdict (client went away): let another probe in."""
         self.probe_in_flight = False
+
+    def judge(self, exc: BaseException, *, before_first_token: bool = True) -> None:
+        """What an attempt that raised `exc` says of its backend: a timeout, a backend's fault or
+        a bug (any other exception) is a failure; the request's own error, a load refusal or a
+        cancellation (the client left) is no verdict, and a half-open probe is given back. After
+        the first token the attempt has already been judged a success, and holds no probe."""
+        if backend_at_fault(exc):
+            self.record_failure()
+        elif before_first_token:
+            self.release_probe()
+
+
+def backend_at_fault(exc: BaseException) -> bool:
+    if isinstance(exc, APIError):
+        return exc.backend_fault
+    return isinstance(exc, Exception)  # not a cancellation (BaseException)

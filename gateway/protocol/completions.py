@@ -265,7 +265,7 @@ class ParsedRequest:
 
 def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
     req = _validate(CompletionBody, body)
-    prompts = _prompt_list(req.prompt)
+    prompts = prompt_list(req.prompt, "prompt")
     if "max_tokens" not in req.model_fields_set:
         # The client asked for no number: OpenAI's default (the field's), but never over this server's limit.
         req.max_tokens = min(req.max_tokens, limits.max_tokens)
@@ -289,8 +289,8 @@ def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
 
 def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     raw = body.get("messages") if isinstance(body, dict) else None
-    if isinstance(raw, list) and len(raw) > limits.max_messages:  # before validating each of them
-        raise InvalidRequestError(f"Too many messages: {len(raw)} > {limits.max_messages}.", param="messages")
+    if isinstance(raw, list):  # before validating each of them
+        check_message_count(raw, limits)
     req = _validate(ChatBody, body)
     calls = sum(len(m.tool_calls or ()) for m in req.messages)
     if calls > limits.max_tool_calls:
@@ -447,14 +447,21 @@ def _field_path(loc) -> list:
     return out
 
 
-def _prompt_list(prompt) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise InvalidRequestError("The prompt must not be empty.", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
+def prompt_list(value, param: str) -> list[str | list[int]]:
+    """OpenAI's prompt (or embeddings input) as a list of prompts: a text, a list of token ids
+    (one prompt), or a list of either; never empty."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise InvalidRequestError(f"The {param} must not be empty.", param=param)
+    if all(isinstance(p, int) for p in value):
+        return [list(value)]
+    return list(value)
+
+
+def check_message_count(messages: list, limits: RequestLimits) -> None:
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(f"Too many messages: {len(messages)} > {limits.max_messages}.", param="messages")
 
 
 def _check_limits(req: _Common, max_tokens, logprobs, limits: RequestLimits) -> None:

@@ -19,7 +19,8 @@ from pydantic import ConfigDict, Field, model_validator
 from gateway.capabilities import Needs
 from gateway.config import RequestLimits
 from gateway.errors import InvalidRequestError
-from gateway.protocol.completions import Int, Message, TokenId, _extras, _message_dict, _Strict, _Unsupported, _validate
+from gateway.protocol.completions import (
+    Int, Message, TokenId, _extras, _message_dict, _Strict, _Unsupported, _validate, check_message_count, prompt_list)
 from gateway.protocol.tools import FunctionTool, check_tools
 
 
@@ -86,21 +87,11 @@ class ParsedTokenize:
 
 def parse_embeddings(body: Any, limits: RequestLimits) -> ParsedEmbeddings:
     req = _validate(EmbeddingsBody, body)
-    inputs = _inputs(req.input)
+    inputs = prompt_list(req.input, "input")
     _check_inputs(inputs, limits)
     extra = _extras(req, limits)
     return ParsedEmbeddings(req.model, inputs, req.encoding_format, req.dimensions, req.user, extra,
                             Needs("embeddings", extras=frozenset(extra or ())))
-
-
-def _inputs(value) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise InvalidRequestError("The input must not be empty.", param="input")
-    if all(isinstance(v, int) for v in value):
-        return [list(value)]
-    return list(value)
 
 
 def _check_inputs(inputs: list, limits: RequestLimits) -> None:
@@ -128,9 +119,7 @@ def parse_tokenize(body: Any, limits: RequestLimits) -> ParsedTokenize:
     extra = _extras(req, limits)
     features = set()
     if chat:
-        if len(req.messages) > limits.max_messages:
-            raise InvalidRequestError(f"Too many messages: {len(req.messages)} > {limits.max_messages}.",
-                                      param="messages")
+        check_message_count(req.messages, limits)
         check_tools(req.tools, None, limits)
         if req.tools or any(m.uses_tools for m in req.messages):
             features.add("tools")

@@ -33,7 +33,8 @@ from pydantic import Field, model_validator
 
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
+from gateway.protocol.completions import (
+    EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported, check_message_count)
 from gateway.protocol.tokens import ParsedTokenize, parse_tokenize
 from gateway.translate.common import (
     chat_request, chat_tool, check_item_counts, chunk_parts, named_event, parse_translated, renamed_error, renames,
@@ -197,8 +198,7 @@ def _check_counts(messages, limits: RequestLimits) -> None:
     before any of them is validated."""
     if not isinstance(messages, list):
         return
-    if len(messages) > limits.max_messages:
-        raise InvalidRequestError(f"Too many messages: {len(messages)} > {limits.max_messages}.", param="messages")
+    check_message_count(messages, limits)
     blocks = [b for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for b in m["content"]]
     check_item_counts(blocks, limits, "messages", "tool_use")
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.backend import (
     Backend, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest, LoadSnapshot,
     TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, Usage)
-from gateway.config import format_path
+from gateway.config import settings_error
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError
 from gateway.hookspecs import hookimpl
 
@@ -246,8 +246,7 @@ def make_echo_backend(settings: dict, deployment: str) -> EchoBackend:
     try:
         return EchoBackend(EchoSettings.model_validate(settings), name=deployment)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ValueError(f"settings.{format_path(err['loc'])}: {err['msg']}") from None
+        raise settings_error(exc) from None
 
 
 @hookimpl

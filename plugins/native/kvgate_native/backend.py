@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.backend import (
     TRANSFER_PARAMS, Backend, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest,
     KVEventsSource, LoadSnapshot, TokenEvent, TokenizeRequest, TokenizeResult, TokenLogprob, TopLogprob, Usage)
-from gateway.config import format_path
+from gateway.config import settings_error
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
 from kvgate_native.constraints import grammar_spec
 from kvgate_native.embeddings import EmbeddingSettings, check_embedding_request, input_path, pooled_vectors
@@ -712,6 +712,4 @@ def make_native_backend(settings: dict, deployment: str) -> NativeBackend:
     try:
         return NativeBackend(NativeSettings.model_validate(settings), name=deployment)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = f"settings.{format_path(err['loc'])}" if err["loc"] else "settings"
-        raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise settings_error(exc) from None

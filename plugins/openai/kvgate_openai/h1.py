@@ -1,10 +1,9 @@
 """A lean HTTP/1.1 client for plain-http upstreams: asyncio.Protocol + httptools' C parser.
 
-aiohttp was the largest single cost left on the gateway's hot path (~135 Python calls of the ~920
-per non-streamed request, ~270 of ~2,440 per streamed one: bench/request_cost.py), most of it
-generality we never use (cookies, redirects, payload registry, multidicts, compression, traces).
-This client does only what the `openai` backend needs: POST a body (or GET a metrics page),
-read a streamed answer. `pool.ClientPool` sends plain `http://` requests without a proxy here
+A general client's Python calls per request go mostly to generality this backend never uses
+(cookies, redirects, payload registry, multidicts, traces), and on the hot path every call
+counts per streamed chunk (docs/design/hot-path.md, with the measurements). This client does
+only what the `openai` backend needs: POST a body (or GET a metrics page), read a streamed answer. `pool.ClientPool` sends plain `http://` requests without a proxy here
 and keeps aiohttp for https and proxies, so TLS and proxy behaviour stay aiohttp's; both are
 `transport.KeepAliveClient`s and answer with a `transport.Response`.
 

@@ -1,11 +1,10 @@
 """The upstream connection pool: our own HTTP/1.1 client (h1.py) for plain-http upstreams,
 aiohttp (aiohttp_client.py) for https and proxied ones; both behind `transport.KeepAliveClient`.
 
-Generation requests are the gateway's hot path, and the HTTP client was its largest cost: httpx
-(with httpcore, h11 and anyio under it) ran ~3,500 Python calls per 16-chunk streamed request,
-aiohttp (C HTTP parser) ~600, and spent a third of the CPU time (`bench/upstream_overhead.py`,
-measured in the closing note of issue 18); aiohttp was then still the largest single cost, and
-h1.py does the same work in a fraction of the calls. https and proxies (HTTP(S)_PROXY) stay on
+Generation requests are the gateway's hot path, and an HTTP client's cost there is Python calls
+per streamed chunk: h1.py does only what this backend needs, with httptools' C parser under it,
+so it takes the plain-http upstreams (why, and the measurements: docs/design/hot-path.md, "Why
+the openai backend has its own HTTP/1.1 client"). https and proxies (HTTP(S)_PROXY) stay on
 aiohttp, whose TLS and proxy handling h1.py does not repeat; the choice is made once per URL.
 Scrapes of the upstream's /metrics go through a pool of their own (load.py), so a pool busy
 with generations never delays them.

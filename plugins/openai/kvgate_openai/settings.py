@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.capabilities import ENDPOINTS, FEATURES, Capabilities
-from gateway.config import format_path
+from gateway.config import settings_error
 from kvgate_openai import servers
 from kvgate_openai.servers import ServerKind
 
@@ -168,8 +168,4 @@ def parse_settings(settings: dict, **defaults) -> OpenAISettings:
     try:
         return OpenAISettings.model_validate({**defaults, **settings})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        raise ValueError(f"settings.{format_path(err['loc'])}: {message}") from None
+        raise settings_error(exc) from None

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from gateway.config import format_path
+from gateway.config import settings_error
 from kvgate_tensorrt_llm.speculative import SpeculativeSettings, check_method
 
 QUANTIZATION_HINT = (
@@ -77,13 +77,7 @@ def parse_settings(settings: dict) -> TrtLlmSettings:
     try:
         return TrtLlmSettings.model_validate(settings)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        path = format_path(_without_union_tags(err["loc"]))
-        # A model-level check (quant_config) has no path; its message starts with the key.
-        raise ValueError(f"settings.{path}: {message}" if path else f"settings.{message}") from None
+        raise settings_error(exc, _without_union_tags) from None
 
 
 def _without_union_tags(loc: tuple) -> tuple:

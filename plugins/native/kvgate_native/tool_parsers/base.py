@@ -32,6 +32,9 @@ class ToolParser:
     # engine keeps those in the text it parses (vLLM's parsers set skip_special_tokens false), and
     # HiddenMarkers takes them out of the content again.
     special_markers: tuple[str, ...] = ()
+    # The system prompt that offers the tools and asks for this format, `{tools}` where the tools
+    # go (one JSON function object a line): what `system_prompt` fills in.
+    system_prompt_template = ""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
@@ -64,8 +67,10 @@ class ToolParser:
     @classmethod
     def system_prompt(cls, tools: list[dict]) -> str:
         """The system prompt that offers `tools` and asks for this format (for a chat template
-        that does not render tools itself)."""
-        raise NotImplementedError
+        that does not render tools itself): `system_prompt_template` with the tools in it."""
+        if not cls.system_prompt_template:
+            raise NotImplementedError(f"{cls.__name__} has no system_prompt_template")
+        return cls.system_prompt_template.format(tools=tools_json(tools))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[str, object]]) -> str:

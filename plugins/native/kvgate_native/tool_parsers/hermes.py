@@ -14,7 +14,7 @@ import json
 
 from gateway.backend import ToolCallDelta
 from kvgate_native.tool_parsers.base import (
-    StreamedCall, ToolParser, call_parts, call_schema, compact, partial_tag, tools_json)
+    StreamedCall, ToolParser, call_parts, call_schema, compact, partial_tag)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SYSTEM_PROMPT = (
@@ -31,6 +31,7 @@ class HermesParser(ToolParser):
 
     name = "hermes"
     special_markers = (OPEN, CLOSE)
+    system_prompt_template = SYSTEM_PROMPT
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
@@ -88,9 +89,6 @@ class HermesParser(ToolParser):
         repeat = "" if single else "+"
         return f'start: call{repeat}\ncall: "{OPEN}\\n" %json {compact(call_schema(allowed))} "\\n{CLOSE}\\n"\n'
 
-    @classmethod
-    def system_prompt(cls, tools: list[dict]) -> str:
-        return SYSTEM_PROMPT.format(tools=tools_json(tools))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[str, object]]) -> str:

@@ -15,7 +15,7 @@ import json
 
 from gateway.backend import ToolCallDelta
 from kvgate_native.tool_parsers.base import (
-    BracketScanner, StreamedCall, ToolParser, call_parts, call_schema, compact, tools_json)
+    BracketScanner, StreamedCall, ToolParser, call_parts, call_schema, compact)
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -31,6 +31,7 @@ START, CALLS, TEXT = "start", "calls", "text"  # undecided; reading calls; conte
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     special_markers = (PYTHON_TAG,)
+    system_prompt_template = SYSTEM_PROMPT
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
@@ -121,9 +122,6 @@ class Llama3JsonParser(ToolParser):
         repeat = "" if single else f' ("{SEPARATOR}" call)*'
         return f"start: call{repeat}\ncall: %json {compact(call_schema(allowed, 'parameters'))}\n"
 
-    @classmethod
-    def system_prompt(cls, tools: list[dict]) -> str:
-        return SYSTEM_PROMPT.format(tools=tools_json(tools))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[str, object]]) -> str:

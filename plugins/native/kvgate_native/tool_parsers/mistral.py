@@ -29,7 +29,7 @@ import string
 
 from gateway.backend import ToolCallDelta
 from kvgate_native.tool_parsers.base import (
-    BracketScanner, ToolParser, call_parts, call_schema, compact, tools_json)
+    BracketScanner, ToolParser, call_parts, call_schema, compact)
 
 TAG = "[TOOL_CALLS]"
 ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"  # v11+: name[CALL_ID]id[ARGS]{...}
@@ -45,6 +45,7 @@ SYSTEM_PROMPT = (
 class MistralParser(ToolParser):
     name = "mistral"
     special_markers = (TAG, CALL_ID, ARGS)
+    system_prompt_template = SYSTEM_PROMPT
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
@@ -144,9 +145,6 @@ class MistralParser(ToolParser):
         array = {"type": "array", "items": call_schema(allowed), "minItems": 1, **({"maxItems": 1} if single else {})}
         return f'start: "{TAG}" %json {compact(array)}\n'
 
-    @classmethod
-    def system_prompt(cls, tools: list[dict]) -> str:
-        return SYSTEM_PROMPT.format(tools=tools_json(tools))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[str, object]]) -> str:

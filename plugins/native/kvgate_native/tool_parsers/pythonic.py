@@ -21,7 +21,7 @@ import json
 
 from gateway.backend import ToolCallDelta
 from gateway.errors import InvalidRequestError
-from kvgate_native.tool_parsers.base import BracketScanner, ToolParser, tools_json
+from kvgate_native.tool_parsers.base import BracketScanner, ToolParser
 from native_backend.text.grammar_spec import JSON_LAYOUT
 
 SYSTEM_PROMPT = (
@@ -36,6 +36,7 @@ PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's wrapper of 
 class PythonicParser(ToolParser):
     name = "pythonic"
     special_markers = (PY_START, PY_END)
+    system_prompt_template = SYSTEM_PROMPT
 
     def __init__(self, max_calls: int | None = None):
         super().__init__(max_calls)
@@ -90,9 +91,6 @@ class PythonicParser(ToolParser):
         more = "" if single else ' (", " call)*'
         return "\n".join([f'start: "[" call{more} "]"', f"call: {call}", *rules]) + "\n"
 
-    @classmethod
-    def system_prompt(cls, tools: list[dict]) -> str:
-        return SYSTEM_PROMPT.format(tools=tools_json(tools))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[str, object]]) -> str:
