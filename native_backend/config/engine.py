@@ -290,10 +290,13 @@ class GrammarOptions:
     max_bytes: int = 1 << 20  # largest constraint compiled (a schema, regex, grammar, a request's tool grammar)
     compile_timeout_s: float = 10.0  # a compile still running after this fails its request (a 400)
     cache_size: int = 128  # compiled grammars kept, most recently used
+    # ... and at most this many bytes of them (each charged the memory its compile and first
+    # mask took): 128 lexers of a hostile regex held ~230 MB each before the fuel limits.
+    cache_bytes: int = 256 << 20
 
     def __post_init__(self):
         _positive("grammar", max_bytes=self.max_bytes, compile_timeout_s=self.compile_timeout_s,
-                  cache_size=self.cache_size)
+                  cache_size=self.cache_size, cache_bytes=self.cache_bytes)
 
 
 MAX_SPECULATIVE_TOKENS = 7  # 1 + k rows per request: the CPU kernels' short-query path takes up to 8

@@ -38,7 +38,7 @@ from native_backend.core.sequence import FinishReason, Sequence
 from native_backend.core.spec_policy import speculation_policy
 from native_backend.core.spec_stats import SpecDecodeStats, engine_stats_fields, trace_marks
 from native_backend.text.grammar import GrammarCompiler
-from native_backend.text.grammar_spec import GrammarError, GrammarSpec
+from native_backend.text.grammar_spec import GrammarError, GrammarSpec, short
 
 log = logging.getLogger("kvgate.engine")
 
@@ -73,7 +73,6 @@ class _AwaitingGrammar:
     seq: Sequence
     spec: GrammarSpec
     future: concurrent.futures.Future
-    deadline: float  # time.monotonic() after which the compile counts as failed
 
 
 GRAMMAR_POLL_S = 0.02  # with nothing else to run, how long a step waits for a grammar to finish
@@ -156,8 +155,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self.scheduler.check(seq)
         grammars = self._grammar_service()
-        self._awaiting[seq.request_id] = _AwaitingGrammar(
-            seq, spec, grammars.submit(spec), time.monotonic() + grammars.compile_timeout_s)
+        self._awaiting[seq.request_id] = _AwaitingGrammar(seq, spec, grammars.submit(spec))
 
     def _grammar_service(self) -> GrammarService:
         if self._grammar_compiler is None:
@@ -170,7 +168,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self._awaiting.pop(request_id, None)
+        waiting = self._awaiting.pop(request_id, None)
+        if waiting is not None:  # its compile, not started yet and wanted by no one else, is cancelled
+            self._grammars.release(waiting.spec)
         self._milestones.pop(request_id, None)
 
     def release_kv(self, engine_id: str, request_id: str) -> None:
@@ -273,9 +273,11 @@ class LLMEngine:
         for request_id, waiting in list(self._awaiting.items()):
             if waiting.future.done():
                 del self._awaiting[request_id]
+                self._grammars.release(waiting.spec)
                 error = self._join_scheduler(waiting)
-            elif now > waiting.deadline:
+            elif self._grammars.expired(waiting.spec, now):
                 del self._awaiting[request_id]
+                self._grammars.release(waiting.spec)
                 self._grammars.note_timeout()
                 error = EngineError("invalid", f"{waiting.spec.param}: compiling the constraint took longer than "
                                     f"{self._grammars.compile_timeout_s:g} s")
@@ -294,8 +296,9 @@ class LLMEngine:
         except (GrammarError, ValueError) as exc:
             return EngineError("invalid", str(exc))
         except Exception as exc:  # noqa: BLE001 - the compiler broke on this constraint: it fails alone
-            log.warning("compiling %s for request %s failed: %s", waiting.spec.param, waiting.seq.request_id, exc)
-            return EngineError("internal", f"compiling the constraint failed: {type(exc).__name__}: {exc}")
+            reason = short(f"{type(exc).__name__}: {exc}")  # the library may quote the whole schema
+            log.warning("compiling %s for request %s failed: %s", waiting.spec.param, waiting.seq.request_id, reason)
+            return EngineError("internal", f"compiling the constraint failed: {reason}")
         return None
 
     def _wait_for_grammars(self) -> None:
@@ -336,12 +339,15 @@ class LLMEngine:
 
     def _failed_alone(self, result: StepResult) -> CoreOutput:
         """A failure of the request's own (its sampling) ends that request alone."""
-        log.warning("request %s failed alone: %s", result.request_id, result.error)
+        log.warning("request %s failed alone: %s", result.request_id, short(result.error))
         self.num_failed_requests += 1
+        if result.failed_grammar is not None and self._grammars is not None:
+            self._grammars.evict(result.failed_grammar)  # a matcher errored on it: not served again
         self.scheduler.finish(result.request_id, "abort")  # no-op if it already ended
         self._milestones.pop(result.request_id, None)
         return CoreOutput(result.request_id, [], finish_reason="abort", num_prompt_tokens=result.num_prompt_tokens,
-                          num_output_tokens=result.num_output_tokens, error=EngineError("internal", result.error))
+                          num_output_tokens=result.num_output_tokens,
+                          error=EngineError(result.error_kind, result.error))
 
     def _final_timings(self, request_id: str, preemptions: int, cached_tokens: int,
                        spec_counts: SpecDecodeStats | None) -> dict[str, float]:

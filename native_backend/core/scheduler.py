@@ -60,6 +60,7 @@ from native_backend.core.kv_params import KVLoad
 from native_backend.core.sequence import FinishReason, Sequence, SequenceStatus
 from native_backend.core.spec_policy import NoSpeculation, SpeculationPolicy
 from native_backend.core.spec_stats import SpecDecodeStats
+from native_backend.text.grammar_spec import GrammarSpec, is_limit_error, limit_message, short
 
 
 @dataclass
@@ -87,8 +88,21 @@ class SchedulerConfig:
 
 
 class GrammarViolation(RuntimeError):
-    """A sampled token the request's grammar refuses (the mask should have made it impossible):
-    that request fails alone."""
+    """A sampled token the request's grammar refuses (the mask should have made it impossible),
+    or a matcher past one of llguidance's work limits (`limit`: the client's constraint is too
+    complex, a 400): that request fails alone, and its grammar leaves the cache."""
+
+    def __init__(self, message: str, limit: bool = False):
+        super().__init__(message)
+        self.limit = limit
+
+
+def _violation(grammar, token_id: int) -> GrammarViolation:
+    error = grammar.error
+    if is_limit_error(error):
+        param = grammar.spec.param if grammar.spec is not None else "constraint"
+        return GrammarViolation(limit_message(param, error), limit=True)
+    return GrammarViolation(f"token {token_id} is outside the grammar: {short(error)}")
 
 
 class ContextLengthError(ValueError):
@@ -152,6 +166,8 @@ class StepResult:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage details)
     num_preemptions: int = 0  # times this request was preempted so far
     error: str | None = None  # set when the request failed alone (finish_reason "abort")
+    error_kind: str = "internal"  # its EngineError kind: "invalid" when the client's constraint is to blame
+    failed_grammar: GrammarSpec | None = None  # the grammar whose matcher errored (evicted from the cache)
     embedding: list[float] | None = None  # a pooling request's vector, on its one (finished) result
     spec_decode: SpecDecodeStats | None = None  # this request's speculation so far (None: speculation is off)
     # A prefill for a remote decode that ended holding its blocks: where a consumer reads them.
@@ -587,7 +603,10 @@ class Scheduler:
         try:
             new_tokens, reason = self._append_until_stop(seq, sampled)
         except GrammarViolation as exc:
-            return self._fail(seq, str(exc))
+            spec = seq.grammar.spec
+            result = self._fail(seq, str(exc), "invalid" if exc.limit else "internal")
+            result.failed_grammar = spec
+            return result
         self.block_manager.cache_full_blocks(seq)
         if reason is not None:
             self.running.remove(seq)
@@ -608,11 +627,11 @@ class Scheduler:
             kv_transfer_params=seq.kv_transfer_params,
         )
 
-    def _fail(self, seq: Sequence, error: str) -> StepResult:
+    def _fail(self, seq: Sequence, error: str, kind: str = "internal") -> StepResult:
         self.running.remove(seq)
         self._end(seq, "abort")
         return StepResult(seq.request_id, [], "abort", num_prompt_tokens=seq.num_prompt_tokens,
-                          num_output_tokens=seq.num_output_tokens, error=error)
+                          num_output_tokens=seq.num_output_tokens, error=error, error_kind=kind)
 
     def _apply_pooling(self, seq: Sequence, runner: RunnerOutput) -> StepResult | None:
         """A pooling request ends on the step that ran its last prompt token: its vector, its KV freed."""
@@ -642,7 +661,7 @@ class Scheduler:
         appended = []
         for token_id in sampled:
             if seq.grammar is not None and not seq.grammar.accept(token_id):
-                raise GrammarViolation(f"token {token_id} is outside the grammar: {seq.grammar.error}")
+                raise _violation(seq.grammar, token_id)
             seq.output_token_ids.append(token_id)
             appended.append(token_id)
             reason = seq.stop_reason_after(token_id)

@@ -20,21 +20,26 @@ from __future__ import annotations
 import llguidance
 import numpy as np
 
-from native_backend.text.grammar_spec import JSON_LAYOUT, GrammarError, GrammarSpec
+from native_backend.text.grammar_spec import JSON_LAYOUT, GrammarError, GrammarSpec, is_limit_error, limit_message, short
 from native_backend.text.tokenizer import Tokenizer
 
 # Bounds on the work one grammar may cost the engine, per parser step and to build (llguidance's
-# fuel units; its defaults, spelled out so they are ours to tune and to document).
-PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, initial_lexer_fuel=1_000_000,
+# fuel units). The lexer's fuel is a tenth of llguidance's defaults (1M initial, 200k per step):
+# ^((x{100}){100}){100}$ compiled in milliseconds, then its first mask built the lexer for 5.3 s and
+# ~170 MB on the step loop (SmolLM2's tokenizer, a loaded 2-core box); at 100k / 20k it takes
+# ~0.3-0.4 s and ~13 MB in the compile worker and fails on its lexer limit, while the structured
+# battery (bench/structured_battery.py) and the tests' schemas compile and mask as before.
+PARSER_LIMITS = dict(step_lexer_fuel=20_000, step_max_items=50_000, initial_lexer_fuel=100_000,
                      max_grammar_size=500_000)
 
 
 class GrammarMatcher:
     """One request's position in its grammar: which tokens may come next, and what came."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, spec: GrammarSpec | None = None):
         self._matcher = matcher
         self.num_words = num_words  # int32 words of a bitmask row: ceil(vocab / 32)
+        self.spec = spec  # what it was compiled from (its cache key and the parameter it names)
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (num_words int32, C-contiguous)."""
@@ -62,9 +67,35 @@ class Grammar:
         self.spec = spec
         self._pristine = pristine
         self._num_words = num_words
+        self.nbytes = 0  # what the cache charges for it (GrammarService: measured by warm())
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._pristine.deep_copy(), self._num_words)
+        return GrammarMatcher(self._pristine.deep_copy(), self._num_words, self.spec)
+
+    def warm(self) -> None:
+        """Build what the first token's mask needs, here (the compile worker, under its deadline),
+        not on the step loop: llguidance builds the lexer lazily, on the first mask, and the copies
+        `matcher()` makes share what the pristine matcher built. Then one step down the first
+        allowed token, on a copy: a lexer that blows its limit there fails the compile (a 400
+        naming the parameter) instead of the request's first token (a 500)."""
+        row = np.zeros(self._num_words, dtype=np.int32)
+        self._pristine.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._raise_on_error(self._pristine)
+        words = np.flatnonzero(row)
+        if not len(words) or self._pristine.is_stopped():
+            return
+        word = int(words[0])
+        probe = self._pristine.deep_copy()
+        probe.consume_token(word * 32 + (int(row[word]) & -int(row[word])).bit_length() - 1)
+        if not probe.is_error():
+            probe.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._raise_on_error(probe)
+
+    def _raise_on_error(self, matcher: llguidance.LLMatcher) -> None:
+        if matcher.is_error():
+            error = matcher.get_error()
+            raise GrammarError(limit_message(self.spec.param, error) if is_limit_error(error)
+                               else f"{self.spec.param}: {short(error)}")
 
 
 class GrammarCompiler:
@@ -84,10 +115,12 @@ class GrammarCompiler:
         try:
             source = _llguidance_grammar(spec)
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"{spec.param}: {exc}") from None
+            raise GrammarError(f"{spec.param}: {short(str(exc))}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0, limits=self._limits)
         if matcher.is_error():
-            raise GrammarError(f"{spec.param}: {_short(matcher.get_error())}")
+            error = matcher.get_error()
+            raise GrammarError(limit_message(spec.param, error) if is_limit_error(error)
+                               else f"{spec.param}: {short(error)}")
         return Grammar(spec, matcher, self.num_words)
 
 
@@ -105,8 +138,3 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_lark(spec.text)
     # vLLM's `grammar`: GBNF / EBNF (rules with ::=) or Lark.
     return llguidance.grammar_from("gbnf" if "::=" in spec.text else "lark", spec.text)
-
-
-def _short(message: str, limit: int = 300) -> str:
-    message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit] + "..."

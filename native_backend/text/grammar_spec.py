@@ -55,3 +55,24 @@ class GrammarSpec:
                 choices = None
             if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
                 raise GrammarError(f"{self.param}: choice must be a non-empty list of non-empty strings")
+
+
+LIMIT_WORDS = ("lexer error", "fuel", "too many", "max_items", "limit")  # llguidance's limit errors say so
+
+
+def is_limit_error(message: str) -> bool:
+    """Whether a matcher's error is one of llguidance's work limits (the constraint is too complex
+    for this server: the client's to simplify), not a bug."""
+    lowered = message.lower()
+    return any(word in lowered for word in LIMIT_WORDS)
+
+
+def limit_message(param: str, error: str) -> str:
+    return (f"{param}: the constraint is too complex for this server's grammar limits (simplify the "
+            f"pattern or schema): {short(error)}")
+
+
+def short(message: str, limit: int = 300) -> str:
+    """A library message cut to `limit` characters: it may quote the client's whole schema."""
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[:limit] + "..."

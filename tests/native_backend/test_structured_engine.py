@@ -143,3 +143,36 @@ def test_the_same_constraint_compiles_once(engine):
     after = engine.stats()
     assert after.grammar_compiles == before.grammar_compiles  # PERSON and DIGITS were compiled before
     assert after.grammar_cache_hits >= before.grammar_cache_hits + 3
+
+
+def test_a_hostile_regex_is_a_400_naming_its_parameter_and_the_batch_goes_on(engine):
+    """Issue 40 item 3: ^((x{100}){100}){100}$ compiles in milliseconds; its lexer is built in the
+    compile worker now, where the fuel limit refuses it before any token (invalid: a 400 naming
+    the parameter), while a plain request beside it runs to its end."""
+    requests = [EngineRequest("hostile", prompt(engine, "x"), SamplingParams(max_tokens=8),
+                              grammar=GrammarSpec("regex", r"^((x{100}){100}){100}$", param="structured_outputs.regex")),
+                EngineRequest("plain", prompt(engine, "Name three colours."), SamplingParams(max_tokens=8))]
+    results = run(engine, requests)
+    _, reason, error, tokens = results["hostile"]
+    assert reason == "abort" and tokens == [] and error.kind == "invalid"
+    assert error.message.startswith("structured_outputs.regex: ") and "too complex" in error.message
+    assert results["plain"][1] == "length" and results["plain"][2] is None
+
+
+def test_a_matcher_past_its_limits_mid_stream_is_a_400_and_its_grammar_leaves_the_cache(engine, monkeypatch):
+    """A grammar that passes its compile but whose matcher errors on a lexer limit later ends its
+    request as the client's error naming the parameter (not a 500), and the cache drops it: the
+    next request with that constraint compiles it afresh."""
+    from native_backend.text.grammar import GrammarMatcher
+    spec = GrammarSpec("regex", "[a-z]{2,6}", param="response_format.json_schema.schema")
+    run(engine, [EngineRequest("warm", prompt(engine, "A word."), SamplingParams(max_tokens=4), grammar=spec)])
+    compiles = engine.stats().grammar_compiles
+    monkeypatch.setattr(GrammarMatcher, "accept", lambda self, token_id: False)
+    monkeypatch.setattr(GrammarMatcher, "error", property(lambda self: "lexer error: too many expressions constructed"))
+    _, reason, error, _ = run(engine, [EngineRequest("limit", prompt(engine, "A word."), SamplingParams(max_tokens=4),
+                                                     grammar=spec)])["limit"]
+    assert reason == "abort" and error.kind == "invalid"
+    assert error.message.startswith("response_format.json_schema.schema: ") and "too complex" in error.message
+    monkeypatch.undo()
+    run(engine, [EngineRequest("again", prompt(engine, "A word."), SamplingParams(max_tokens=4), grammar=spec)])
+    assert engine.stats().grammar_compiles == compiles + 1  # evicted: compiled again, not a cache hit
