@@ -55,6 +55,8 @@ class ScheduledChunk:
     # A pooling request's chunk (never sampled): the runner pools its final hidden states, and
     # on the chunk that ends the prompt returns the request's vector (RunnerOutput.pooled).
     pooling: str | None = None
+    # The LoRA adapter this request runs with (its name in lora.LoRAManager); None: the base model.
+    lora_name: str | None = None
 
     @property
     def num_logit_rows(self) -> int:

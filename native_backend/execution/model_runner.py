@@ -21,6 +21,7 @@ layer takes its `KVLayer`); from then on a step passes only the step's tensors.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +43,14 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str | None = None,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, lora=None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
         self.pooler = Pooler()  # pooling requests (embeddings): their vectors from the hidden states
+        self.lora = lora  # lora.LoRAManager when LoRA is enabled: adapters per chunk (ScheduledChunk.lora_name)
         model.bind_kv_cache(kv_cache)
 
     @torch.inference_mode()
@@ -63,7 +65,7 @@ class ModelRunner:
             return output
         chunks, draft_probs = sched_out.chunks, draft_probs or {}
         inputs = self.prepare_inputs(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = self._forward(chunks, inputs)
         if any(c.pooling is not None for c in chunks):
             self.pooler.pool(chunks, hidden, output)
         sampling_chunks = [c for c in chunks if c.sample]
@@ -112,7 +114,7 @@ class ModelRunner:
         (num_logit_rows rows of each sampling chunk, or every token of every chunk with all_tokens).
         For tests and for speculative verification that wants the distributions."""
         inputs = self.prepare_inputs(sched_out.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = self._forward(sched_out.chunks, inputs)
         result, start = {}, 0
         for chunk in sched_out.chunks:
             end = start + len(step_tokens(chunk))
@@ -122,6 +124,16 @@ class ModelRunner:
                 result[chunk.request_id] = self.model.compute_logits(hidden[end - chunk.num_logit_rows : end])
             start = end
         return result
+
+    def _forward(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> torch.Tensor:
+        """The model over the step; with LoRA, each chunk's tokens through its adapter."""
+        lora_step = nullcontext()
+        if self.lora is not None:
+            lora_step = self.lora.step([c.lora_name for c in chunks], [len(step_tokens(c)) for c in chunks])
+        elif any(c.lora_name is not None for c in chunks):
+            raise ValueError("a LoRA adapter was scheduled on an engine without enable_lora")
+        with lora_step:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> ModelInputs:
         """Flat tensors for the whole batch, built on the host and moved to the device once."""
