@@ -50,9 +50,9 @@ def root_hash(seed: str) -> bytes:
 
 def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple | None = None) -> bytes:
     """Chained block hash: depends on the block's tokens and, through the parent, on all before.
-    `extra_keys` as vLLM's (kv_cache_utils.generate_block_hash_extra_keys): here only a request's
-    cache_salt, on its first block alone (every later block chains through that one); no LoRA or
-    multimodal keys in this engine."""
+    `extra_keys` as vLLM's (kv_cache_utils.generate_block_hash_extra_keys): here a request's
+    cache_salt and its LoRA adapter, on its first block alone (every later block chains through
+    that one); no multimodal keys in this engine."""
     return _sha256_cbor((parent_hash, tuple(token_ids), extra_keys))
 
 
@@ -143,8 +143,7 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else self._root_hash
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
-            salted = i == 0 and seq.cache_salt
-            hashes.append(hash_block(parent, tokens, (seq.cache_salt,) if salted else None))
+            hashes.append(hash_block(parent, tokens, _extra_keys(seq) if i == 0 else None))
         return hashes[:num_blocks]
 
     # --- allocation ------------------------------------------------------------------------
@@ -349,3 +348,10 @@ class BlockManager:
             self._release(block_id)
         del seq.block_table[keep:]
         seq.num_computed_tokens = new_computed
+
+
+def _extra_keys(seq: Sequence) -> tuple | None:
+    """What the first block's hash takes beside its tokens: the cache_salt, then the LoRA adapter
+    (vLLM's extra keys: its adapter name); None for a plain request (hashes as before)."""
+    keys = ((seq.cache_salt,) if seq.cache_salt else ()) + ((("lora", seq.lora_name),) if seq.lora_name else ())
+    return keys or None

@@ -78,6 +78,9 @@ class SchedulerConfig:
     eos_token_id: int | None = None  # the model's end-of-sequence token (per request override)
     prefix_hash_seed: str = "0"  # seeds the prefix cache's chained block hashes (vLLM's PYTHONHASHSEED)
     record_kv_events: bool = False  # keep the prefix cache's changes for a KV-event publisher
+    # LoRA slots: adapters among the running requests at most (vLLM's max_loras); 0: LoRA off.
+    # A request whose adapter would need one more waits until a running adapter's requests end.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -272,6 +275,8 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         c = self.config
+        if seq.lora_name is not None and not c.max_loras:
+            raise ValueError(f"LoRA adapter {seq.lora_name!r} asked of an engine without enable_lora")
         cache_slots = c.num_blocks * c.block_size
         if seq.pooling is not None:
             check_pooling_fits(seq.num_prompt_tokens, max_model_len=c.max_model_len, cache_slots=cache_slots)
@@ -541,7 +546,15 @@ class Scheduler:
         self._free_holds()
         return True
 
+    def _lora_slot_free(self, seq: Sequence) -> bool:
+        if seq.lora_name is None:
+            return True
+        running = {s.lora_name for s in self.running if s.lora_name is not None}
+        return seq.lora_name in running or len(running) < self.config.max_loras
+
     def _try_admit(self, seq: Sequence, token_budget: int) -> ScheduledChunk | None:
+        if not self._lora_slot_free(seq):
+            return None  # waits for a LoRA slot, like a request waiting for blocks
         bm = self.block_manager
         num_cached = 0 if seq.pooling == "mean" else bm.get_computed_prefix(seq)  # mean pools every token
         num_new = self._chunk_tokens(seq.num_tokens - num_cached, token_budget)
@@ -570,6 +583,7 @@ class Scheduler:
             num_spec_tokens=num_slots,
             proposer=self.speculation.proposer if num_slots else None,
             pooling=seq.pooling,
+            lora_name=seq.lora_name,
         )
 
     # --- applying the runner's results -----------------------------------------------------

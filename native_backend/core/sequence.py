@@ -54,6 +54,9 @@ class Sequence:
     pooling: str | None = None
     # vLLM's cache_salt: part of the first block's hash (core.block_manager), so of every block's.
     cache_salt: str | None = None
+    # The LoRA adapter the request runs with (None: the base model). Part of the first block's
+    # hash like cache_salt, so blocks are never shared across adapters (vLLM keys them by adapter).
+    lora_name: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
