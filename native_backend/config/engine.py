@@ -127,16 +127,33 @@ class SchedulerOptions:
 @dataclass(frozen=True)
 class ParallelOptions:
     """Tensor parallelism: the model's layers split across N ranks (N-1 worker processes beside
-    the engine core's rank 0), one device each (CUDA: cuda:0..N-1 from the configured index)."""
+    the engine core's rank 0), one device each (CUDA: cuda:0..N-1 from the configured index).
+    Pipeline parallelism: the decoder layers split into P stages, each stage tensor_parallel_size
+    ranks (TP x PP ranks in all, rank = stage x TP + TP rank), with up to P batches in flight."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages; the last one samples
+    # Each stage's number of decoder layers (P counts adding up to the model's layers); None: even,
+    # the remainder one each to the stages before the last (vLLM's VLLM_PP_LAYER_PARTITION).
+    pipeline_layer_partition: tuple[int, ...] | None = None
     # A collective (all-reduce, gather) that has not completed in this many seconds fails the step:
     # a stopped or hung rank then fails in-flight requests instead of stalling them forever.
     collective_timeout_s: float = 60.0
 
     def __post_init__(self):
         _positive("parallel", tensor_parallel_size=self.tensor_parallel_size,
-                  collective_timeout_s=self.collective_timeout_s)
+                  pipeline_parallel_size=self.pipeline_parallel_size, collective_timeout_s=self.collective_timeout_s)
+        partition = self.pipeline_layer_partition
+        if partition is not None:
+            object.__setattr__(self, "pipeline_layer_partition", tuple(partition))  # YAML gives a list
+            if len(partition) != self.pipeline_parallel_size:
+                raise ValueError(f"parallel.pipeline_layer_partition {list(partition)}: one count per stage "
+                                 f"({self.pipeline_parallel_size} stages)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 KV_ROLES = ("producer", "consumer", "both")

@@ -12,6 +12,16 @@ A pooling request (EngineRequest.pooling: an embedding) takes the same path, pre
 scheduler runs its prompt in the budget of ordinary steps (so it never stalls the decodes in
 flight), the runner pools its hidden states, and its one output carries the vector.
 
+Pipeline parallelism (executor.max_concurrent_batches P > 1): the step keeps up to P batches in
+flight (vLLM's batch queue): while fewer are, it schedules one more from the requests not in
+flight and submits it (stage 0 runs it and hands it on); once P are (or nothing more can be
+scheduled) it collects the oldest batch's output and updates the scheduler with it. So stage 0
+works on batch n + 1 while the later stages finish batch n.
+
+    stage 0:  [b1][b2][b3][b1'][b2']...       b1' = the requests of b1, one token further
+    stage 1:      [b1][b2][b3][b1']...
+    stage 2:          [b1][b2][b3]...
+
 The core never touches the model: the executor builds it, owns it and runs it. The engine is
 handed its executor (process.factory builds both), so the core imports nothing of execution.
 Nor does it hold text: the process's output processor (process/output_processor.py) turns each
@@ -25,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -120,6 +131,7 @@ class LLMEngine:
         self.num_step_tokens = 0
         self.step_seconds = 0.0
         self.num_failed_requests = 0  # failed alone (their fault) while the others went on
+        self._in_flight: deque = deque()  # pipeline parallelism: (SchedulerOutput, its request ids) submitted
         self._kv_events = kv_events
         self._publish_kv_events()  # AllBlocksCleared: a subscriber forgets what an earlier engine held
 
@@ -191,7 +203,7 @@ class LLMEngine:
         return timings
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._awaiting)
+        return self.scheduler.has_unfinished() or bool(self._awaiting) or bool(self._in_flight)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix now (running requests keep their own KV) and publish
@@ -207,6 +219,8 @@ class LLMEngine:
         refused = self._admit_compiled() if self._awaiting else []
         if self.kv is not None:
             self._finish_kv_loads()
+        if self.executor.max_concurrent_batches > 1:
+            return refused + self._step_pipelined(started)
         if not self.scheduler.has_unfinished():  # only grammars compiling: wait for one, do not spin
             self._wait_for_grammars()
             return refused
@@ -220,13 +234,44 @@ class LLMEngine:
             return refused
         self._note_prefill(scheduled)
         runner_output = self.executor.execute(scheduled)
+        return refused + self._apply(scheduled, runner_output, started)
+
+    def _apply(self, scheduled, runner_output, started: float) -> list[CoreOutput]:
+        """Update the scheduler with a step's output: what each request advanced by."""
         results = self.scheduler.update(scheduled, runner_output)
         self._publish_kv_events()
-        outputs = refused + [self._to_output(r) for r in results if r.request_id in self._milestones]
+        outputs = [self._to_output(r) for r in results if r.request_id in self._milestones]
         self.num_steps += 1
         self.num_step_tokens += scheduled.num_batched_tokens
         self.step_seconds += time.monotonic() - started
         return outputs
+
+    def _step_pipelined(self, started: float) -> list[CoreOutput]:
+        """Submit one more batch while fewer than P are in flight; else (or with nothing to
+        schedule) collect the oldest one's output and update with it."""
+        depth = self.executor.max_concurrent_batches
+        if len(self._in_flight) < depth and self.scheduler.has_unfinished():
+            busy = {rid for _, ids in self._in_flight for rid in ids}
+            share = -(-len(self.scheduler.requests) // depth)  # each step in flight a 1/P share of the requests
+            scheduled = self.scheduler.schedule(busy, max_chunks=max(share, 1))
+            if scheduled.kv_loads:
+                self._start_kv_loads(scheduled.kv_loads)
+            if not scheduled.is_empty:
+                self._note_prefill(scheduled)
+                self.executor.submit(scheduled)
+                self._in_flight.append((scheduled, [c.request_id for c in scheduled.chunks]))
+                if len(self._in_flight) < depth:
+                    return []  # room for another batch: schedule it before waiting on this one
+            else:
+                self.scheduler.report_again(scheduled.finished_request_ids)
+        if not self._in_flight:  # nothing runs: grammars compiling, or only remote KV reads
+            if self._awaiting:
+                self._wait_for_grammars()
+            elif self.kv is not None:
+                self.kv.port.wait(KV_POLL_S)
+            return []
+        scheduled, _ = self._in_flight.popleft()
+        return self._apply(scheduled, self.executor.collect(), started)
 
     def _start_kv_loads(self, loads) -> None:
         now = time.time()

@@ -28,6 +28,13 @@ logits with it); `update()` advances the grammar past every appended token.
 `update()` applies the runner's sampled tokens, advances KV progress (rolling back the slots of
 drafts not accepted), registers newly full blocks in the prefix cache, and detects the end of a request.
 
+Steps in flight (pipeline parallelism: the engine core keeps up to P steps running): schedule()
+is told the requests whose last step has not come back (`busy`); it skips them (their next tokens
+depend on it) and never preempts one (a step in flight is still writing its blocks), so each
+step in flight holds other requests, and update() applies the steps in the order they ran.
+`max_chunks` caps a step's requests (the engine asks for a 1/P share of them), so that the
+running requests spread over the P steps instead of the first step taking them all.
+
 Pooling requests (embeddings, `Sequence.pooling`) are scheduled like any prompt (chunked, within
 the budget, preemptible) but never sampled and never speculated on: the step that runs their last
 prompt token ends them with the runner's pooled vector and frees their KV. Mean pooling needs
@@ -223,6 +230,12 @@ class _StepPlan:
     """The batch being formed in one schedule() call."""
 
     token_budget: int
+    busy: frozenset[str] | set[str] = frozenset()  # requests with a step in flight: not in this one
+    max_chunks: int | None = None  # most requests in this step (steps in flight share them)
+
+    @property
+    def full(self) -> bool:
+        return self.token_budget <= 0 or (self.max_chunks is not None and len(self.chunks) >= self.max_chunks)
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # in schedule order
     preempted: list[str] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
@@ -359,11 +372,13 @@ class Scheduler:
 
     # --- batch formation -------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Form this step's batch: running requests first, then admissions (module docstring)."""
+    def schedule(self, busy: frozenset[str] | set[str] = frozenset(), max_chunks: int | None = None) -> SchedulerOutput:
+        """Form this step's batch: running requests first, then admissions (module docstring).
+        `busy`: requests with a step in flight, left out (and never preempted); `max_chunks`: at
+        most this many requests in the step (None: as many as the budgets allow)."""
         if self.kv is not None:
             self._free_holds()
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, busy=busy, max_chunks=max_chunks)
         self._schedule_running(plan)
         if not plan.preempted:
             self._admit_waiting(plan)
@@ -384,10 +399,10 @@ class Scheduler:
         order = self._running_in_step_order()
         speculate = self.speculation.speculating(sum(1 for s in order if s.num_uncomputed_tokens == 1))
         for seq in order:
-            if plan.token_budget == 0:
+            if plan.full:
                 return
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in plan.busy:
+                continue  # preempted earlier in this loop, or its last step is still in flight
             num_new = self._chunk_tokens(seq.num_uncomputed_tokens, plan.token_budget)
             drafts = speculate and seq.num_uncomputed_tokens == 1 and seq.grammar is None and seq.pooling is None
             num_slots = self._draft_slots(seq, plan) if drafts else 0
@@ -424,16 +439,19 @@ class Scheduler:
         False when seq itself was the least important running request and got preempted.
         """
         while not self.block_manager.can_allocate(seq, num_new):
-            victim = self._preemption_victim()
+            victim = self._preemption_victim(plan.busy)
+            if victim is None:
+                return False  # every other running request has a step in flight: wait for one
             self._preempt(victim, plan)
             if victim is seq:
                 return False
         self.block_manager.allocate_slots(seq, num_new)
         return True
 
-    def _preemption_victim(self) -> Sequence:
-        """The least important running request: highest priority number, then latest arrival."""
-        return max(self.running, key=lambda s: s.sort_key)
+    def _preemption_victim(self, busy: frozenset[str] | set[str] = frozenset()) -> Sequence | None:
+        """The least important running request without a step in flight: highest priority
+        number, then latest arrival; None when there is none."""
+        return max((s for s in self.running if s.request_id not in busy), key=lambda s: s.sort_key, default=None)
 
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
         self.running.remove(seq)
@@ -455,7 +473,7 @@ class Scheduler:
                 grammar.fill_bitmask(chunk.token_bitmask)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.token_budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+        while self.waiting and not plan.full and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq.remote is not None:
                 started = self._start_remote_load(seq, plan)

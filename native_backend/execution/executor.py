@@ -32,6 +32,7 @@ from native_backend.execution.spec_decode.proposer import Proposer, propose_draf
 from native_backend.model.kv_cache import KVCache, KVCachePlan, device_memory_bytes, plan_kv_cache, resolve_kv_dtype
 from native_backend.model.layers.context import LayerContext
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
+from native_backend.model.layers.stages import WHOLE, StageSpec
 from native_backend.model.loader import load_model
 from native_backend.model.quantization.method import describe_weights, weights_format
 from native_backend.text.tokenizer import Tokenizer
@@ -49,7 +50,17 @@ class Executor(Protocol):
     kernel_path: str  # the CPU kernels' path that runs ("avx512", "avx2"); "" where none does
     prefill_path: str  # CPU float32: prompt chunks' matmuls and attention, e.g. "matmuls bf16, attention bf16"
 
+    # Steps the engine core may keep in flight: 1 runs each step to its end with execute(); P > 1
+    # (pipeline parallelism) lets it submit() up to P and collect() their outputs oldest first.
+    max_concurrent_batches: int
+
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+
+    def submit(self, scheduled: SchedulerOutput) -> None:
+        """Start a step without waiting for its output (only where max_concurrent_batches > 1)."""
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's output (only where max_concurrent_batches > 1)."""
 
     def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
         """How many of k draft slots the proposer fills for this request now (the scheduler's
@@ -66,12 +77,15 @@ class Executor(Protocol):
 
 class InProcessExecutor:
     """One rank's model and KV cache in this process: the whole model on one device (shard 0 of
-    1), or one tensor-parallel rank's shard (rank 0 under parallel.TensorParallelExecutor, or a
-    worker), which then allocates its cache in a second phase (`allocate=False`, then
-    `allocate_cache`) once every rank has agreed on the number of blocks."""
+    1), or one tensor-parallel rank's shard of one pipeline stage's layers (rank 0 under
+    parallel.TensorParallelExecutor, or a worker), which then allocates its cache in a second
+    phase (`allocate=False`, `link` set for a pipeline stage, then `allocate_cache`) once every
+    rank has agreed on the number of blocks."""
+
+    max_concurrent_batches = 1  # execute() runs a step to its end
 
     def __init__(self, config: EngineConfig, shard: ShardSpec = SINGLE, device: torch.device | None = None,
-                 *, allocate: bool = True, tokenizer: Tokenizer | None = None):
+                 *, allocate: bool = True, tokenizer: Tokenizer | None = None, stage: StageSpec = WHOLE):
         mc = config.model
         self._tokenizer = tokenizer  # the process's (process.factory); None: loaded when first needed
         if mc.num_threads:
@@ -80,7 +94,7 @@ class InProcessExecutor:
         self.shard = shard
         self.device = torch.device(device or mc.device)
         self.ctx = LayerContext.for_device(self.device, TORCH_DTYPES[mc.dtype], cpu_kernels=mc.cpu_kernels,
-                                           shard=shard)
+                                           shard=shard, stage=stage)
         self.ctx = dataclasses.replace(self.ctx, gguf_q4=mc.quantization == "gguf",  # GGUF Q4 linears kept int4
                                        int8_head=mc.lm_head != "float", prefill_attention=mc.prefill_attention,
                                        decode_matmul=mc.decode_matmul).with_prefill_matmul(mc.prefill_matmul)
@@ -92,6 +106,8 @@ class InProcessExecutor:
                                                            self.tokenizer)  # None: no own-KV draft
         self.model_config: ModelConfig = self.model.config
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        self.num_layers = len(self.model.attention_layers())  # this pipeline stage's
+        self.link = None  # a pipeline stage's StageLink (parallel.stage_link), set before allocate_cache
         limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype)
@@ -108,14 +124,14 @@ class InProcessExecutor:
         if num_blocks != self.plan.num_blocks:
             self.plan = shrink_plan(self.plan, num_blocks)
         fp8 = self._fp8_scales(calibration_ids) if self.kv_dtype.scaling == "per_layer" else None
-        self.kv_cache = KVCache(num_layers=self.model_config.num_layers, num_blocks=self.plan.num_blocks,
+        self.kv_cache = KVCache(num_layers=self.num_layers, num_blocks=self.plan.num_blocks,
                                 block_size=self.config.cache.block_size, num_kv_heads=self.num_kv_heads,
                                 head_dim=self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
         if fp8 is not None:
             kv_scales.apply(self.kv_cache, fp8.scales, fp8.k_offsets)
         self.proposer = make_proposer(self.config, self.model, self.kv_cache, self.draft_model, self.device,
                                       self.config.model.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, link=self.link)
 
     @property
     def needs_calibration(self) -> bool:
@@ -148,7 +164,8 @@ class InProcessExecutor:
         """This rank's resident bytes: weights by kind (split, replicated) and the KV cache; and what
         its prefill matmuls run in (every rank of a group alike)."""
         kinds = weight_bytes_by_kind(self.model, self.shard.size)
-        return dict(rank=self.shard.rank, weights_bytes=sum(kinds.values()), weights_by_kind=kinds,
+        return dict(rank=self.shard.rank, stage=self.ctx.stage.index, num_layers=self.num_layers,
+                    weights_bytes=sum(kinds.values()), weights_by_kind=kinds,
                     kv_cache_bytes=self.kv_cache.nbytes if self.kv_cache is not None else 0,
                     kv_bytes_per_token=self.plan.bytes_per_token, num_blocks=self.plan.num_blocks,
                     num_kv_heads=self.num_kv_heads, prefill=self.model.ctx.prefill_note)
@@ -191,13 +208,13 @@ class InProcessExecutor:
         if mode == "unit":
             log.warning("fp8 KV cache with unit scales (kv_scales: unit): values beyond %g are clipped",
                         self.kv_dtype.max_value)
-            return kv_scales.Calibration([(1.0, 1.0)] * self.model_config.num_layers, None)
+            return kv_scales.Calibration([(1.0, 1.0)] * self.num_layers, None)
         scales = None if self.needs_calibration else self.model.kv_scales_from_checkpoint()
         if scales is not None:
             log.info("fp8 KV scales from the checkpoint: %s", kv_scales.describe(scales))
             return kv_scales.Calibration(scales, None)
         ids = calibration_ids if calibration_ids is not None else self.calibration_ids()
-        found = kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device)
+        found = kv_scales.calibrate(self.model, ids, self.kv_dtype, self.device, link=self.link)
         found = dataclasses.replace(found, scales=_max_over_ranks(found.scales, self.shard))
         log.info("fp8 KV scales from calibration over %d tokens: %s", len(ids), kv_scales.describe(found.scales))
         return found
@@ -205,7 +222,7 @@ class InProcessExecutor:
     def _plan_kv_cache(self) -> KVCachePlan:
         mc, cache = self.model_config, self.config.cache
         kv_dtype = self.kv_dtype
-        common = dict(num_layers=mc.num_layers, num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim,
+        common = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim,
                       bytes_per_element=kv_dtype.bytes_per_element,
                       scale_bytes_per_head=kv_dtype.scale_bytes_per_head, block_size=cache.block_size,
                       max_model_len=self.max_model_len)
@@ -230,6 +247,6 @@ def _max_over_ranks(scales: list[tuple[float, float]], shard: ShardSpec) -> list
     import torch.distributed as dist
 
     values = torch.tensor(scales, dtype=torch.float64)  # (layers, 2); gloo (a CPU tensor)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=shard.group.pg if shard.group is not None else None)
     return [(float(k), float(v)) for k, v in values.tolist()]
 

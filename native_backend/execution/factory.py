@@ -15,6 +15,6 @@ def make_executor(config: EngineConfig, tokenizer: Tokenizer | None = None) -> E
     """The executor for this config: in-process for one device, worker processes for
     tensor_parallel_size > 1. `tokenizer`: the process's own (process.factory loads it once), for
     the fp8 KV calibration and the draft model's check; None: loaded from the model when needed."""
-    if config.parallel.tensor_parallel_size > 1:
+    if config.parallel.world_size > 1:  # tensor and/or pipeline parallelism
         return TensorParallelExecutor(config, tokenizer)
     return InProcessExecutor(config, tokenizer=tokenizer)

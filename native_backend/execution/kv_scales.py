@@ -73,7 +73,7 @@ class Calibration:
 
 
 def calibrate(model, token_ids: list[int], kv_dtype: KVCacheDType, device: torch.device,
-              center_keys: bool = True) -> Calibration:
+              center_keys: bool = True, link=None) -> Calibration:
     """Per layer, the keys' mean (`center_keys`) and the K and V scales that cover the centered
     keys and the values, from one pass of the model over `token_ids`.
 
@@ -82,10 +82,10 @@ def calibrate(model, token_ids: list[int], kv_dtype: KVCacheDType, device: torch
     keys' error by that ratio, and softmax cannot see the shift."""
     num_blocks = math.ceil(len(token_ids) / CALIBRATION_BLOCK) + 1
     config = model.config  # this rank's KV heads (a tensor-parallel rank holds a share of them)
-    scratch = KVCache(num_layers=config.num_layers, num_blocks=num_blocks, block_size=CALIBRATION_BLOCK,
+    scratch = KVCache(num_layers=len(model.attention_layers()), num_blocks=num_blocks, block_size=CALIBRATION_BLOCK,
                       num_kv_heads=model.attention_layers()[0].num_kv_heads, head_dim=config.head_dim,
                       dtype="float32", device=device)
-    runner = ModelRunner(model, scratch, device)
+    runner = ModelRunner(model, scratch, device, link=link)  # a pipeline stage: the pass runs through every stage
     chunk = ScheduledChunk("kv-scale-calibration", list(token_ids), 0, list(range(1, num_blocks)), True,
                            SamplingParams(temperature=0.0))
     runner.compute_logits(SchedulerOutput([chunk]))

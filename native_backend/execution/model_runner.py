@@ -14,6 +14,10 @@ here; a draft model's q (`draft_probs`) comes with them.
 
     chunk D: verify n=2:  input_ids [.. | d0 d1 d2 | ..]   logits rows [d0 d1 d2] -> e.g. [d1, x]
 
+Pipeline parallelism (`link`, execution.parallel.stage_link): a stage after the first takes the
+previous stage's (residual, delta) instead of embedding the tokens, and a stage before the last
+sends its own on and returns an empty output: the last stage alone pools and samples.
+
 The runner owns no request state beyond the sampler's per-request generators, dropped when the
 scheduler reports a request finished. It binds the KV cache to the model once (each attention
 layer takes its `KVLayer`); from then on a step passes only the step's tensors.
@@ -43,8 +47,9 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str | None = None,
-                 sampler: Sampler | None = None, lora=None):
+                 sampler: Sampler | None = None, lora=None, link=None):
         self.model = model
+        self.link = link  # a pipeline stage's StageLink; None: the whole model runs here
         self.kv_cache = kv_cache
         self.device = torch.device(device) if device is not None else kv_cache.device
         self.block_size = kv_cache.block_size
@@ -65,7 +70,9 @@ class ModelRunner:
             return output
         chunks, draft_probs = sched_out.chunks, draft_probs or {}
         inputs = self.prepare_inputs(chunks)
-        hidden = self._forward(chunks, inputs)
+        hidden = self.forward(inputs, chunks)
+        if hidden is None:
+            return output  # a stage before the last: the next one has the hidden states
         if any(c.pooling is not None for c in chunks):
             self.pooler.pool(chunks, hidden, output)
         sampling_chunks = [c for c in chunks if c.sample]
@@ -114,7 +121,9 @@ class ModelRunner:
         (num_logit_rows rows of each sampling chunk, or every token of every chunk with all_tokens).
         For tests and for speculative verification that wants the distributions."""
         inputs = self.prepare_inputs(sched_out.chunks)
-        hidden = self._forward(sched_out.chunks, inputs)
+        hidden = self.forward(inputs, sched_out.chunks)
+        if hidden is None:
+            return {}  # a stage before the last
         result, start = {}, 0
         for chunk in sched_out.chunks:
             end = start + len(step_tokens(chunk))
@@ -125,15 +134,23 @@ class ModelRunner:
             start = end
         return result
 
-    def _forward(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> torch.Tensor:
-        """The model over the step; with LoRA, each chunk's tokens through its adapter."""
+    def forward(self, inputs: ModelInputs, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The model over the step's tokens (with LoRA, each chunk's through its adapter):
+        (num_tokens, hidden) after the final norm, or None on a pipeline stage before the last
+        (which sends its (residual, delta) on)."""
         lora_step = nullcontext()
         if self.lora is not None:
             lora_step = self.lora.step([c.lora_name for c in chunks], [len(step_tokens(c)) for c in chunks])
         elif any(c.lora_name is not None for c in chunks):
             raise ValueError("a LoRA adapter was scheduled on an engine without enable_lora")
+        link = self.link
+        intermediate = link.recv(len(inputs.input_ids)) if link is not None and link.prev_rank is not None else None
         with lora_step:
-            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
+        if link is not None and link.next_rank is not None:
+            link.send(*hidden)
+            return None
+        return hidden
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> ModelInputs:
         """Flat tensors for the whole batch, built on the host and moved to the device once."""

@@ -244,6 +244,21 @@ def test_victim_already_in_the_batch_is_taken_out_of_it(make_scheduler, kit):
     assert high.output_token_ids == kit.expected_output(high.prompt_token_ids, 2)
 
 
+def test_a_request_with_a_step_in_flight_is_neither_scheduled_nor_preempted(make_scheduler, kit):
+    """Pipeline parallelism keeps steps in flight: schedule(busy) leaves their requests out (their
+    next token is not known yet) and never preempts one (its step is still writing its blocks).
+    c, the least important, is the victim of a full cache; in flight, it is left alone and b goes."""
+    sched, runner, (a, b, c) = fill_cache_with_three_requests(make_scheduler, kit, [("a", 0), ("b", 0), ("c", 1)])
+    out = sched.schedule(busy={"c"})
+    assert [ch.request_id for ch in out.chunks] == ["a"] and out.preempted_request_ids == ["b"]
+    assert c.status is SequenceStatus.RUNNING and c.block_table
+    sched.update(out, runner.execute(out))
+    kit.assert_consistent(sched)
+    runner.run_until_done()
+    for s in (a, b, c):
+        assert s.output_token_ids == kit.expected_output(s.prompt_token_ids, 6)
+
+
 def test_a_step_that_preempts_admits_nobody(make_scheduler, kit):
     sched, runner, _ = fill_cache_with_three_requests(make_scheduler, kit, [("a", 0), ("b", 0), ("c", 0)])
     sched.add(request("late", tokens(1), max_tokens=1, priority=-5))

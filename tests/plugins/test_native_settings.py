@@ -89,7 +89,7 @@ def _non_default_settings() -> dict:
                 kv_allowed_producers=("10.0.0.0/8", "prefill.llm.svc"), kv_transfer_key_env="KV_KEY",
                 kv_transfer_header_timeout_s=0.5, prefill_matmul="bf16", prefill_attention="fp32",
                 long_prefill_token_threshold=64,
-                lm_head="float", decode_matmul="fp32")
+                lm_head="float", decode_matmul="fp32", pipeline_parallel_size=2, pipeline_layer_partition=(3, 4))
 
 
 def test_each_setting_arrives_in_its_part():
@@ -163,6 +163,18 @@ def test_check_config_refuses_an_awq_split_that_cuts_packed_columns_naming_the_s
             and "gate_proj/up_proj's packed int4 columns (a shard of 28 outputs would cut an int32 of 8)" in output
             and output.rstrip().endswith("valid sizes for this model: 1, 2")), output
     assert "Traceback" not in output
+
+
+def test_the_settings_refuse_a_pipeline_the_model_cannot_run_with_the_reason(tiny_awq_g8):
+    """The tiny Llama has 2 layers: 3 stages cannot split them; 2 stages can, but not with a kv_role.
+    The check reads config.json alone (no torch)."""
+    with pytest.raises(pydantic.ValidationError, match=r"3 stages cannot split 2 layers .*valid sizes for this "
+                                                      r"model: 1\.\.2"):
+        NativeSettings(model=tiny_awq_g8, pipeline_parallel_size=3)
+    with pytest.raises(pydantic.ValidationError, match=r"pipeline_parallel_size 2 with kv_role 'consumer': not "
+                                                      r"supported yet"):
+        NativeSettings(model=tiny_awq_g8, pipeline_parallel_size=2, kv_role="consumer")
+    assert NativeSettings(model=tiny_awq_g8, pipeline_parallel_size=2).engine_config().parallel.world_size == 2
 
 
 def test_the_split_check_of_the_settings_does_not_import_torch(tiny_awq_g8):

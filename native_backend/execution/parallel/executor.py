@@ -1,4 +1,4 @@
-"""Rank 0's side of tensor parallelism: start the workers, step them with deltas, watch them, stop them.
+"""Rank 0's side of tensor and pipeline parallelism: start the workers, step them, watch them, stop them.
 
     TensorParallelExecutor(config)
       check      the model splits across N (else the valid sizes; packed int4 linears, AWQ or
@@ -15,6 +15,13 @@
       KV relay   with a kv_role: kv_blocks() gives the KV connector every rank's blocks (kv_relay:
                  a producer's workers answer shard reads on a KV pipe of their own; a consumer's
                  shards go to the workers on the step pipe, ahead of the next step)
+      pipeline   with pipeline_parallel_size P > 1 (TP x P ranks, parallel.topology): rank 0 runs
+                 stage 0 and sends its hidden states on (stage_link); the last stage's TP rank 0
+                 gets the whole step ("sample") and sends the RunnerOutput back on its pipe.
+                 `submit` starts a step and returns once stage 0 is done with it, `collect` takes
+                 the oldest step's output: the engine core keeps up to P steps in flight
+                 (max_concurrent_batches), so stage 0 runs the next batch while later stages
+                 finish the previous ones
       faults     a worker that died or stopped fails the step (TensorParallelError naming the
                  rank and why), so the engine process reports a fatal error and exits; its
                  supervisor restarts it. An idle engine notices through check_health().
@@ -26,8 +33,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
+import dataclasses
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,15 +48,18 @@ from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS
 from native_backend.execution.parallel.group import backend_for, join_group, leave_group, open_rendezvous, rank_device
 from native_backend.execution.parallel.kv_relay import ShardPipe, TensorParallelBlocks
 from native_backend.execution.parallel.report import describe_rank
-from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
+from native_backend.execution.parallel.topology import Topology, join_stage_groups, rank_layout, stage_link
+from native_backend.execution.parallel.validate import check_model_on_disk, check_pipeline, check_speculative_method
 from native_backend.execution.parallel.worker import run_worker
 from native_backend.model.layers import prefill_attention, prefill_matmul
-from native_backend.model.layers.sharding import CommStats, ShardSpec
+from native_backend.model.layers.sharding import CommStats
+from native_backend.model.loader import read_model_config
 
 log = logging.getLogger("kvgate.engine")
 
 START_TIMEOUT_S = 600.0  # a worker loading its shard: the engine client's own start-up timeout is the real bound
 STOP_TIMEOUT_S = 5.0  # a worker that has not exited this long after "stop" is killed
+FAULT_POLL_S = 1.0  # waiting for the last pipeline stage's output: how often to look for a stopped rank
 
 
 STOPPED, DIED, LOST_PEER, TIMED_OUT = "stopped", "died", "lost a peer", "timed out"  # what a worker's state says
@@ -70,7 +82,12 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer  # rank 0's calibration text (text.tokenizer.Tokenizer; None: loaded then)
-        self.size = config.parallel.tensor_parallel_size
+        self.topo = Topology.of(config)
+        self.size = self.topo.world  # ranks in all
+        self.max_concurrent_batches = self.topo.pp  # steps in flight: one per stage
+        self._kind = "tensor-parallel" if self.topo.pp == 1 else "pipeline-parallel"
+        self._in_flight = 0  # steps submitted and not collected
+        self._busy = 0.0  # rank 0's seconds computing steps (stage_busy_seconds)
         check_supported(config)
         self.comm = CommStats()
         self.device = rank_device(config.model.device, 0)
@@ -100,31 +117,38 @@ class TensorParallelExecutor:
     def _start_group(self, listener) -> None:
         port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
         probes = start_up_probes(self.config)  # before the workers start: nothing of ours loads the cores yet
+        num_layers = read_model_config(self.config.model.path).num_layers
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
             kv_ours, kv_theirs = ctx.Pipe(duplex=True) if self.config.transfer.produces else (None, None)
             process = ctx.Process(target=run_worker,
-                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probes),
+                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probes, num_layers),
                                   name=f"kvgate-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
             if kv_theirs is not None:
                 kv_theirs.close()
             self.workers.append(_Worker(rank, process, ours, kv_ours))
-        self.rank = InProcessExecutor(self.config, ShardSpec(0, self.size, self.comm), self.device, allocate=False,
-                                      tokenizer=self.tokenizer)
+        shard, stage = rank_layout(self.config, 0, num_layers, self.comm)
+        self.rank = InProcessExecutor(self.config, shard, self.device, allocate=False, tokenizer=self.tokenizer,
+                                      stage=stage)
         blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
         ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
         self._send_all(("plan", min(blocks), ids))
         join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s, listener)
+        join_stage_groups(self.topo, shard)
+        self.rank.link = stage_link(self.topo, 0, self.rank.model_config.hidden_size, self.rank.ctx.dtype, self.device)
         self.rank.allocate_cache(min(blocks), ids)
         ready = self._hear_from_all("ready")
-        self.reports = [self.rank.memory_report(), *(m[1] for m in ready)]
+        self.reports = [dict(r, rank=i) for i, r in enumerate([self.rank.memory_report(), *(m[1] for m in ready)])]
         self.worker_kv_layouts = [m[2] for m in ready]  # kv_relay: each worker's KV layout and block bytes
 
     # ------------------------------------------------------------------ steps
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        if self.topo.pp > 1:
+            self.submit(scheduled)
+            return self.collect()
         scheduled, draft_probs = self.rank.propose(scheduled)  # before the deltas: workers run the drafts too
         self._step_workers(scheduled, EXECUTE)
         try:
@@ -132,23 +156,92 @@ class TensorParallelExecutor:
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
             raise self._fault(exc) from None
 
+    # ------------------------------------------------------------------ pipeline steps
+
+    def submit(self, scheduled: SchedulerOutput) -> None:
+        """Start a step (pipeline parallelism): every worker gets it, rank 0 runs stage 0 and sends
+        its hidden states on; the output comes from `collect`, oldest step first."""
+        scheduled, _ = self.rank.propose(scheduled)  # n-gram drafts (a draft model is refused under PP)
+        scheduled = dataclasses.replace(scheduled, kv_loads=[])  # the engine's, never the workers'
+        self._step_workers(scheduled, EXECUTE)
+        started = time.perf_counter()
+        try:
+            self.rank.runner.execute(scheduled)
+        except RuntimeError as exc:
+            raise self._fault(exc) from None
+        self._busy += time.perf_counter() - started
+        self._in_flight += 1
+
+    def collect(self) -> RunnerOutput:
+        """The oldest step's output, from the last stage; a worker that died, failed or stopped
+        meanwhile raises TensorParallelError naming it."""
+        self._in_flight -= 1
+        return self._await_sampler()
+
+    def _await_sampler(self):
+        worker = self.workers[self.topo.sampler_rank - 1]
+        sentinels = [w.process.sentinel for w in self.workers]
+        while True:
+            ready = multiprocessing.connection.wait([worker.conn, *sentinels], FAULT_POLL_S)
+            if worker.conn in ready:
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise self._fault(exc) from None
+                if message[0] == "output":
+                    return message[1]
+                self._note_error(worker, message)
+                raise self._fault(RuntimeError(message[1]))
+            if ready or any(_is_stopped(w.process.pid) for w in self.workers):
+                # a sentinel fires as the process closes its files, a moment before it can be reaped
+                raise self._fault(None, wait=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted whose output has not been collected."""
+        return self._in_flight
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage's TP rank 0 has spent computing steps since start, not waiting for
+        the previous stage (bench/pp.py: the bubble is what is left of stages x wall time).
+        Only between steps (nothing in flight)."""
+        if self._in_flight:
+            raise RuntimeError("stage_busy_seconds with steps in flight")
+        seconds = [self._busy]
+        for stage in range(1, self.topo.pp):
+            worker = self.workers[stage * self.topo.tp - 1]
+            worker.conn.send(("busy",))
+            seconds.append(worker.conn.recv()[1])
+        return seconds
+
     def count_drafts(self, request_id: str, tokens: list[int], k: int) -> int:
         return self.rank.count_drafts(request_id, tokens, k)  # rank 0's proposer fills the slots
 
     def compute_logits(self, scheduled: SchedulerOutput, all_tokens: bool = False) -> dict[str, torch.Tensor]:
-        """ModelRunner.compute_logits on every rank (tests): the whole vocabulary's logits."""
+        """ModelRunner.compute_logits on every rank (tests): the whole vocabulary's logits (under
+        pipeline parallelism from the last stage, which sends them back)."""
         self._step_workers(scheduled, ALL_LOGITS if all_tokens else LOGITS)
         try:
-            return self.rank.compute_logits(scheduled, all_tokens)
+            logits = self.rank.compute_logits(scheduled, all_tokens)
         except RuntimeError as exc:
             raise self._fault(exc) from None
+        return self._await_sampler() if self.topo.pp > 1 else logits
 
     def _step_workers(self, scheduled: SchedulerOutput, mode: str) -> None:
+        """The step's delta to every worker; under pipeline parallelism the last stage's TP rank 0
+        gets the whole step instead (it samples: settings, histories, grammar masks)."""
         delta = self.encoder.encode(scheduled, mode)
-        if not delta.chunks and not delta.dropped:
+        sampler = self.topo.sampler_rank if self.topo.pp > 1 else None
+        if sampler is None and not delta.chunks and not delta.dropped:
             return  # nothing runs and nothing to forget
         try:
-            self._send_all(("step", delta))
+            for worker in self.workers:
+                if worker.rank != sampler:
+                    worker.conn.send(("step", delta))
+                elif mode == EXECUTE:
+                    worker.conn.send(("sample", scheduled))
+                else:
+                    worker.conn.send(("logits", scheduled, mode == ALL_LOGITS))
         except OSError as exc:
             raise self._fault(exc) from None
 
@@ -180,25 +273,26 @@ class TensorParallelExecutor:
             if not worker.process.is_alive():
                 raise self._fault(None)
 
-    def _fault(self, cause: BaseException | None) -> TensorParallelError:
+    def _fault(self, cause: BaseException | None, wait: bool | None = None) -> TensorParallelError:
         """Why the group failed, naming the rank: a stopped rank (the collective timed out on it),
         else a rank that died (its own report, or the signal that killed it). Ranks that only
         lost a peer or gave up waiting on a silent one are consequences, named only when nothing
-        else explains the failure."""
+        else explains the failure. `wait`: give ranks that are exiting a moment to be reaped
+        (default: when a collective failed)."""
         found = {STOPPED: [], DIED: [], LOST_PEER: [], TIMED_OUT: []}
         for worker in self.workers:
-            kind, text = self._diagnose(worker, wait=cause is not None)
+            kind, text = self._diagnose(worker, wait=cause is not None if wait is None else wait)
             if kind is not None:
                 found[kind].append(f"rank {worker.rank} {text}")
         timeout = f"a rank did not answer within {self.config.parallel.collective_timeout_s:g} s (collective timeout)"
         if found[STOPPED]:
-            message = f"tensor-parallel step failed: {timeout}: {'; '.join(found[STOPPED])}"
+            message = f"{self._kind} step failed: {timeout}: {'; '.join(found[STOPPED])}"
         elif found[DIED] or found[LOST_PEER]:
-            message = f"tensor-parallel worker died: {'; '.join(found[DIED] or found[LOST_PEER])}"
+            message = f"{self._kind} worker died: {'; '.join(found[DIED] or found[LOST_PEER])}"
         elif found[TIMED_OUT] or (cause is not None and _is_timeout(str(cause))):
-            message = f"tensor-parallel step failed: {timeout}: a rank stopped or hung"
+            message = f"{self._kind} step failed: {timeout}: a rank stopped or hung"
         else:
-            message = f"tensor-parallel collective failed: {_without_source_path(str(cause))}"
+            message = f"{self._kind} collective failed: {_without_source_path(str(cause))}"
         log.error("%s", message)
         return TensorParallelError(message)
 
@@ -219,12 +313,15 @@ class TensorParallelExecutor:
     def _read_error(worker: _Worker) -> None:
         try:
             while worker.conn.poll(0):
-                message = worker.conn.recv()
-                if message[0] == "error":
-                    worker.error = f"failed: {_without_source_path(message[1])}"
-                    log.error("tensor-parallel rank %d: %s", worker.rank, message[2])
+                TensorParallelExecutor._note_error(worker, worker.conn.recv())
         except (OSError, EOFError):
             pass
+
+    @staticmethod
+    def _note_error(worker: _Worker, message: tuple) -> None:
+        if message[0] == "error":
+            worker.error = f"failed: {_without_source_path(message[1])}"
+            log.error("parallel rank %d: %s", worker.rank, message[2])
 
     # ------------------------------------------------------------------ start-up and shutdown
 
@@ -251,7 +348,7 @@ class TensorParallelExecutor:
             if message[0] != tag:
                 if message[2]:
                     log.error("tensor-parallel rank %d:\n%s", worker.rank, message[2])
-                raise TensorParallelError(f"tensor-parallel rank {worker.rank} failed to start: {message[1]}")
+                raise TensorParallelError(f"{self._kind} rank {worker.rank} failed to start: {message[1]}")
             messages.append(message)
         return messages
 
@@ -280,8 +377,12 @@ class TensorParallelExecutor:
 
     def describe(self) -> str:
         mc, p = self.config.model, self.plan
-        ranks = "; ".join(describe_rank(r) for r in self.reports)
-        return (f"{mc.path} on {self.size} tensor-parallel ranks ({backend_for(self.device)} over loopback, "
+        ranks = "; ".join(describe_rank(r, pipeline=self.topo.pp > 1) for r in self.reports)
+        layout = f"{self.size} tensor-parallel ranks" if self.topo.pp == 1 else (
+            f"{self.size} ranks (tensor parallel {self.topo.tp} x pipeline parallel {self.topo.pp} stages of "
+            f"{', '.join(str(r['num_layers']) for r in self.reports[::self.topo.tp])} layers, "
+            f"up to {self.topo.pp} steps in flight)")
+        return (f"{mc.path} on {layout} ({backend_for(self.device)} over loopback, "
                 f"{mc.device}, {mc.dtype}, {self.rank.model.ctx.kernels}; decode steps per layer: the one-call "
                 f"decode step is single-rank only); KV cache {self.rank.kv_dtype.name} "
                 f"{p.num_blocks} blocks x {p.block_size} tokens on every rank, {p.full_context_sequences} "
@@ -312,10 +413,14 @@ def start_up_probes(config: EngineConfig) -> dict | None:
 
 
 def check_supported(config: EngineConfig) -> None:
-    """Refuse at start what tensor parallelism does not run yet, and sizes the model cannot split."""
+    """Refuse at start what tensor and pipeline parallelism do not run yet, and sizes the model
+    cannot split."""
     size = config.parallel.tensor_parallel_size
-    check_speculative_method(size, config.speculative.method if config.speculative is not None else None)
+    check_speculative_method(size, config.speculative.method if config.speculative else None,
+                             config.parallel.pipeline_parallel_size)
     check_model_on_disk(config.model.path, size, config.model.quantization)
+    if config.parallel.pipeline_parallel_size > 1:
+        check_pipeline(config, read_model_config(config.model.path).num_layers)
 
 
 def _without_source_path(text: str) -> str:

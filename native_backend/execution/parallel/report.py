@@ -48,9 +48,10 @@ def mib(n: int | float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def describe_rank(report: dict) -> str:
+def describe_rank(report: dict, pipeline: bool = False) -> str:
     kinds = report["weights_by_kind"]
     replicated = ", ".join(f"{k.removeprefix('replicated: ')} {mib(v)}" for k, v in kinds.items() if k != SPLIT)
-    return (f"rank {report['rank']}: weights {mib(report['weights_bytes'])} (split {mib(kinds.get(SPLIT, 0))}; "
+    stage = f" (stage {report['stage']}, {report['num_layers']} layers)" if pipeline else ""
+    return (f"rank {report['rank']}{stage}: weights {mib(report['weights_bytes'])} (split {mib(kinds.get(SPLIT, 0))}; "
             f"replicated {replicated or 'nothing'}), KV {mib(report['kv_cache_bytes'])} "
             f"({report['num_kv_heads']} KV heads/layer, {report['kv_bytes_per_token']} B/token)")

@@ -47,13 +47,43 @@ def check_model_on_disk(path: str, size: int, quantization: str = "none") -> Non
     check_tp_size(config, size, os.path.basename(path.rstrip("/")) or path, group)
 
 
-def check_speculative_method(size: int, method: str | None) -> None:
-    """Raise ValueError for speculative decoding that tensor parallelism does not run (method
-    draft), naming what does (ngram); None: speculation off."""
+def check_speculative_method(size: int, method: str | None, pipeline_size: int = 1) -> None:
+    """Raise ValueError for speculative decoding that tensor or pipeline parallelism does not run
+    (method draft), naming what does (ngram); None: speculation off. `size`: tensor-parallel ranks."""
+    if pipeline_size > 1 and method == "draft":
+        raise ValueError(f"parallel.pipeline_parallel_size {pipeline_size} with speculative method 'draft': not "
+                         "supported (a draft model runs on one rank only); with pipeline parallelism use "
+                         "speculative method 'ngram' (prompt lookup)")
     if size > 1 and method == "draft":
         raise ValueError(f"parallel.tensor_parallel_size {size} with speculative method 'draft': not supported "
                          "(a draft model runs at tensor_parallel_size 1 only); with tensor parallelism use "
                          "speculative method 'ngram' (prompt lookup)")
+
+
+def check_pipeline_on_disk(config) -> None:
+    """`check_pipeline` for the model at config.model.path (config.json or the GGUF's metadata)."""
+    path = config.model.path
+    if os.path.isdir(path):
+        num_layers = ModelConfig.from_hf_dir(path).num_layers
+    else:
+        import gguf  # numpy only, no torch
+
+        num_layers = ModelConfig.from_gguf(gguf.GGUFReader(path)).num_layers
+    check_pipeline(config, num_layers)
+
+
+def check_pipeline(config, num_layers: int) -> None:
+    """Raise ValueError for a pipeline the model cannot split into (each stage needs a layer; a
+    given partition must add up), or one combined with what pipeline parallelism does not run yet:
+    prefill/decode disaggregation (a producer or consumer would move each stage's blocks)."""
+    from native_backend.model.layers.stages import partition_layers
+
+    p = config.parallel
+    partition_layers(num_layers, p.pipeline_parallel_size, p.pipeline_layer_partition)
+    if config.transfer.kv_role:
+        raise ValueError(f"parallel.pipeline_parallel_size {p.pipeline_parallel_size} with kv_role "
+                         f"'{config.transfer.kv_role}': not supported yet (prefill/decode disaggregation would move "
+                         "every stage's share of the KV blocks); run disaggregated engines at pipeline_parallel_size 1")
 
 
 def split_problems(config: ModelConfig, size: int, group_size: int | None = None) -> list[str]:

@@ -30,6 +30,7 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> nn.Module:
     draft.model._modules = dict(target.model._modules)
     draft.model.layers = target.model.layers[:num_layers]  # the same layer modules, fewer of them
     draft.config = dataclasses.replace(target.config, num_layers=num_layers)
+    draft.layer_range = range(num_layers)
     draft.fused_decode = None  # built for the draft's own layers when its cache is bound
     return draft
 

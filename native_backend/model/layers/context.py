@@ -29,6 +29,7 @@ from native_backend.model.layers.prefill_matmul import BF16_MIN_ROWS
 from native_backend.model.layers.linear import C_KERNEL, DENSE, CKernelMethod, LinearMethod, with_bf16_prefill
 from native_backend.model.layers.ops import TORCH_OPS, TorchOps
 from native_backend.model.layers.sharding import SINGLE, ShardSpec
+from native_backend.model.layers.stages import WHOLE, StageSpec
 from native_backend.model.quantization.format import QuantConfig
 
 
@@ -54,20 +55,23 @@ class LayerContext:
     bf16_min_rows: int = BF16_MIN_ROWS
     kernel_path: str = ""  # the C kernels' path (cpu_kernels.path(): "avx512", "avx2"); "": no C kernels
     prefill_path: str = ""  # CPU float32: "matmuls bf16, attention bf16" etc., as resolved; "": no choice made
+    stage: StageSpec = field(default=WHOLE)  # the decoder layers this pipeline stage holds
 
     @classmethod
     def for_device(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
                    cpu_kernels: bool = True, attention: str | None = None,
-                   shard: ShardSpec = SINGLE) -> LayerContext:
+                   shard: ShardSpec = SINGLE, stage: StageSpec = WHOLE) -> LayerContext:
         """`attention` forces a backend ("reference", "cpu", "triton"); by default the device's."""
         device = torch.device(device)
         if device.type != "cpu":
             backend = get_attention_backend(device, attention)
-            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels=f"attention {backend.name}")
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels=f"attention {backend.name}",
+                       stage=stage)
         if not cpu_kernels:
             backend = get_attention_backend(device, attention or "reference")
-            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)")
-        return _cpu_context(device, dtype, attention, shard)
+            return cls(device, dtype, DENSE, TORCH_OPS, backend, shard, kernels="torch kernels (C kernels off)",
+                       stage=stage)
+        return _cpu_context(device, dtype, attention, shard, stage)
 
     def with_prefill_matmul(self, setting: str) -> LayerContext:
         """This context with prefill's matrix products as `setting` says (prefill_matmul.resolve):
@@ -123,18 +127,19 @@ class LayerContext:
                                    prefill_note="; ".join(n for n in (matmul_note, note) if n))
 
 
-def _cpu_context(device, dtype, attention, shard) -> LayerContext:
+def _cpu_context(device, dtype, attention, shard, stage) -> LayerContext:
     backend = get_attention_backend(device, attention)
     if not cpu_kernels.available():
         why = cpu_kernels.unavailable_reason()
         return LayerContext(device, dtype, DENSE, TORCH_OPS, backend, shard,
-                            kernels=f"torch kernels (C kernels unavailable: {why})")
+                            kernels=f"torch kernels (C kernels unavailable: {why})", stage=stage)
     from native_backend.model.layers.cpu_ops import KERNEL_OPS  # imports the kernel library's bindings
 
-    # The one-call decode step runs float32 weights over the C attention kernel only.
-    fuse = dtype == torch.float32 and backend.name == "cpu" and shard.size == 1
+    # The one-call decode step runs float32 weights over the C attention kernel only, the whole
+    # model on one rank (it starts from the embedding and ends with the final norm).
+    fuse = dtype == torch.float32 and backend.name == "cpu" and shard.size == 1 and stage.size == 1
     fused = ", one-call decode steps" if fuse else ""
-    return LayerContext(device, dtype, C_KERNEL, KERNEL_OPS, backend, shard, fuse_decode=fuse,
+    return LayerContext(device, dtype, C_KERNEL, KERNEL_OPS, backend, shard, fuse_decode=fuse, stage=stage,
                         kernel_path=cpu_kernels.path().name,
                         kernels=f"C kernels {cpu_kernels.path_label()} (attention '{backend.name}', "
                                 f"C-kernel linears, fused layer ops{fused})")

@@ -38,12 +38,23 @@ class CommStats:
         self.bytes += tensor.numel() * tensor.element_size()
 
 
+class GroupHandle:
+    """The torch.distributed group a shard's collectives run in, known once the ranks have joined
+    (a layer is built before that): under pipeline parallelism each stage's tensor-parallel ranks;
+    `pg` None: the default group (tensor parallelism alone: every rank)."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = tuple(ranks)  # global ranks, the first one gathers the LM head's slices
+        self.pg = None
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     rank: int = 0
     size: int = 1
     # this rank's collective counters (tensor-parallel ranks only); not part of the spec's identity
     comm: CommStats | None = field(default=None, compare=False, repr=False)
+    group: GroupHandle | None = field(default=None, compare=False, repr=False)  # None: the default group
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -81,7 +92,7 @@ class ShardSpec:
         import torch.distributed as dist
 
         started = time.perf_counter()
-        dist.all_reduce(partial)
+        dist.all_reduce(partial, group=self._process_group())
         if self.comm is not None:
             self.comm.add(started, partial)
         return partial
@@ -96,10 +107,13 @@ class ShardSpec:
         started = time.perf_counter()
         part = part.contiguous()
         parts = [torch.empty_like(part) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(part, parts, dst=0)
+        dist.gather(part, parts, group=self._process_group(), group_dst=0)
         if self.comm is not None:
             self.comm.add(started, part)
         return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def _process_group(self):
+        return self.group.pg if self.group is not None else None
 
 
 SINGLE = ShardSpec()

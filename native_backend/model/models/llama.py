@@ -11,6 +11,11 @@ onto parameters by name (`load_weights`), each through its own `weight_loader`.
             model.process_weights_after_loading()
     serve:  model.bind_kv_cache(cache)           each attention layer takes its KVLayer
             model(input_ids, positions, md) -> hidden;  model.compute_logits(hidden rows)
+
+A pipeline stage (ctx.stage) builds and loads only its decoder layers (the others are empty
+placeholders, so parameter names stay the checkpoint's), the embedding on the first stage, the
+final norm and LM head on the last; a stage after the first takes the previous one's (residual,
+delta) as `intermediate`, and a stage before the last returns its own instead of hidden states.
 """
 
 from __future__ import annotations
@@ -102,13 +107,22 @@ class LlamaDecoderLayer(nn.Module):
         return residual, self.mlp(x, step.ops)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never run."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ctx: LayerContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard=ctx.shard,
-                                                   dtype=ctx.dtype, device=ctx.device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=ctx.dtype, device=ctx.device)
+        stage = ctx.stage
+        self.embed_tokens = None  # a middle stage's; the last stage's with a tied head keeps it for the head
+        if stage.first or (stage.last and config.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard=ctx.shard,
+                                                       dtype=ctx.dtype, device=ctx.device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx) if stage.holds(i, config.num_layers)
+                                    else MissingLayer() for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=ctx.dtype, device=ctx.device) \
+            if stage.last else None
         self.rotary_emb = RotaryEmbedding(config, device=ctx.device)
 
 
@@ -121,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
         tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
         head_method = ctx.head_method or ctx.linear_method  # int4 models keep a float head
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method=head_method, shard=ctx.shard,
-                                      dtype=ctx.dtype, device=ctx.device, tie_to=tie_to)
+                                      dtype=ctx.dtype, device=ctx.device, tie_to=tie_to) if ctx.stage.last else None
+        self.layer_range = ctx.stage.layer_range(config.num_layers)  # the decoder layers this stage runs
         self.ops: TorchOps = ctx.ops
         # CPU: a decode step's whole stack in one C call (models.fused_decode), made once the KV
         # cache is bound; None: every step runs the layers below.
@@ -139,8 +154,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name in tied:  # some tied checkpoints carry the head too: the embedding's copy wins
                 continue
-            if _take_kv_scale(self.checkpoint_kv_scales, name, tensor):
-                continue
+            if _take_kv_scale(self.checkpoint_kv_scales, name, tensor) or not self._holds(name):
+                continue  # a KV scale, or a tensor of another pipeline stage's
             param = params.get(name)
             if param is None:
                 unexpected.append(name)
@@ -154,11 +169,22 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
+    def _holds(self, name: str) -> bool:
+        """Whether this stage has the parameter of this checkpoint name (every one, with one stage)."""
+        part = name.split(".")
+        if part[:2] == ["model", "layers"]:
+            return int(part[2]) in self.layer_range
+        if part[:2] == ["model", "embed_tokens"]:
+            return self.model.embed_tokens is not None
+        if part[:2] == ["model", "norm"]:
+            return self.model.norm is not None
+        return self.lm_head is not None if part[0] == "lm_head" else True
+
     def kv_scales_from_checkpoint(self) -> list[tuple[float, float]] | None:
-        """Per-layer (k_scale, v_scale) when the checkpoint had both for every layer."""
+        """Per-layer (k_scale, v_scale) of this stage's layers when the checkpoint had both for each."""
         scales = self.checkpoint_kv_scales
         try:
-            return [(scales[(i, "k")], scales[(i, "v")]) for i in range(self.config.num_layers)]
+            return [(scales[(i, "k")], scales[(i, "v")]) for i in self.layer_range]
         except KeyError:
             return None
 
@@ -169,11 +195,11 @@ class LlamaForCausalLM(nn.Module):
         self.eval().requires_grad_(False)
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
-        """The declared list of decoder layers, in order (what FusedDecode walks)."""
-        return list(self.model.layers)
+        """This stage's decoder layers (every one, with one stage), in order (what FusedDecode walks)."""
+        return [self.model.layers[i] for i in self.layer_range]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
 
     def bind_kv_cache(self, cache: KVCache) -> None:
         """Give every attention layer its slice of the cache; a CPU model that can fuse decode
@@ -196,16 +222,23 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (num_tokens,) int64
         positions: torch.Tensor,  # (num_tokens,) int64
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # (num_tokens, hidden) after the final norm
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # the previous stage's (residual, delta)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(num_tokens, hidden) after the final norm; a stage before the last: its (residual, delta)."""
         if self.fused_decode is not None:
             hidden = self.fused_decode(input_ids, positions, attn_metadata)
             if hidden is not None:
                 return hidden
         ops = self.ops
         step = StepContext(ops.rope_tables(self.model.rotary_emb, positions), attn_metadata, ops)
-        residual, delta = None, self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
-        for layer in self.model.layers:
+        if intermediate is None:
+            residual, delta = None, self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        else:
+            residual, delta = intermediate
+        for layer in self.decoder_layers():
             residual, delta = layer(residual, delta, step)
+        if self.model.norm is None:
+            return residual, delta
         return ops.add_rms_norm(residual, delta, self.model.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -193,7 +193,7 @@ def _copies_mib(model) -> str:
 def weights_format(model) -> str:
     """The decoder linears' format in a few words: "float32", or the int4 method's ("int4 AWQ g64",
     "int4 GGUF Q4_1 g32"), for the engine's stats (the gateway's /v1/models)."""
-    method = model.model.layers[0].self_attn.q_proj.method
+    method = model.decoder_layers()[0].self_attn.q_proj.method
     if isinstance(method, AWQLinearMethod):
         return f"{method.label} g{method.group_size}"
     return str(model.ctx.dtype).replace("torch.", "")

@@ -46,7 +46,8 @@ from native_backend.config.formats import DTYPES, KV_CACHE_DTYPES
 from native_backend.core.interface import EngineError, EngineRequest, RequestOutput
 from native_backend.core.sampling_params import SamplingParams as EngineSampling
 from native_backend.execution.kv_transfer.trust import share_local_key
-from native_backend.execution.parallel.validate import check_model_on_disk, check_speculative_method
+from native_backend.execution.parallel.validate import (check_model_on_disk, check_pipeline_on_disk,
+                                                       check_speculative_method)
 from native_backend.process.client import AsyncEngineClient
 from native_backend.process.kv_publisher import binds as publisher_binds
 from native_backend.process.protocol import EngineDeadError
@@ -159,6 +160,12 @@ class NativeSettings(BaseModel):
                                       "across; the model's heads, KV heads, MLP and vocabulary must split, "
                                       "int4 linears in whole int32 words and groups (refused by this "
                                       "check and at start, naming the sizes that would).")
+    pipeline_parallel_size: int = Field(1, description="Pipeline stages one engine splits the decoder layers "
+                                        "into (tensor_parallel_size ranks each; GPUs on cuda); the last stage "
+                                        "samples, and up to this many batches run at once, one per stage.")
+    pipeline_layer_partition: tuple[int, ...] | None = Field(
+        None, description="Each stage's number of decoder layers (adding up to the model's); default: even, "
+        "the remainder one each to the stages before the last.")
     collective_timeout_s: float = Field(60.0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
@@ -238,10 +245,13 @@ class NativeSettings(BaseModel):
         only the model on disk can tell: whether the engine runs its architecture, and whether
         tensor parallelism splits it."""
         self.engine_config()
-        check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None)
+        check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None,
+                                 self.pipeline_parallel_size)
         self._check_the_architecture()
         if self.tensor_parallel_size > 1:
             self._check_the_split()
+        if self.pipeline_parallel_size > 1 and os.path.exists(self.model_path):
+            check_pipeline_on_disk(self.engine_config())  # the stages, and what PP does not combine with yet
         return self
 
     @property

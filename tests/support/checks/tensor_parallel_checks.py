@@ -17,11 +17,11 @@ GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
 
 
-def tiny_gqa_llama(path) -> str:
+def tiny_gqa_llama(path, num_layers: int = 2) -> str:
     """8 query heads, 2 KV heads (TP 2 splits them, TP 4 replicates each on two ranks), MLP 112,
-    vocabulary 96: valid TP sizes 1, 2, 4, 8."""
+    vocabulary 96: valid TP sizes 1, 2, 4, 8; `num_layers` decoder layers (pipeline stages split them)."""
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=num_layers, num_attention_heads=8,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rope_theta=500.0,
         initializer_range=0.15)
     torch.manual_seed(0)
