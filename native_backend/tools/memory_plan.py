@@ -12,6 +12,11 @@ parallelism), the same budget the engine uses (`kv_cache.plan_kv_cache`):
 Under tensor parallelism each rank holds its slice of every sequence's KV, so the sequences one
 rank's blocks hold are the sequences the whole group holds. KV heads split across ranks when
 there are at least as many as ranks, and are replicated (one per rank) when there are fewer.
+
+Under pipeline parallelism (pp stages of tp ranks) a rank holds its stage's layers only (the
+engine's split: layers/stages.py), the embedding on the first stage and the LM head on the last;
+every stage's ranks hold the blocks the engine agrees on, the fewest any stage's budget buys, so
+the plan is the tightest stage's. `propose_layouts` lists every tp x pp for a number of GPUs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from native_backend.config.engine import CUDA_RESERVE_BYTES
 from native_backend.config.formats import KV_FORMATS, PREFILL_MATMULS, WEIGHT_FORMATS, KVFormat, WeightFormat
 from native_backend.config.model import ModelConfig
 from native_backend.execution.parallel.validate import kv_heads_per_rank, split_problems, valid_tp_sizes
+from native_backend.model.layers.stages import partition_layers
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -92,11 +98,32 @@ def check_tp(config: ModelConfig, tp: int, model_name: str, group_size: int | No
 # ------------------------------------------------------------------------------ the arithmetic
 
 
-def kv_bytes_per_token(config: ModelConfig, kv: KVFormat, *, tp: int = 1, gqa: bool = True) -> int:
-    """K and V, every layer, one token, on one rank. `gqa=False` is the textbook 2 x L x d x bytes:
-    as if every query head had its own K and V."""
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage's share of the model: its layers, and whether it holds the embedding
+    (the first; the last too with a tied head) and the LM head and final norm (the last)."""
+
+    layers: int
+    first: bool = True
+    last: bool = True
+
+
+def stages(config: ModelConfig, pp: int) -> list[Stage]:
+    """The engine's split of the layers into pp stages (one stage: the whole model)."""
+    try:
+        counts = partition_layers(config.num_layers, pp)
+    except ValueError as exc:
+        raise PlanError(f"--pp {pp}: {exc}") from None
+    return [Stage(n, i == 0, i == pp - 1) for i, n in enumerate(counts)]
+
+
+def kv_bytes_per_token(config: ModelConfig, kv: KVFormat, *, tp: int = 1, gqa: bool = True,
+                       layers: int | None = None) -> int:
+    """K and V, every layer (of a stage: `layers`), one token, on one rank. `gqa=False` is the
+    textbook 2 x L x d x bytes: as if every query head had its own K and V."""
     heads = kv_heads_per_rank(config.num_kv_heads if gqa else config.num_heads, tp)
-    return 2 * config.num_layers * heads * (config.head_dim * kv.bytes_per_element + kv.scale_bytes_per_head)
+    layers = config.num_layers if layers is None else layers
+    return 2 * layers * heads * (config.head_dim * kv.bytes_per_element + kv.scale_bytes_per_head)
 
 
 def linear_params_per_rank(config: ModelConfig, tp: int) -> int:
@@ -109,22 +136,25 @@ def linear_params_per_rank(config: ModelConfig, tp: int) -> int:
     return c.num_layers * (attention + mlp)
 
 
-def other_params_per_rank(config: ModelConfig, tp: int) -> int:
-    """Embedding and LM head (split by vocabulary, as vLLM does), norms and biases (replicated)."""
+def other_params_per_rank(config: ModelConfig, tp: int, stage: Stage | None = None) -> int:
+    """Embedding and LM head (split by vocabulary, as vLLM does), norms and biases (replicated),
+    of a stage's share (`stage`; None: the whole model)."""
     c = config
+    stage = stage or Stage(c.num_layers)
     vocab_rows = math.ceil(c.vocab_size / tp) * c.hidden_size
-    head = 0 if c.tie_word_embeddings else vocab_rows
-    norms = (2 * c.num_layers + 1) * c.hidden_size
-    bias = c.num_layers * (c.num_heads // tp + 2 * kv_heads_per_rank(c.num_kv_heads, tp)) * c.head_dim
-    return vocab_rows + head + norms + (bias if c.attention_bias else 0)
+    embedding = vocab_rows if stage.first or (stage.last and c.tie_word_embeddings) else 0
+    head = vocab_rows if stage.last and not c.tie_word_embeddings else 0
+    norms = (2 * stage.layers + stage.last) * c.hidden_size
+    bias = stage.layers * (c.num_heads // tp + 2 * kv_heads_per_rank(c.num_kv_heads, tp)) * c.head_dim
+    return embedding + head + norms + (bias if c.attention_bias else 0)
 
 
-def weights_bytes_per_rank(config: ModelConfig, fmt: WeightFormat, tp: int = 1) -> int:
-    linear = linear_params_per_rank(config, tp)
+def weights_bytes_per_rank(config: ModelConfig, fmt: WeightFormat, tp: int = 1, stage: Stage | None = None) -> int:
+    linear = linear_params_per_rank(config, tp) * (stage.layers if stage else config.num_layers) // config.num_layers
     bits = linear * fmt.linear_bits
     if fmt.group_size:
         bits += math.ceil(linear / fmt.group_size) * fmt.group_bits
-    return math.ceil(bits / 8) + other_params_per_rank(config, tp) * fmt.other_bytes
+    return math.ceil(bits / 8) + other_params_per_rank(config, tp, stage) * fmt.other_bytes
 
 
 def activation_bytes(config: ModelConfig, fmt: WeightFormat, *, tp: int, tokens: int, seqs: int) -> int:
@@ -161,6 +191,7 @@ class PlanInputs:
     memory_gib: float | None = None
     kv_cache_gib: float | None = None  # an explicit KV budget per rank, like the engine's kv_cache_bytes
     tp: int = 1
+    pp: int = 1  # pipeline stages (tp ranks each)
     max_model_len: int | None = None
     block_size: int = 16
     memory_fraction: float = 0.9
@@ -200,44 +231,84 @@ class MemoryPlan:
     max_model_len: int
     fits: list[SequenceFit] = field(default_factory=list)
     real_fits: list[SequenceFit] = field(default_factory=list)  # GQA counted (== fits unless --no-gqa)
+    stage_layers: int = 0  # the decoder layers on this plan's ranks (under PP: the tightest stage's)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def make_plan(inputs: PlanInputs, config: ModelConfig) -> MemoryPlan:
-    """Raises PlanError for an unknown name, a TP that does not split the heads, or a model whose
-    weights leave no room for a single block."""
+    """Raises PlanError for an unknown name, a TP that does not split the heads, a PP with more
+    stages than layers, or a model whose weights leave no room for a single block (on some stage)."""
     fmt = lookup(WEIGHT_FORMATS, inputs.weights, "weight format")
     kv = lookup(KV_FORMATS, fmt.auto_kv_dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype,
                 "KV cache dtype")
     _check_numbers(inputs)
     check_tp(config, inputs.tp, inputs.model, fmt.group_size)
-    copy = prefill_copy_bytes(config, inputs.tp) if counts_bf16_prefill(inputs, fmt) else 0
-    weights = weights_bytes_per_rank(config, fmt, inputs.tp) + copy
     memory = _gpu_memory(inputs)
     activations = activation_bytes(config, fmt, tp=inputs.tp, tokens=inputs.max_num_batched_tokens,
                                    seqs=inputs.max_num_seqs) if memory else 0
     reserve = CUDA_RESERVE_BYTES if memory else 0
     usable = int(memory * inputs.memory_fraction) if memory else None
+    plans = [_stage_plan(inputs, config, fmt, kv, stage, usable, activations, reserve)
+             for stage in stages(config, inputs.pp)]
+    # the tightest stage (fewest blocks; of equals, the most weights): its blocks are all the engine uses
+    return min(plans, key=lambda p: (p.num_blocks, -p.weights_bytes))
+
+
+def _stage_plan(inputs: PlanInputs, config: ModelConfig, fmt: WeightFormat, kv: KVFormat, stage: Stage,
+                usable: int | None, activations: int, reserve: int) -> MemoryPlan:
+    """One stage's ranks (the whole model with one stage)."""
+    copy = prefill_copy_bytes(config, inputs.tp) * stage.layers // config.num_layers \
+        if counts_bf16_prefill(inputs, fmt) else 0
+    weights = weights_bytes_per_rank(config, fmt, inputs.tp, stage) + copy
+    memory = None if usable is None else _gpu_memory(inputs)  # the GPU's whole memory, for the plan
     budget = int(inputs.kv_cache_gib * GiB) if usable is None else usable - weights - activations - reserve
-    per_token = kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=inputs.gqa)
+    per_token = kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=inputs.gqa, layers=stage.layers)
     per_block = per_token * inputs.block_size
     if budget < per_block:
         raise PlanError(_no_room(inputs, config, per_block, weights, usable))
     max_len = inputs.max_model_len or config.max_position_embeddings
-    real_per_token = kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=True)
+    real_per_token = kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=True, layers=stage.layers)
     return MemoryPlan(
         inputs=inputs, model=config, weights_format=fmt.name, kv_cache_dtype=kv.name,
         kv_heads_per_rank=kv_heads_per_rank(config.num_kv_heads if inputs.gqa else config.num_heads, inputs.tp),
         gpu_memory_bytes=memory, usable_bytes=usable, weights_bytes=weights, prefill_copy_bytes=copy,
         activation_bytes=activations, reserve_bytes=reserve, kv_budget_bytes=budget, kv_bytes_per_token=per_token,
-        textbook_kv_bytes_per_token=kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=False),
+        textbook_kv_bytes_per_token=kv_bytes_per_token(config, kv, tp=inputs.tp, gqa=False, layers=stage.layers),
         real_kv_bytes_per_token=real_per_token, block_size=inputs.block_size, bytes_per_block=per_block,
         num_blocks=budget // per_block, max_model_len=max_len,
         fits=_fits(max_len, per_token, budget, inputs.block_size),
-        real_fits=_fits(max_len, real_per_token, budget, inputs.block_size),
+        real_fits=_fits(max_len, real_per_token, budget, inputs.block_size), stage_layers=stage.layers,
     )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to spread a model over `gpus` GPUs: tp x pp, and its plan or why it cannot run."""
+
+    tp: int
+    pp: int
+    plan: MemoryPlan | None
+    problem: str = ""
+
+
+def propose_layouts(inputs: PlanInputs, config: ModelConfig, gpus: int) -> list[Layout]:
+    """Every tp x pp = gpus with a tp that splits the model and no more stages than layers, TP
+    largest first (TP belongs inside a node's NVLink domain, PP across nodes)."""
+    if gpus < 1:
+        raise PlanError(f"--gpus must be positive, got {gpus}")
+    group = lookup(WEIGHT_FORMATS, inputs.weights, "weight format").group_size
+    layouts = []
+    for tp in sorted((t for t in range(1, gpus + 1) if gpus % t == 0), reverse=True):
+        pp = gpus // tp
+        if split_problems(config, tp, group) or pp > config.num_layers:
+            continue
+        try:
+            layouts.append(Layout(tp, pp, make_plan(replace(inputs, tp=tp, pp=pp), config)))
+        except PlanError as exc:
+            layouts.append(Layout(tp, pp, None, str(exc)))
+    return layouts
 
 
 def _check_numbers(inputs: PlanInputs) -> None:

@@ -33,6 +33,33 @@ def test_the_worked_example_and_its_correction(capsys):
     assert "2048 tokens (full context)       576" in out
 
 
+def test_the_70b_on_8_a100s_proposes_tp_8_and_tp_4_x_pp_2_with_their_memory_per_rank(capsys):
+    """Llama-3-70B (80 layers, hidden 8192, 64 heads / 8 KV heads of 128, MLP 28672, vocabulary
+    128256), bf16, 8 x A100-80G. Worked out by hand: at TP 8 a rank holds per layer q and o
+    (2 x 8192 x 1024), one KV head's k and v (2 x 8192 x 128) and its MLP slice (3 x 8192 x 3584):
+    106,954,752 weights; at TP 4 x PP 2 twice that on half the layers, the same 8,556,380,160.
+    The last stage adds the LM head's 32,064 rows (TP 4) and 81 norms; TP 8 a rank's embedding and
+    head rows (2 x 16,032) and 161 norms."""
+    code, out, _ = plan(capsys, "--model", "Llama-3-70B", "--weights", "bf16", "--gpu", "A100-80G", "--gpus", "8",
+                        "--json")
+    assert code == 0
+    layouts = {(x["tp"], x["pp"]): x["plan"] for x in json.loads(out)}
+    assert list(layouts) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    linear = 80 * (2 * 8192 * 1024 + 2 * 8192 * 128 + 3 * 8192 * 3584)
+    assert layouts[(8, 1)]["weights_bytes"] == 2 * (linear + 2 * 16032 * 8192 + 161 * 8192)
+    assert layouts[(4, 2)]["weights_bytes"] == 2 * (linear + 32064 * 8192 + 81 * 8192)
+    assert layouts[(4, 2)]["stage_layers"] == 40
+    kv_per_token = 2 * 80 * 1 * 128 * 2  # K and V, 80 layers, one KV head a rank, bf16; PP 2: 40 layers x 2 heads
+    assert layouts[(8, 1)]["kv_bytes_per_token"] == layouts[(4, 2)]["kv_bytes_per_token"] == kv_per_token
+    _, text, _ = plan(capsys, "--model", "Llama-3-70B", "--weights", "bf16", "--gpu", "A100-80G", "--gpus", "8")
+    assert "tp 4 x pp 2" in text and "16.4 GiB" in text and "across nodes use PP" in text
+
+
+def test_more_stages_than_layers_is_refused(capsys):
+    code, _, err = plan(capsys, "--model", "SmolLM2-135M", "--gpu", "L4", "--pp", "31")
+    assert code == 1 and "31 stages cannot split 30 layers" in err
+
+
 def test_a_gpu_plan_shows_every_term_of_the_budget(capsys):
     code, out, _ = plan(capsys, "--model", "Llama-2-70B", "--gpu", "H200", "--tp", "2")
     assert code == 0

@@ -8,6 +8,7 @@ through the `register_commands` hook, so the gateway never imports the engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -36,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-gib", type=float, help="memory of one GPU in GiB (instead of --gpu)")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="an explicit KV budget per GPU in GiB (instead of --gpu: no weights subtracted)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs one model spans)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs one stage spans)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of --tp GPUs each)")
+    parser.add_argument("--gpus", type=int, help="propose every tp x pp for this many GPUs (instead of --tp/--pp)")
     parser.add_argument("--weights", default="fp16", help=f"one of: {', '.join(WEIGHT_FORMATS)}")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help=f"auto (the model's compute dtype) or one of: {', '.join(KV_FORMATS)}")
@@ -55,18 +58,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = mp.make_plan(_inputs(args), mp.model_shape(args.model))
+        if args.gpus is not None:
+            layouts = mp.propose_layouts(_inputs(args), mp.model_shape(args.model), args.gpus)
+        else:
+            plan = mp.make_plan(_inputs(args), mp.model_shape(args.model))
     except mp.PlanError as exc:
         print(f"kvgate plan: {exc}", file=sys.stderr)
         return 1
+    if args.gpus is not None:
+        print(json.dumps([dataclasses.asdict(x) for x in layouts], indent=2) if args.json
+              else "\n".join(render_layouts(args, layouts)))
+        return 0
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(render(plan)))
     return 0
+
+
+def render_layouts(args: argparse.Namespace, layouts: list[mp.Layout]) -> list[str]:
+    """One row per tp x pp: memory per rank and the KV tokens the group holds."""
+    where = args.gpu or (f"{args.memory_gib:g} GiB" if args.memory_gib else f"{args.kv_cache_gib:g} GiB of KV")
+    lines = [f"{args.model} ({args.weights}) on {args.gpus} x {where}: tensor x pipeline parallel layouts",
+             f"{'layout':<14}{'layers/rank':>12}{'weights/rank':>14}{'KV/token/rank':>15}{'KV tokens':>12}"
+             f"{'full-context seqs':>19}"]
+    for x in layouts:
+        name = f"tp {x.tp} x pp {x.pp}" if x.pp > 1 else f"tp {x.tp}"
+        if x.plan is None:
+            lines.append(f"{name:<14}does not fit: {x.problem}")
+            continue
+        p = x.plan
+        lines.append(f"{name:<14}{p.stage_layers:>12}{B(p.weights_bytes):>14}{B(p.kv_bytes_per_token):>15}"
+                     f"{p.num_blocks * p.block_size:>12}{p.fits[0].sequences:>19}")
+    if not layouts:
+        lines.append("no tp x pp splits this model over these GPUs")
+    lines.append("TP belongs inside a node (NVLink: two all-reduces per layer per token); across nodes use PP "
+                 "(one hand-off of the hidden states per stage per step), e.g. tp 4 x pp 2 on two 4-GPU nodes.")
+    return lines
 
 
 def _inputs(args: argparse.Namespace) -> mp.PlanInputs:
     return mp.PlanInputs(
         model=args.model, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, gpu=args.gpu,
-        memory_gib=args.memory_gib, kv_cache_gib=args.kv_cache_gib, tp=args.tp,
+        memory_gib=args.memory_gib, kv_cache_gib=args.kv_cache_gib, tp=args.tp, pp=args.pp,
         max_model_len=args.max_model_len, block_size=args.block_size, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, gqa=not args.no_gqa,
         prefill_matmul=args.prefill_matmul)
@@ -89,10 +120,11 @@ def _model_line(plan: mp.MemoryPlan) -> str:
 
 
 def _budget_lines(plan: mp.MemoryPlan) -> list[str]:
-    p, rank = plan, " per rank" if plan.inputs.tp > 1 else ""
+    p, rank = plan, " per rank" if plan.inputs.tp * plan.inputs.pp > 1 else ""
+    stage = f", pp {p.inputs.pp} (the tightest stage: {p.stage_layers} layers)" if p.inputs.pp > 1 else ""
     copy = f", of which the bf16 prefill copy {B(p.prefill_copy_bytes)}" if p.prefill_copy_bytes else ""
     lines = [_row("weights", p.weights_format, f"{B(p.weights_bytes)} ({p.weights_bytes / 1e9:.1f} GB){rank}"
-                  + (f", tp {p.inputs.tp}" if rank else "") + copy),
+                  + (f", tp {p.inputs.tp}" if rank else "") + stage + copy),
              _row("KV cache", p.kv_cache_dtype, f"{B(p.kv_bytes_per_token)}/token{rank} = {_kv_formula(p)}")]
     if p.usable_bytes is not None:
         gpu = p.inputs.gpu or f"{p.inputs.memory_gib:g} GiB"
@@ -112,7 +144,7 @@ def _kv_formula(plan: mp.MemoryPlan) -> str:
     element = f"{plan.model.head_dim} x {kv.bytes_per_element} B"
     if kv.scale_bytes_per_head:
         element = f"({element} + {kv.scale_bytes_per_head} B scale)"
-    return f"2 x {plan.model.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {element}"
+    return f"2 x {plan.stage_layers or plan.model.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {element}"
 
 
 def _sequence_lines(plan: mp.MemoryPlan) -> list[str]:
