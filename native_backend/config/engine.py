@@ -316,6 +316,30 @@ class GrammarOptions:
                   cache_size=self.cache_size, cache_bytes=self.cache_bytes)
 
 
+@dataclass(frozen=True)
+class LoRAOptions:
+    """Multi-LoRA (native_backend.lora) with vLLM's names: --enable-lora --max-loras (adapters in
+    one batch) --max-lora-rank --max-cpu-loras (adapters kept loaded, LRU); `lora_modules`:
+    name -> PEFT adapter directory, loaded at start (vLLM's --lora-modules name=path)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _positive("lora", max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("lora.max_cpu_loras: must be at least max_loras")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora.lora_modules: needs enable_lora")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 MAX_SPECULATIVE_TOKENS = 7  # 1 + k rows per request: the CPU kernels' short-query path takes up to 8
 
 
@@ -329,6 +353,13 @@ class EngineConfig:
     speculative: SpeculativeOptions | None = None
     kv_events: KVEventsOptions | None = None
     grammar: GrammarOptions = field(default_factory=GrammarOptions)
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
+
+    def __post_init__(self):
+        if self.lora.enable_lora and self.speculative is not None:
+            raise ValueError("lora: enable_lora with speculative decoding is not supported yet")
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("lora: enable_lora under tensor parallelism is not supported yet")
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -356,7 +387,7 @@ class EngineConfig:
 
 
 PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "parallel": ParallelOptions,
-         "transfer": KVTransferOptions}
+         "transfer": KVTransferOptions, "lora": LoRAOptions}
 # Flat setting name -> the part it belongs to (names are unique across parts).
 FIELD_PARTS = {f.name: part for part, options in PARTS.items() for f in fields(options)}
 assert len(FIELD_PARTS) == sum(len(fields(options)) for options in PARTS.values()), "a setting name in two parts"

@@ -122,6 +122,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             prefix_hash_seed=config.cache.prefix_hash_seed,
             record_kv_events=kv_events is not None,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         ), speculation_policy(config.speculative, executor.count_drafts if config.speculative else None), self.kv)
         self._milestones: dict[str, _Milestones] = {}
         self._grammar_compiler = grammar_compiler
@@ -147,7 +148,8 @@ class LLMEngine:
         if extra_eos and not sampling.ignore_eos:  # models that end on several ids (SmolLM2: two)
             sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra_eos)
         seq = Sequence(request.request_id, request.prompt_token_ids, sampling, request.priority,
-                       pooling=request.pooling, cache_salt=request.cache_salt)
+                       pooling=request.pooling, cache_salt=request.cache_salt, lora_name=request.lora_name)
+        self._check_lora(request.lora_name)
         try:
             if self.kv is not None:
                 self.kv.mark(seq, request.kv_transfer_params)
@@ -177,6 +179,28 @@ class LLMEngine:
             eos = self.eos_token_ids[0] if self.eos_token_ids else None
             self._grammars = GrammarService(lambda: make(vocab_size, eos), self.config.grammar)
         return self._grammars
+
+    def _check_lora(self, name: str | None) -> None:
+        """An adapter the engine does not hold is the caller's mistake, refused before it queues."""
+        if name is None:
+            return
+        lora = getattr(self.executor, "lora", None)
+        if lora is None:
+            raise EngineError("invalid", f"LoRA adapter '{name}': this engine runs without enable_lora")
+        if name not in lora.adapters:
+            raise EngineError("invalid", f"LoRA adapter '{name}' is not loaded")
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load (or replace an idle) adapter; EngineError "invalid" names what is wrong with it."""
+        from native_backend.lora import LoRAError
+
+        lora = getattr(self.executor, "lora", None)
+        if lora is None:
+            raise EngineError("invalid", "this engine runs without enable_lora")
+        try:
+            lora.add(name, path, in_use={s.lora_name for s in self.scheduler.requests.values()})
+        except LoRAError as exc:
+            raise EngineError("invalid", str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -116,6 +116,7 @@ class InProcessExecutor:
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.proposer: Proposer | None = None  # speculative decoding's (None: off)
+        self.lora = None  # lora.LoRAManager with enable_lora: the adapters beside the model's linears
         if allocate:
             self.allocate_cache(self.plan.num_blocks)
 
@@ -131,7 +132,11 @@ class InProcessExecutor:
             kv_scales.apply(self.kv_cache, fp8.scales, fp8.k_offsets)
         self.proposer = make_proposer(self.config, self.model, self.kv_cache, self.draft_model, self.device,
                                       self.config.model.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, link=self.link)
+        if self.config.lora.enable_lora and self.lora is None:
+            from native_backend.lora import LoRAManager
+
+            self.lora = LoRAManager.build(self.model, self.config.lora)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, link=self.link, lora=self.lora)
 
     @property
     def needs_calibration(self) -> bool:

@@ -16,32 +16,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
 
+from native_backend.config.engine import LoRAOptions
 from native_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
-
-
-@dataclass(frozen=True)
-class LoRAOptions:
-    """vLLM's names: --enable-lora --max-loras --max-lora-rank --max-cpu-loras."""
-
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # None: max_loras
-
-    def __post_init__(self):
-        for key in ("max_loras", "max_lora_rank"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"lora: {key} must be at least 1")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError("lora: max_cpu_loras must be at least max_loras")
-
-    @property
-    def cpu_loras(self) -> int:
-        return self.max_cpu_loras or self.max_loras
 
 
 class LoRAManager:
@@ -58,16 +36,26 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ adapters
 
-    def add(self, name: str, path: str) -> LoRAAdapter:
-        """Load (or reload) an adapter into RAM; LoRAError names what is wrong, nothing changes then."""
+    @classmethod
+    def build(cls, model: torch.nn.Module, options: LoRAOptions) -> LoRAManager:
+        """A manager with `options.lora_modules` loaded (a bad one fails the start, by name)."""
+        manager = cls(model, options)
+        for name, path in options.lora_modules.items():
+            manager.add(name, path)
+        return manager
+
+    def add(self, name: str, path: str, in_use: frozenset | set = frozenset()) -> LoRAAdapter:
+        """Load (or reload) an adapter into RAM; LoRAError names what is wrong, nothing changes then.
+        `in_use`: adapters of unfinished requests, never dropped to make room."""
         adapter = load_adapter(name, path, self.model, self.options.max_lora_rank)
-        if name in self.slots:
-            raise LoRAError(f"LoRA adapter '{name}' is running and cannot be replaced now")
+        busy = set(self.slots) | set(in_use)
+        if name in busy:
+            raise LoRAError(f"LoRA adapter '{name}' is in use and cannot be replaced now")
         self.adapters.pop(name, None)
         while len(self.adapters) >= self.options.cpu_loras:
-            idle = next((n for n in self.adapters if n not in self.slots), None)
+            idle = next((n for n in self.adapters if n not in busy), None)
             if idle is None:
-                raise LoRAError(f"LoRA adapter '{name}': all {self.options.cpu_loras} max_cpu_loras are running")
+                raise LoRAError(f"LoRA adapter '{name}': all {self.options.cpu_loras} max_cpu_loras are in use")
             del self.adapters[idle]
         self.adapters[name] = adapter
         return adapter

@@ -15,8 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from native_backend.config.engine import EngineConfig
 from native_backend.core.batch import ScheduledChunk, SchedulerOutput
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.model_runner import ModelRunner
 from native_backend.lora import LoRAError, LoRAManager, LoRAOptions
 from native_backend.model.kv_cache import KVCache
@@ -26,6 +30,7 @@ from tests.support.data.llama_checkpoints import make_checkpoint
 torch.set_num_threads(2)
 ATOL = 1e-4
 BLOCK_SIZE = 4
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (LoraConfig settings, seed): every target module, a subset with rslora, the MLP alone
 ADAPTERS = {
@@ -201,4 +206,38 @@ def test_more_adapters_than_slots_in_one_step_is_refused_and_slots_are_reused(se
             assert lora.slots == [name]
     finally:
         for hook in lora._hooks:
+            hook.remove()
+
+
+def test_engine_serves_adapters_by_name_with_their_peft_tokens(setup, tmp_path):
+    """The whole engine: static lora_modules plus one added at run time, max_loras=2 slots for
+    three adapters and base rows (one adapter's requests wait for a slot), greedy tokens equal
+    each request's solo PeftModel run; an unknown or broken adapter is refused, serving goes on."""
+    hf, _, adapters = setup
+    base = os.path.join(os.path.dirname(adapters["all"][0]), "base")
+    config = EngineConfig.build(path=base, kv_cache_bytes=2 << 20, block_size=4, max_num_batched_tokens=16,
+                                enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+                                lora_modules={"all": adapters["all"][0], "mlp": adapters["mlp"][0]})
+    executor = InProcessExecutor(config)
+    engine = LLMEngine(config, executor)
+    try:
+        engine.add_lora("qv-rslora", adapters["qv-rslora"][0])
+        with pytest.raises(EngineError, match="'nope' is not loaded"):
+            engine.add_request(EngineRequest("x", [1, 2, 3], GREEDY, lora_name="nope"))
+        broken = broken_copy(adapters["all"][0], tmp_path / "bad", config={"modules_to_save": ["lm_head"]})
+        with pytest.raises(EngineError, match="'bad': modules_to_save"):
+            engine.add_lora("bad", broken)
+        rows = {"a": "all", "b": "mlp", "c": None, "d": "qv-rslora", "e": "all"}
+        prompt = rand_tokens(9, seed=70)  # one prompt for all: cached blocks must not cross adapters
+        for rid, name in rows.items():
+            engine.add_request(EngineRequest(rid, prompt, GREEDY, lora_name=name))
+        got = {rid: [] for rid in rows}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+        models = {rid: adapters[name][1] if name else hf for rid, name in rows.items()}
+        assert got == {rid: greedy(models[rid], prompt, GREEDY.max_tokens) for rid in rows}
+    finally:
+        executor.close()
+        for hook in executor.lora._hooks:
             hook.remove()
