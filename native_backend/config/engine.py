@@ -358,8 +358,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.lora.enable_lora and self.speculative is not None:
             raise ValueError("lora: enable_lora with speculative decoding is not supported yet")
-        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("lora: enable_lora under tensor parallelism is not supported yet")
+        split = self.parallel.tensor_parallel_size > 1 or self.parallel.pipeline_parallel_size > 1
+        if self.lora.enable_lora and split:
+            raise ValueError("lora: enable_lora under tensor or pipeline parallelism is not supported yet")
 
     @property
     def kv_cache_dtype(self) -> str:
