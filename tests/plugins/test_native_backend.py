@@ -351,7 +351,7 @@ models:
 
 def test_cpu_kernels_setting_reaches_the_engine_and_is_validated():
     import pydantic
-    from kvgate_native.backend import NativeSettings
+    from kvgate_native.settings import NativeSettings
 
     assert NativeSettings().engine_config().model.cpu_kernels is True
     assert NativeSettings(cpu_kernels=False).engine_config().model.cpu_kernels is False

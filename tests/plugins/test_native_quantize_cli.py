@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gateway import cli
-from kvgate_native.backend import NativeBackend, NativeSettings
+from kvgate_native.backend import NativeBackend
+from kvgate_native.settings import NativeSettings
 from native_backend.model.loader import load_hf_model
 from native_backend.model.quantization import calibration
 from native_backend.model.quantization.method import AWQLinearMethod

@@ -14,7 +14,7 @@ import sys
 import pydantic
 import pytest
 
-from kvgate_native.backend import KVEventsSettings, NativeSettings, SpeculativeSettings
+from kvgate_native.settings import KVEventsSettings, NativeSettings, SpeculativeSettings
 from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
@@ -181,7 +181,7 @@ def test_the_settings_refuse_a_pipeline_the_model_cannot_run_with_the_reason(tin
 
 def test_the_split_check_of_the_settings_does_not_import_torch(tiny_awq_g8):
     """The gateway process never imports torch: the settings check reads config.json alone."""
-    code = ("import sys; from kvgate_native.backend import NativeSettings; "
+    code = ("import sys; from kvgate_native.settings import NativeSettings; "
             f"NativeSettings(model={tiny_awq_g8!r}, quantization='awq', tensor_parallel_size=2); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -216,7 +216,7 @@ def test_the_gateways_sampling_parameters_reach_the_engine_field_for_field():
     dropped on the way to the engine, and both sides default alike."""
     from gateway.backend import GenerationRequest
     from gateway.backend import SamplingParams as GatewaySampling
-    from kvgate_native.backend import _engine_sampling
+    from kvgate_native.mapping import engine_sampling
     from native_backend.core.sampling_params import SamplingParams as EngineSampling
 
     def defaults(cls):
@@ -226,7 +226,7 @@ def test_the_gateways_sampling_parameters_reach_the_engine_field_for_field():
     sampling = GatewaySampling(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=7, stop=("x",),
                                stop_token_ids=(1,), ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.25,
                                repetition_penalty=1.5, logprobs=2)
-    assert dataclasses.asdict(_engine_sampling(GenerationRequest("r", "m", sampling))) == dataclasses.asdict(sampling)
+    assert dataclasses.asdict(engine_sampling(GenerationRequest("r", "m", sampling))) == dataclasses.asdict(sampling)
 
 
 @pytest.mark.parametrize("embeddings, declared", [(None, True), ({"pooling": "mean"}, True), ({"enabled": False}, False)])
@@ -310,7 +310,7 @@ def test_check_config_refuses_a_model_file_of_an_architecture_the_engine_does_no
     assert "Traceback" not in output
     assert list(MODEL_CLASSES) == ["llama", "mistral"]
     assert check("{model: default}")[0] == 0
-    probe = ("import sys; from kvgate_native.backend import NativeSettings\n"
+    probe = ("import sys; from kvgate_native.settings import NativeSettings\n"
              f"try: NativeSettings(model={str(model)!r})\nexcept ValueError as e: assert 'qwen2' in str(e)\n"
              "else: raise SystemExit('accepted')\n"
              "assert 'torch' not in sys.modules")

@@ -13,7 +13,8 @@ import pytest
 
 from gateway.errors import InvalidRequestError
 
-from kvgate_native.backend import NativeBackend, NativeSettings, make_native_backend
+from kvgate_native.backend import NativeBackend, make_native_backend
+from kvgate_native.settings import NativeSettings
 from kvgate_native.tool_parsers import BUILTIN, ENTRY_POINT_GROUP, tool_parser
 from kvgate_native.tool_parsers.hermes import HermesParser
 from kvgate_native.tool_parsers.llama3_json import Llama3JsonParser
@@ -406,7 +407,7 @@ def engine_then_parser(tokenizer, cls, text, skip_special_tokens=True, tools=Tru
     engine's output processor one token a step, then the backend's tool-call split, as
     NativeBackend.generate wires them: (content, deltas, the engine's text)."""
     from gateway.backend import TokenEvent
-    from kvgate_native.backend import _with_tool_calls, hidden_markers
+    from kvgate_native.mapping import hidden_markers, with_tool_calls
     from native_backend.core.interface import CoreOutput, EngineRequest
     from native_backend.process.output_processor import OutputProcessor
 
@@ -425,7 +426,7 @@ def engine_then_parser(tokenizer, cls, text, skip_special_tokens=True, tools=Tru
     for i, token_id in enumerate(ids):
         out = processor._to_output(CoreOutput("r", [token_id], finish_reason="stop" if i == len(ids) - 1 else None))
         engine_text += out.new_text
-        event = _with_tool_calls(TokenEvent(text=out.new_text, finish_reason=out.finish_reason), parser, hidden)
+        event = with_tool_calls(TokenEvent(text=out.new_text, finish_reason=out.finish_reason), parser, hidden)
         content, deltas = content + event.text, deltas + list(event.tool_calls)
     return content, deltas, engine_text
 
