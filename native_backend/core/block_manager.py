@@ -290,6 +290,7 @@ class BlockManager:
                 parent_block_hash=external_hash(hashes[first - 1]) if first else None,
                 token_ids=tuple(seq.token_ids(first * size, end * size)),
                 block_size=size,
+                lora_name=seq.lora_name,
             ))
 
     def _note_removed(self, block_hash: bytes | None) -> None:

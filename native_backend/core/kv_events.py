@@ -20,12 +20,13 @@ def external_hash(block_hash: bytes) -> int:
 class BlockStored:
     """Consecutive blocks of one sequence entered the cache: `block_hashes` in order, chained to
     `parent_block_hash` (None: the first is the sequence's first block); `token_ids` are the
-    tokens of all of them, `block_size` per block."""
+    tokens of all of them, `block_size` per block; `lora_name` the LoRA adapter whose KV they hold."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_name: str | None = None
 
 
 @dataclass

@@ -43,6 +43,7 @@ class BlockStored(_Event):
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
+    lora_name: str | None = None  # vLLM's: the adapter whose KV the blocks hold (omitted for the base)
 
 
 class BlockRemoved(_Event):
@@ -64,7 +65,8 @@ def to_wire(event: core_events.KVEvent, token_ids: bool = False) -> _Event:
     they are the tenants' prompts, and the hashes alone are what a router indexes."""
     if isinstance(event, core_events.BlockStored):
         tokens = list(event.token_ids) if token_ids else []
-        return BlockStored(list(event.block_hashes), event.parent_block_hash, tokens, event.block_size)
+        return BlockStored(list(event.block_hashes), event.parent_block_hash, tokens, event.block_size,
+                           lora_name=event.lora_name)
     if isinstance(event, core_events.BlockRemoved):
         return BlockRemoved(list(event.block_hashes))
     return AllBlocksCleared()

@@ -47,3 +47,24 @@ def test_prefix_cache_is_keyed_by_adapter(make_scheduler, kit):
 def test_an_adapter_on_an_engine_without_lora_is_refused(make_scheduler):
     with pytest.raises(ValueError, match="without enable_lora"):
         make_scheduler().add(seq("a", "x"))
+
+
+def test_kv_events_name_the_adapter_of_stored_blocks(make_scheduler, kit):
+    """vLLM's BlockStored carries lora_name: a router must not match an adapter's blocks to base prompts."""
+    import msgspec
+
+    from native_backend.core.kv_events import BlockStored
+    from native_backend.process.kv_publisher import KVEventBatch, to_wire
+
+    scheduler = make_scheduler(max_loras=1, record_kv_events=True)
+    runner = kit.FakeKVRunner(scheduler)
+    for rid, lora in [("x1", "x"), ("base", None)]:
+        scheduler.add(seq(rid, lora, prompt=[rid == "base"] + PROMPT))
+        while scheduler.has_unfinished():
+            runner.step()
+    stored = [e for e in scheduler.block_manager.take_kv_events() if isinstance(e, BlockStored)]
+    names = [e.lora_name for e in stored]  # x1's blocks (one event per prefill chunk), then base's
+    assert names == sorted(names, key=lambda n: n is None) and set(names) == {"x", None}
+    wire = [msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(0.0, [to_wire(e)])))["events"][0]
+            for e in (stored[0], stored[-1])]
+    assert wire[0]["lora_name"] == "x" and "lora_name" not in wire[1]
