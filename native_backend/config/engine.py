@@ -318,7 +318,7 @@ class GrammarOptions:
 
 @dataclass(frozen=True)
 class LoRAOptions:
-    """Multi-LoRA (native_backend.lora) with vLLM's names: --enable-lora --max-loras (adapters in
+    """Multi-LoRA (native_backend.model.lora) with vLLM's names: --enable-lora --max-loras (adapters in
     one batch) --max-lora-rank --max-cpu-loras (adapters kept loaded, LRU); `lora_modules`:
     name -> PEFT adapter directory, loaded at start (vLLM's --lora-modules name=path)."""
 

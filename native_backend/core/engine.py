@@ -191,15 +191,15 @@ class LLMEngine:
             raise EngineError("invalid", f"LoRA adapter '{name}' is not loaded")
 
     def add_lora(self, name: str, path: str) -> None:
-        """Load (or replace an idle) adapter; EngineError "invalid" names what is wrong with it."""
-        from native_backend.lora import LoRAError
-
+        """Load (or replace an idle) adapter; EngineError "invalid" names what is wrong with it. The
+        manager refuses a bad adapter with its LoRAError, a ValueError: caught as that, since the core
+        (torch-free) does not import the model layer that defines it."""
         lora = getattr(self.executor, "lora", None)
         if lora is None:
             raise EngineError("invalid", "this engine runs without enable_lora")
         try:
             lora.add(name, path, in_use={s.lora_name for s in self.scheduler.requests.values()})
-        except LoRAError as exc:
+        except ValueError as exc:
             raise EngineError("invalid", str(exc)) from None
 
     def abort(self, request_id: str) -> None:

@@ -124,7 +124,7 @@ class EngineRequest:
     # vLLM's cache_salt: mixed into the hash of the prompt's first block, so requests with other
     # salts (another tenant's) never share its cached blocks, nor learn from a hit's speed.
     cache_salt: str | None = None
-    # A loaded LoRA adapter's name (native_backend.lora): the request runs with it; None: the base.
+    # A loaded LoRA adapter's name (native_backend.model.lora): the request runs with it; None: the base.
     lora_name: str | None = None
 
     def check(self, vocab_size: int) -> None:

@@ -133,7 +133,7 @@ class InProcessExecutor:
         self.proposer = make_proposer(self.config, self.model, self.kv_cache, self.draft_model, self.device,
                                       self.config.model.dtype)
         if self.config.lora.enable_lora and self.lora is None:
-            from native_backend.lora import LoRAManager
+            from native_backend.model.lora import LoRAManager
 
             self.lora = LoRAManager.build(self.model, self.config.lora)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, link=self.link, lora=self.lora)

@@ -22,7 +22,7 @@ from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.model_runner import ModelRunner
-from native_backend.lora import LoRAError, LoRAManager, LoRAOptions
+from native_backend.model.lora import LoRAError, LoRAManager, LoRAOptions
 from native_backend.model.kv_cache import KVCache
 from tests.native_backend.test_models_llama import Blocks, rand_tokens
 from tests.support.data.llama_checkpoints import make_checkpoint

@@ -21,7 +21,7 @@ from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOpti
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
-# The engine's LoRA settings (native_backend.lora), not in YAML until the gateway names adapters (issue 43 item 5).
+# The engine's LoRA settings (native_backend.model.lora), not in YAML until the gateway names adapters (issue 43 item 5).
 ENGINE_ONLY |= {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules"}
 NESTED = {"speculative", "kv_events"}  # nested parts, absent unless asked for: their fields are held in step below
 SPECULATIVE = dict(method="draft", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from native_backend.config.engine import LoRAOptions
-from native_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
+from native_backend.model.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
 
 
 class LoRAManager:

@@ -5,7 +5,7 @@
                  per-token slot index of a step; y = base(x) + scale * B(A(x)) as forward hooks
 """
 
-from native_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
-from native_backend.lora.manager import LoRAManager, LoRAOptions
+from native_backend.model.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
+from native_backend.model.lora.manager import LoRAManager, LoRAOptions
 
 __all__ = ["TARGET_MODULES", "LoRAAdapter", "LoRAError", "LoRAManager", "LoRAOptions", "load_adapter"]
