@@ -98,11 +98,16 @@ def test_seeds_reproduce_constrained_outputs(engine):
 
 
 def test_preemption_and_recompute_keep_the_grammar(make_engine):
-    """A cache of 8 blocks of 16 tokens cannot hold the batch: requests are preempted, recompute
+    """A cache of 6 blocks of 16 tokens cannot hold the batch: requests are preempted, recompute
     their prompt and output, and go on where their grammar stood."""
     block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x (K, V) x KV heads x head dim x float32
-    small = make_engine(kv_cache_bytes=8 * block_bytes, max_num_batched_tokens=64)
-    results = run(small, mixed_batch(small))
+    small = make_engine(kv_cache_bytes=6 * block_bytes, max_num_batched_tokens=64)
+    batch = mixed_batch(small)
+    # Each constraint compiled once first, so the whole batch joins the scheduler in one step: a compile
+    # still running on a loaded box staggered the rows, and a cache that never filled preempted nobody.
+    run(small, [EngineRequest(f"warm-{r.request_id}", prompt(small, "Hi"), SamplingParams(max_tokens=1),
+                              grammar=r.grammar) for r in batch if r.grammar is not None])
+    results = run(small, batch)
     assert small.stats().num_preemptions > 0
     check_outputs(results)
 
