@@ -32,6 +32,11 @@ TOOLS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 BLOCK = 128  # vLLM's CPU block size (its default there)
 TIMEOUT = 300
 
+# Scrapes every 0.25 s, so kvgate sees a request vLLM runs; a reading stays good for 10 s (the
+# default, 3 polls, is 0.75 s here: a busy vLLM answered /metrics in up to 2.2 s at load ~6, and a
+# scrape slower than that counted as a failure, which with unhealthy_after 1 marked the deployment
+# down (503s) and left kvgate showing in-flight counts, never vLLM's running request). A dead vLLM
+# refuses at once, so unhealthy_after 1 still shows it down within a poll.
 DEPLOYMENT = """
       - name: {name}
         backend: openai
@@ -41,6 +46,7 @@ DEPLOYMENT = """
           server: vllm
           metrics: vllm
           metrics_poll_s: 0.25
+          metrics_stale_s: 10
           unhealthy_after: 1
           first_byte_s: 240
           idle_s: 120
