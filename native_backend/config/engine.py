@@ -273,9 +273,10 @@ class KVEventsOptions:
     """KV events: which blocks the prefix cache stores and evicts, published like vLLM's
     `--kv-events-config` (ZMQ PUB of msgpack batches with sequence numbers; a ROUTER at
     `replay_endpoint` resends the last `buffer_steps` batches). An endpoint with `*` or `::`, a
-    loopback one, or an ipc:// or inproc:// one, is bound; any other is connected to (a subscriber
-    that binds). The default binds loopback: the events name every tenant's cached prefixes, so
-    only processes on this machine hear them unless an address says otherwise."""
+    loopback one, an IP address of this machine (a pod's IP), or an ipc:// or inproc:// one, is
+    bound; any other is connected to (a subscriber that binds). The default binds loopback: the
+    events name every tenant's cached prefixes, so only processes on this machine hear them unless
+    an address says otherwise."""
 
     endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None  # None: no replay; a subscriber that misses a batch starts over

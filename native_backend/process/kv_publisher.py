@@ -14,8 +14,10 @@ batch on a queue: encoding and sending happen on this module's thread, never ins
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -77,9 +79,28 @@ LOOPBACK_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
 
 def binds(endpoint: str) -> bool:
     """vLLM's rule (a wildcard host or a local transport is bound, anything else connected to),
-    and a loopback host is bound too (vLLM connects to it): the default publisher, on loopback."""
+    and a loopback host or another address of this machine is bound too (vLLM connects to
+    them): the default publisher, on loopback, and a pod's, on its pod IP (the Helm chart)."""
     return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-            or endpoint.startswith(LOOPBACK_HOSTS))
+            or endpoint.startswith(LOOPBACK_HOSTS) or _own_address(endpoint))
+
+
+def _own_address(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint's host is an IP address of this machine: one a socket can bind
+    (a name is never resolved here, and a remote address is EADDRNOTAVAIL)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return False
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
 
 
 class KVEventPublisher:

@@ -466,8 +466,8 @@ def test_kv_events_reach_the_engine_and_their_ports_admit_the_gateway_pods_alone
     never to the other engine pods; a group without kvEvents publishes nothing."""
     docs = rendered("kv-events")
     events = engine_settings(docs, "smollm2")["kv_events"]
-    assert events == {"endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558", "topic": "kv@smollm2",
-                      "publish_token_ids": False}
+    assert events == {"endpoint": "tcp://__KVGATE_POD_IP__:6557", "replay_endpoint": "tcp://__KVGATE_POD_IP__:6558",
+                      "topic": "kv@smollm2", "publish_token_ids": False}  # the pod's IP, filled in at start
     assert "kv_events" not in engine_settings(docs, "quiet")
     ports = engine_container(docs, "smollm2")["ports"]
     assert {"name": "kv-events", "containerPort": 6557, "protocol": "TCP"} in ports
@@ -1003,27 +1003,56 @@ def test_engine_groups_render_as_a_models_prefill_and_decode_pools(rendered):
     assert len(find(default, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]["ingress"]) == 1
 
 
-def test_a_prefill_pod_starts_from_its_config_with_its_own_ip_filled_in(rendered, tmp_path):
-    """The prefill container's command run here with sh, its paths moved under tmp_path and
-    `kvgate serve` replaced by `kvgate check-config`: the config it starts from names the IP
-    the downward API gave it, and passes the engine's settings check."""
-    docs = rendered("disaggregated")
-    container = engine_container(docs, "smollm2-prefill")
+def start_engine_pod(docs, engine: str, tmp_path, pod_ip: str) -> dict:
+    """The engine container's command run here with sh, its paths moved under tmp_path and
+    `kvgate serve` replaced by `kvgate check-config`, with the env its pod gets (the downward API
+    giving it `pod_ip`): the settings of the config it starts from, which passed check-config."""
+    container = engine_container(docs, engine)
     assert container["command"] == ["/usr/bin/tini", "--", "sh", "-c"]
+    assert {"name": "KVGATE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     [script] = container["args"]
     mounted, written = tmp_path / "mounted.yaml", tmp_path / "written.yaml"
-    mounted.write_text(config_maps(docs)[f"{RELEASE}-kvgate-smollm2-prefill-config"])
+    mounted.write_text(config_maps(docs)[f"{RELEASE}-kvgate-{engine}-config"])
     for path, here in (("/etc/kvgate/config.yaml", mounted), ("/tmp/config.yaml", written)):
         assert path in script
         script = script.replace(path, str(here))
     assert "exec kvgate serve --config" in script
     script = script.replace("exec kvgate serve --config", f"exec {sys.executable} -m gateway.cli check-config")
-    env = {**os.environ, **secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-smollm2-prefill"),
-           "KVGATE_POD_IP": "10.42.7.19"}
+    env = {**os.environ, **secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-{engine}"), "KVGATE_POD_IP": pod_ip}
     proc = subprocess.run(["sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    settings = yaml.safe_load(written.read_text())["models"][0]["deployments"][0]["settings"]
+    return yaml.safe_load(written.read_text())["models"][0]["deployments"][0]["settings"]
+
+
+def test_a_prefill_pod_starts_from_its_config_with_its_own_ip_filled_in(rendered, tmp_path):
+    """The config a prefill pod starts from names the IP the downward API gave it, and passes the
+    engine's settings check."""
+    settings = start_engine_pod(rendered("disaggregated"), "smollm2-prefill", tmp_path, "10.42.7.19")
     assert settings["kv_transfer_advertise_host"] == "10.42.7.19"
+
+
+def test_a_kv_event_pod_publishes_on_its_own_ip_alone(rendered, tmp_path):
+    """Issue 40 item 1: a pod whose engine publishes KV events starts from a config with its IP
+    in both endpoints (which passes check-config), and the engine's publisher and replay bind
+    that address alone: never every interface (tcp://*, the feed names every tenant's cached
+    prefixes), and bound, not connected to (an address that is not the pod's own is dialled)."""
+    from kvgate_native.settings import KVEventsSettings
+    from native_backend.process.kv_publisher import KVEventPublisher, binds
+    from tests.support.checks.host_addresses import own_ipv4_addresses
+
+    pod_ip = (own_ipv4_addresses() or ["127.0.0.2"])[0]  # an address of this machine, as a pod's is of its pod
+    events = start_engine_pod(rendered("kv-events"), "smollm2", tmp_path, pod_ip)["kv_events"]
+    assert (events["endpoint"], events["replay_endpoint"]) == (f"tcp://{pod_ip}:6557", f"tcp://{pod_ip}:6558")
+    assert binds(events["endpoint"])
+    # The engine's publisher from these settings, on ports of this machine that are free (a pod's are its own).
+    any_port = {k: events[k].rsplit(":", 1)[0] + ":*" for k in ("endpoint", "replay_endpoint")}
+    options = KVEventsSettings(**{**events, **any_port})
+    publisher = KVEventPublisher(options.options())
+    try:
+        for bound in (publisher.bound_endpoint, publisher.bound_replay_endpoint):
+            assert bound.removeprefix("tcp://").rsplit(":", 1)[0] == pod_ip, bound
+    finally:
+        publisher.close()
 
 
 def serve_over_loopback_pods(stack, docs, gateway_cfg: dict, ports: dict[str, int], tmp_path):

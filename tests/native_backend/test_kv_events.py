@@ -252,6 +252,39 @@ def test_by_default_the_publisher_and_its_replay_listen_on_loopback_alone(zmq_co
         publisher.close()
 
 
+def first_batch(context, endpoint: str, publisher: KVEventPublisher, tries: int = 50) -> list[bytes]:
+    """Publish until a subscriber of `endpoint` has a batch (a PUB drops what it sends before the
+    subscription has arrived): the listener works, whatever the timing."""
+    sub = subscriber(context, endpoint, b"")
+    for _ in range(tries):
+        publisher.publish([AllBlocksCleared()])
+        if sub.poll(100):
+            return sub.recv_multipart()
+    raise AssertionError(f"no KV event batch arrived from {endpoint}")
+
+
+def test_an_address_of_this_machine_is_bound_and_a_remote_one_connected_to(zmq_context):
+    """A pod's own IP (the Helm chart's endpoints, tcp://<pod IP>:port) is bound there alone, so
+    the gateway reaches the publisher and other interfaces do not; an address of another machine
+    stays vLLM's connect, for a subscriber that binds."""
+    from native_backend.process.kv_publisher import binds
+    from tests.support.checks.host_addresses import own_ipv4_addresses
+
+    own = own_ipv4_addresses()
+    if not own:
+        pytest.skip("this machine has no IPv4 address besides loopback (/proc/net/fib_trie)")
+    assert binds(f"tcp://{own[0]}:5557")  # (a port of "*" is bound whatever the host)
+    publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://{own[0]}:*", replay_endpoint=f"tcp://{own[0]}:*"))
+    try:
+        at = publisher.bound_endpoint
+        assert at.removeprefix("tcp://").rsplit(":", 1)[0] == own[0], at
+        assert first_batch(zmq_context, at, publisher)[0] == b""
+    finally:
+        publisher.close()
+    remote = next(a for a in ("203.0.113.7", "198.51.100.7") if a not in own)  # TEST-NET-3 / -2
+    assert not binds(f"tcp://{remote}:5557") and not binds("tcp://engine-0.engines:5557")
+
+
 @pytest.mark.parametrize("asked", [False, True])
 def test_stored_blocks_carry_their_tokens_only_when_a_setting_asks(zmq_context, asked):
     """The prompts' token ids stay in the engine unless kv_events.publish_token_ids: a subscriber

@@ -310,7 +310,9 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $settings = mergeOverwrite $settings (include "kvgate.kvTransferSettings" $e | fromYaml) -}}
 {{- if eq $e.role "decode" }}{{ $_ := set $settings "kv_allowed_producers" (include "kvgate.prefillPods" . | fromYamlArray) }}{{ end -}}
 {{- if $e.kvEvents.enabled -}}
-{{- $_ := set $settings "kv_events" (dict "endpoint" (printf "tcp://*:%d" (int $e.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int $e.kvEvents.replayPort)) "topic" (printf "kv@%s" $e.name) "publish_token_ids" $e.kvEvents.publishTokenIds) -}}
+{{- /* bound on the pod's IP alone (filled in at start, as kv_transfer_advertise_host), not on every interface */ -}}
+{{- $ip := include "kvgate.podIpPlaceholder" $e -}}
+{{- $_ := set $settings "kv_events" (dict "endpoint" (printf "tcp://%s:%d" $ip (int $e.kvEvents.port)) "replay_endpoint" (printf "tcp://%s:%d" $ip (int $e.kvEvents.replayPort)) "topic" (printf "kv@%s" $e.name) "publish_token_ids" $e.kvEvents.publishTokenIds) -}}
 {{- end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
@@ -397,6 +399,12 @@ the ready prefill pods): the producers its engines read KV blocks from, and no o
 {{- end -}}
 
 {{- define "kvgate.podIpPlaceholder" -}}__KVGATE_POD_IP__{{- end -}}
+
+{{/* Non-empty when an engine group's config names its pod's IP (a prefill pool's advertised
+host, the KV-event endpoints): its container fills the placeholder in before it starts. */}}
+{{- define "kvgate.engineNeedsPodIp" -}}
+{{- if or (eq .role "prefill") .kvEvents.enabled }}yes{{ end -}}
+{{- end -}}
 
 {{/* Non-empty when an engines[] group publishes KV events. */}}
 {{- define "kvgate.anyKvEvents" -}}

@@ -63,8 +63,9 @@ class KVEventsSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     endpoint: str = Field("tcp://127.0.0.1:5557", description="ZMQ PUB address: one with * or ::, a loopback "
-                          "one, or ipc:// is bound, any other connected to (a subscriber that binds). The "
-                          "gateway subscribes to it. Default: loopback, so only this machine hears the events.")
+                          "one, an IP address of this machine (a pod's IP) or ipc:// is bound, any other "
+                          "connected to (a subscriber that binds). The gateway subscribes to it. Default: "
+                          "loopback, so only this machine hears the events.")
     replay_endpoint: str | None = Field(None, description="ZMQ ROUTER address (bound) that resends the last "
                                         "buffer_steps batches from a sequence number on; null: no replay.")
     topic: str = Field("", description="First frame of every message (llm-d uses kv@<pod>@<model>).")
