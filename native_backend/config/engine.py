@@ -139,10 +139,24 @@ class ParallelOptions:
     # A collective (all-reduce, gather) that has not completed in this many seconds fails the step:
     # a stopped or hung rank then fails in-flight requests instead of stalling them forever.
     collective_timeout_s: float = 60.0
+    # Across machines (vLLM's --nnodes / --master-addr / --master-port): the ranks spread evenly over
+    # nnodes nodes (world / nnodes each, consecutive: TP inside a node, stages across); this engine is
+    # node 0 and waits at master_addr:master_port for the headless nodes (`kvgate engine --headless`),
+    # which must prove the shared secret (rendezvous_secret_file, else $KVGATE_RENDEZVOUS_SECRET).
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"  # the address node 0 listens on and the others connect to
+    master_port: int = 29500
+    rendezvous_secret_file: str | None = None
 
     def __post_init__(self):
         _positive("parallel", tensor_parallel_size=self.tensor_parallel_size,
-                  pipeline_parallel_size=self.pipeline_parallel_size, collective_timeout_s=self.collective_timeout_s)
+                  pipeline_parallel_size=self.pipeline_parallel_size, collective_timeout_s=self.collective_timeout_s,
+                  nnodes=self.nnodes)
+        if self.world_size % self.nnodes:
+            raise ValueError(f"parallel.nnodes {self.nnodes}: the {self.world_size} ranks (tensor_parallel_size x "
+                             "pipeline_parallel_size) must spread evenly over the nodes")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"parallel.master_port {self.master_port}: not a TCP port")
         partition = self.pipeline_layer_partition
         if partition is not None:
             object.__setattr__(self, "pipeline_layer_partition", tuple(partition))  # YAML gives a list

@@ -91,7 +91,8 @@ def _non_default_settings() -> dict:
                 kv_allowed_producers=("10.0.0.0/8", "prefill.llm.svc"), kv_transfer_key_env="KV_KEY",
                 kv_transfer_header_timeout_s=0.5, prefill_matmul="bf16", prefill_attention="fp32",
                 long_prefill_token_threshold=64,
-                lm_head="float", decode_matmul="fp32", pipeline_parallel_size=2, pipeline_layer_partition=(3, 4))
+                lm_head="float", decode_matmul="fp32", pipeline_parallel_size=2, pipeline_layer_partition=(3, 4),
+                nnodes=2, master_addr="10.0.0.1", master_port=29600, rendezvous_secret_file="/etc/kvgate/secret")
 
 
 def test_each_setting_arrives_in_its_part():

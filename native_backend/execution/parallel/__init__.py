@@ -18,5 +18,6 @@ and up to P steps are in flight (executor.submit / collect).
 Modules: `topology` (a rank's stage, TP group and link), `validate` (which sizes split a model), `deltas` (what a step sends), `group` (the
 torch.distributed group: gloo on CPU, NCCL on CUDA, everything on loopback, a timeout on every
 collective), `stage_link` (hidden states stage to stage), `worker` (a rank's process), `executor` (rank 0's side: starts, steps, watches and
-stops the workers).
+stops the workers), `nodes` (across machines: the authenticated rendezvous where other nodes' ranks
+join rank 0), `node_agent` (a headless node: `kvgate engine --headless`).
 """

@@ -45,7 +45,9 @@ from native_backend.config.engine import EngineConfig
 from native_backend.core.batch import RunnerOutput, SchedulerOutput
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, LOGITS, DeltaEncoder
-from native_backend.execution.parallel.group import backend_for, join_group, leave_group, open_rendezvous, rank_device
+from native_backend.execution.parallel.group import (
+    RENDEZVOUS_HOST, backend_for, join_group, leave_group, open_rendezvous, rank_device)
+from native_backend.execution.parallel.nodes import NodeListener, RemoteRank, load_secret, use_interface_towards
 from native_backend.execution.parallel.kv_relay import ShardPipe, TensorParallelBlocks
 from native_backend.execution.parallel.report import describe_rank
 from native_backend.execution.parallel.topology import Topology, join_stage_groups, rank_layout, stage_link
@@ -111,37 +113,63 @@ class TensorParallelExecutor:
         self.prefill_path = self.rank.prefill_path  # every rank follows rank 0's probes
 
     def _start(self) -> None:
-        with open_rendezvous() as listener:  # closed if the start fails before the store takes it over
-            self._start_group(listener)
+        par = self.config.parallel
+        if par.nnodes == 1:
+            with open_rendezvous() as listener:  # closed if the start fails before the store takes it over
+                self._start_group(listener, RENDEZVOUS_HOST, None)
+            return
+        nodes = NodeListener(par.master_addr, par.master_port, load_secret(par.rendezvous_secret_file), self.size,
+                             par.nnodes)
+        try:
+            use_interface_towards(nodes.address)  # before the local workers start: they inherit it
+            with open_rendezvous(nodes.address) as listener:
+                self._start_group(listener, nodes.address, nodes)
+        finally:
+            nodes.close()  # every rank has joined (or the start failed): nothing more to accept
 
-    def _start_group(self, listener) -> None:
+    def _start_group(self, listener, store_host: str, nodes: NodeListener | None) -> None:
         port, ctx = listener.getsockname()[1], multiprocessing.get_context("spawn")
         probes = start_up_probes(self.config)  # before the workers start: nothing of ours loads the cores yet
         num_layers = read_model_config(self.config.model.path).num_layers
-        for rank in range(1, self.size):
+        for rank in range(1, self.size // self.config.parallel.nnodes):  # this node's; the others' join below
             ours, theirs = ctx.Pipe(duplex=True)
             kv_ours, kv_theirs = ctx.Pipe(duplex=True) if self.config.transfer.produces else (None, None)
             process = ctx.Process(target=run_worker,
-                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probes, num_layers),
+                                  args=(self.config, rank, self.size, port, theirs, kv_theirs, probes, num_layers,
+                                        store_host),
                                   name=f"kvgate-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
             if kv_theirs is not None:
                 kv_theirs.close()
             self.workers.append(_Worker(rank, process, ours, kv_ours))
+        if nodes is not None:
+            self._join_nodes(nodes, (store_host, port, probes, num_layers))
         shard, stage = rank_layout(self.config, 0, num_layers, self.comm)
         self.rank = InProcessExecutor(self.config, shard, self.device, allocate=False, tokenizer=self.tokenizer,
                                       stage=stage)
         blocks = [self.rank.plan.num_blocks, *(m[1] for m in self._hear_from_all("loaded"))]
         ids = self.rank.calibration_ids() if self.rank.needs_calibration else None
         self._send_all(("plan", min(blocks), ids))
-        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s, listener)
+        join_group(0, self.size, port, self.device, self.config.parallel.collective_timeout_s, listener, store_host)
         join_stage_groups(self.topo, shard)
         self.rank.link = stage_link(self.topo, 0, self.rank.model_config.hidden_size, self.rank.ctx.dtype, self.device)
         self.rank.allocate_cache(min(blocks), ids)
         ready = self._hear_from_all("ready")
         self.reports = [dict(r, rank=i) for i, r in enumerate([self.rank.memory_report(), *(m[1] for m in ready)])]
         self.worker_kv_layouts = [m[2] for m in ready]  # kv_relay: each worker's KV layout and block bytes
+
+    def _join_nodes(self, nodes: NodeListener, start: tuple) -> None:
+        """Wait for the other nodes' ranks (nodes.py: authenticated), then start each as rank 0
+        starts its own workers; their connections serve as their pipes."""
+        per_node = self.size // self.config.parallel.nnodes
+        for rank, joined in sorted(nodes.wait_for_ranks(START_TIMEOUT_S).items()):
+            joined.conn.send(("start", self.config, self.size, *start))
+            self.workers.append(_Worker(rank, RemoteRank(joined.conn, rank // per_node, joined.peer), joined.conn))
+
+    @property
+    def _remote(self) -> bool:
+        return self.config.parallel.nnodes > 1
 
     # ------------------------------------------------------------------ steps
 
@@ -181,8 +209,12 @@ class TensorParallelExecutor:
     def _await_sampler(self):
         worker = self.workers[self.topo.sampler_rank - 1]
         sentinels = [w.process.sentinel for w in self.workers]
+        # a stopped rank on another node shows in no /proc here: its silence is bounded instead
+        deadline = time.monotonic() + self.config.parallel.collective_timeout_s if self._remote else None
         while True:
-            ready = multiprocessing.connection.wait([worker.conn, *sentinels], FAULT_POLL_S)
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._silent(worker)
+            ready = multiprocessing.connection.wait(_distinct(worker.conn, *sentinels), FAULT_POLL_S)
             if worker.conn in ready:
                 try:
                     message = worker.conn.recv()
@@ -283,7 +315,8 @@ class TensorParallelExecutor:
         for worker in self.workers:
             kind, text = self._diagnose(worker, wait=cause is not None if wait is None else wait)
             if kind is not None:
-                found[kind].append(f"rank {worker.rank} {text}")
+                found[kind].append(f"rank {worker.rank} {text}" if text.startswith("on node") else
+                                   f"rank {worker.rank}{_node_of(worker)} {text}")
         timeout = f"a rank did not answer within {self.config.parallel.collective_timeout_s:g} s (collective timeout)"
         if found[STOPPED]:
             message = f"{self._kind} step failed: {timeout}: {'; '.join(found[STOPPED])}"
@@ -293,6 +326,13 @@ class TensorParallelExecutor:
             message = f"{self._kind} step failed: {timeout}: a rank stopped or hung"
         else:
             message = f"{self._kind} collective failed: {_without_source_path(str(cause))}"
+        log.error("%s", message)
+        return TensorParallelError(message)
+
+    def _silent(self, worker: _Worker) -> TensorParallelError:
+        message = (f"{self._kind} step failed: no output within {self.config.parallel.collective_timeout_s:g} s "
+                   f"(collective timeout) from the last stage (rank {worker.rank}{_node_of(worker)}): a rank "
+                   "on another node stopped or hung")
         log.error("%s", message)
         return TensorParallelError(message)
 
@@ -307,7 +347,7 @@ class TensorParallelExecutor:
             return TIMED_OUT, "gave up waiting"
         if worker.error and _is_lost_peer(worker.error):
             return LOST_PEER, "lost its connection to a peer"
-        return DIED, worker.error or _describe_exit(worker.process.exitcode)
+        return DIED, worker.error or _exit_text(worker.process)
 
     @staticmethod
     def _read_error(worker: _Worker) -> None:
@@ -334,15 +374,15 @@ class TensorParallelExecutor:
         timeout = START_TIMEOUT_S
         messages = []
         for worker in self.workers:
-            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], timeout)
+            ready = multiprocessing.connection.wait(_distinct(worker.conn, worker.process.sentinel), timeout)
             if worker.conn in ready:
                 try:
                     message = worker.conn.recv()
                 except EOFError:
-                    message = ("error", _describe_exit(worker.process.exitcode), "")
+                    message = ("error", _exit_text(worker.process), "")
             elif ready:
                 worker.process.join(1.0)
-                message = ("error", _describe_exit(worker.process.exitcode), "")
+                message = ("error", _exit_text(worker.process), "")
             else:
                 message = ("error", f"sent nothing within {timeout:g} s", "")
             if message[0] != tag:
@@ -369,6 +409,8 @@ class TensorParallelExecutor:
                 worker.process.kill()
                 worker.process.join(STOP_TIMEOUT_S)
             worker.conn.close()
+            if isinstance(worker.process, RemoteRank):
+                worker.process.close()
             if worker.kv_conn is not None:
                 worker.kv_conn.close()
         leave_group()
@@ -382,7 +424,9 @@ class TensorParallelExecutor:
             f"{self.size} ranks (tensor parallel {self.topo.tp} x pipeline parallel {self.topo.pp} stages of "
             f"{', '.join(str(r['num_layers']) for r in self.reports[::self.topo.tp])} layers, "
             f"up to {self.topo.pp} steps in flight)")
-        return (f"{mc.path} on {layout} ({backend_for(self.device)} over loopback, "
+        par = self.config.parallel
+        where = f"{par.nnodes} nodes from {par.master_addr}" if self._remote else "loopback"
+        return (f"{mc.path} on {layout} ({backend_for(self.device)} over {where}, "
                 f"{mc.device}, {mc.dtype}, {self.rank.model.ctx.kernels}; decode steps per layer: the one-call "
                 f"decode step is single-rank only); KV cache {self.rank.kv_dtype.name} "
                 f"{p.num_blocks} blocks x {p.block_size} tokens on every rank, {p.full_context_sequences} "
@@ -421,6 +465,9 @@ def check_supported(config: EngineConfig) -> None:
     check_model_on_disk(config.model.path, size, config.model.quantization)
     if config.parallel.pipeline_parallel_size > 1:
         check_pipeline(config, read_model_config(config.model.path).num_layers)
+    if config.parallel.nnodes > 1 and config.transfer.kv_role is not None:
+        raise ValueError(f"parallel.nnodes {config.parallel.nnodes} with kv_role '{config.transfer.kv_role}': not "
+                         "supported yet (a producer's other nodes would serve their shards of its blocks)")
 
 
 def _without_source_path(text: str) -> str:
@@ -444,6 +491,20 @@ def _is_stopped(pid: int | None) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
+
+
+def _distinct(*waitables) -> list:
+    """Each once: a remote rank's sentinel is its connection (wait() refuses an object twice)."""
+    return list({id(w): w for w in waitables}.values())
+
+
+def _exit_text(process) -> str:
+    """How a rank ended: a local process's exit code or signal, a remote rank's closed connection."""
+    return process.describe_exit() if isinstance(process, RemoteRank) else _describe_exit(process.exitcode)
+
+
+def _node_of(worker: _Worker) -> str:
+    return f" on node {worker.process.node}" if isinstance(worker.process, RemoteRank) else ""
 
 
 def _describe_exit(code: int | None) -> str:

@@ -7,7 +7,8 @@ rendezvous store listens on a socket it bound to 127.0.0.1 itself (torch's store
 binds every interface) and holds from the moment the port is chosen (a port chosen, released and
 bound later could be taken meanwhile); gloo's and NCCL's own connections use the loopback
 interface unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Nothing on those ports
-authenticates a peer (docs/engine/tensor-parallel.md)."""
+authenticates a peer (docs/engine/tensor-parallel.md). An engine across machines (nodes.py) puts the
+store on master_addr and gloo/NCCL on the interface towards it, once every rank has proved the secret."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ RENDEZVOUS_HOST = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"  # Linux's name for it, in every network namespace
 
 
-def open_rendezvous() -> socket.socket:
-    """Rank 0's store socket: bound to loopback on a port the kernel picks, and listening from now
-    until the store takes it over (ranks that connect before that wait in its backlog)."""
-    return socket.create_server((RENDEZVOUS_HOST, 0), backlog=128)
+def open_rendezvous(host: str = RENDEZVOUS_HOST) -> socket.socket:
+    """Rank 0's store socket: bound to loopback (across nodes: master_addr's address) on a port the
+    kernel picks, and listening from now until the store takes it over (ranks that connect before
+    that wait in its backlog)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, 0), family=family, backlog=128)
 
 
 def backend_for(device: torch.device) -> str:
@@ -45,17 +48,17 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def join_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float,
-               listener: socket.socket | None = None) -> None:
-    """Join the group whose store listens on loopback `port`; rank 0 passes the store's socket
-    (`open_rendezvous()`), which the store takes over."""
+               listener: socket.socket | None = None, host: str = RENDEZVOUS_HOST) -> None:
+    """Join the group whose store listens on `host` (loopback; master_addr across nodes) `port`;
+    rank 0 passes the store's socket (`open_rendezvous()`), which the store takes over."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        store = dist.TCPStore(RENDEZVOUS_HOST, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
+        store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
                               master_listen_fd=listener.detach())
     else:
-        store = dist.TCPStore(RENDEZVOUS_HOST, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     # gloo's own listeners would bind the address the host name resolves to (a pod's IP), NCCL's
     # bootstrap the first non-loopback interface: keep both on loopback unless told otherwise
     os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)

@@ -38,23 +38,28 @@ import torch
 from native_backend.config.engine import EngineConfig
 from native_backend.execution.executor import InProcessExecutor
 from native_backend.execution.parallel.deltas import ALL_LOGITS, EXECUTE, DeltaDecoder, StepDelta
-from native_backend.execution.parallel.group import die_with_parent, join_group, rank_device
+from native_backend.execution.parallel.group import RENDEZVOUS_HOST, die_with_parent, join_group, rank_device
 from native_backend.execution.parallel.kv_relay import start_shard_server, worker_layout, write_shard
 from native_backend.execution.parallel.topology import Topology, join_stage_groups, rank_layout, stage_link
 from native_backend.model.layers import prefill_attention, prefill_matmul
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, port: int, conn: Connection,
-               kv_conn: Connection | None = None, probes: dict | None = None, num_layers: int = 0) -> None:
+               kv_conn: Connection | None = None, probes: dict | None = None, num_layers: int = 0,
+               store_host: str = RENDEZVOUS_HOST, local_rank: int | None = None) -> None:
     """Entry point of a spawned worker process; `kv_conn`: a producer's KV pipe (kv_relay); `probes`:
     rank 0's start-up probes (executor.start_up_probes), which this rank's `auto` settings follow;
-    `num_layers`: the model's decoder layers, which the pipeline stages split."""
+    `num_layers`: the model's decoder layers, which the pipeline stages split; `store_host`: where
+    rank 0's store listens (master_addr across nodes); `local_rank`: its index on this machine
+    (its GPU; default: the rank, every rank on one machine). `conn` is a pipe from rank 0, or an
+    authenticated connection to it from another node (nodes.py)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     follow_probes(probes or {})
     code = 0
     try:
-        executor = _start(config, rank, size, port, conn, kv_conn, num_layers)
+        where = (store_host, port, rank if local_rank is None else local_rank)
+        executor = _start(config, rank, size, where, conn, kv_conn, num_layers)
         _serve(executor, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # rank 0 went away: nobody is left to follow
@@ -70,9 +75,10 @@ def follow_probes(probes: dict) -> None:
     prefill_attention.follow(probes.get("prefill_attention"))
 
 
-def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connection, kv_conn: Connection | None,
+def _start(config: EngineConfig, rank: int, size: int, where: tuple, conn: Connection, kv_conn: Connection | None,
            num_layers: int):
-    device = rank_device(config.model.device, rank)
+    store_host, port, local_rank = where
+    device = rank_device(config.model.device, local_rank)
     topo = Topology.of(config)
     shard, stage = rank_layout(config, rank, num_layers)
     executor = InProcessExecutor(config, shard, device, allocate=False, stage=stage)
@@ -80,7 +86,7 @@ def _start(config: EngineConfig, rank: int, size: int, port: int, conn: Connecti
     tag, num_blocks, calibration_ids = conn.recv()
     if tag != "plan":
         raise RuntimeError(f"expected rank 0's plan, got {tag!r}")
-    join_group(rank, size, port, device, config.parallel.collective_timeout_s)
+    join_group(rank, size, port, device, config.parallel.collective_timeout_s, host=store_host)
     join_stage_groups(topo, shard)
     executor.link = stage_link(topo, rank, executor.model_config.hidden_size, executor.ctx.dtype, device)
     executor.allocate_cache(num_blocks, calibration_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.hookspecs import hookimpl
 from kvgate_native.backend import make_native_backend
+from kvgate_native.engine_cli import EngineCommand
 from kvgate_native.plan_cli import PlanCommand
 from kvgate_native.quantize_cli import QuantizeCommand
 
@@ -17,3 +18,4 @@ def register_backends(register, config):
 def register_commands(register):
     register("plan", PlanCommand)
     register("quantize", QuantizeCommand)
+    register("engine", EngineCommand)

@@ -128,6 +128,15 @@ class NativeSettings(BaseModel):
         "the remainder one each to the stages before the last.")
     collective_timeout_s: float = Field(60.0, description="Tensor parallelism: seconds after which an "
                                         "all-reduce a rank does not join fails the step (a hung or stopped worker).")
+    nnodes: int = Field(1, description="Machines the engine spans (vLLM's --nnodes): the tensor x pipeline ranks "
+                        "spread evenly, TP inside a node, stages across; this deployment's engine is node 0, the "
+                        "others run `kvgate engine --headless --node-rank n`.")
+    master_addr: str = Field("127.0.0.1", description="nnodes > 1: the address node 0's engine listens on for the "
+                             "other nodes (its rendezvous; the other nodes' --master-addr). Loopback by default.")
+    master_port: int = Field(29500, description="nnodes > 1: the rendezvous port (the other nodes' --master-port).")
+    rendezvous_secret_file: str | None = Field(
+        None, description="nnodes > 1: a file holding the secret every node proves before it joins (16 bytes or "
+        "more); default: $KVGATE_RENDEZVOUS_SECRET. A peer without it is refused and logged.")
     quantization: str = Field("none", description="Weight quantization of the checkpoint: none (served as it is "
                               "stored; an AWQ checkpoint is detected from its config.json, a GGUF is dequantized "
                               "to dtype), awq (an AWQ int4 directory is required, e.g. from `kvgate quantize`) or "

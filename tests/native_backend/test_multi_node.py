@@ -1,0 +1,206 @@
+"""An engine across two "nodes" on loopback (issue 47 item 3): node 0 is the engine (rank 0, here in
+the test process), node 1 a separate `kvgate engine --headless --node-rank 1` process that holds
+rank 1 and serves no HTTP. Pipeline parallel 2, one stage a node, on the tiny 6-layer GQA Llama.
+
+- greedy tokens equal transformers' and a single-process engine's;
+- a node with the wrong secret is refused (its own log says so, node 0's log names it) and the
+  engine keeps waiting: it starts once the right node joins;
+- a node that dies fails the next step naming rank 1 on node 1; a node that stops answering fails
+  it after the collective timeout (the error's words, not a timer, are asserted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from native_backend.core.engine import LLMEngine
+from native_backend.core.interface import EngineRequest
+from native_backend.core.sampling_params import SamplingParams
+from native_backend.execution.factory import make_executor
+from native_backend.execution.parallel.executor import TensorParallelError
+from tests.support.checks.pipeline_checks import NEW_TOKENS, NUM_LAYERS, PROMPTS, config_for, hf_greedy
+from tests.support.checks.tensor_parallel_checks import greedy_tokens, tiny_gqa_llama
+
+pytestmark = pytest.mark.timeout(600)
+
+SECRET = "s3cret-shared-by-both-nodes"
+START_S = 300  # the safety net of a wait for an event; each test asserts what happened, not how fast
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    return tiny_gqa_llama(tmp_path_factory.mktemp("tiny-gqa-6"), num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("secret") / "rendezvous"
+    path.write_text(SECRET + "\n")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """`kvgate engine --headless` as its own process group (killed whole), its log lines read as they come."""
+
+    def __init__(self, port: int, secret: str):
+        env = dict(os.environ, KVGATE_RENDEZVOUS_SECRET=secret)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "engine", "--headless", "--nnodes", "2", "--node-rank", "1",
+             "--master-addr", "127.0.0.1", "--master-port", str(port)],
+            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._seen:
+                self.lines.append(line)
+                self._seen.notify_all()
+
+    def wait_for(self, words: str) -> str:
+        with self._seen:
+            found = self._seen.wait_for(lambda: any(words in line for line in self.lines), START_S)
+        assert found, f"node 1 never said {words!r}: {''.join(self.lines)[-2000:]}"
+        return next(line for line in self.lines if words in line)
+
+    def rank_pids(self) -> list[int]:
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def start_engine(config) -> tuple[threading.Thread, dict]:
+    """make_executor in a thread: node 0 waits at its rendezvous while the test starts nodes."""
+    made: dict = {}
+
+    def make():
+        try:
+            made["executor"] = make_executor(config)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            made["error"] = exc
+
+    thread = threading.Thread(target=make, daemon=True)
+    thread.start()
+    return thread, made
+
+
+def two_nodes(checkpoint, secret_file, **settings):
+    port = free_port()
+    config = config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_port=port,
+                        rendezvous_secret_file=secret_file, **settings)
+    thread, made = start_engine(config)
+    node = Node(port, SECRET)
+    thread.join(START_S)
+    assert "executor" in made, made.get("error")
+    return config, made["executor"], node
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return hf_greedy(checkpoint, PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, secret_file):
+    """Node 0 first meets a node with the wrong secret, then the right one."""
+    records, logger = Records(), logging.getLogger("kvgate.engine")
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    port = free_port()
+    config = config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_port=port,
+                        rendezvous_secret_file=secret_file)
+    thread, made = start_engine(config)
+    impostor = Node(port, "not-the-secret-of-these-nodes")
+    refused = impostor.wait_for("refused this node")
+    impostor.kill()
+    waiting_after_refusal = thread.is_alive()
+    node = Node(port, SECRET)
+    thread.join(START_S)
+    logger.removeHandler(records)
+    logger.setLevel(level)
+    assert "executor" in made, made.get("error")
+    yield config, made["executor"], node, (refused, waiting_after_refusal, records.messages)
+    made["executor"].close()
+    node.kill()
+
+
+def test_a_node_without_the_secret_is_refused_and_the_engine_waits_for_the_right_one(engine):
+    _, executor, node, (refused, waiting, messages) = engine
+    assert "its rendezvous secret differs" in refused
+    assert waiting  # refused, the engine had not started (nor failed): it went on waiting
+    assert any("refused a peer from 127.0.0.1" in m and "does not know the shared secret" in m for m in messages)
+    assert any(m.startswith("rank 1 joined from 127.0.0.1:") for m in messages)
+    assert "2 nodes from 127.0.0.1" in executor.describe()
+
+
+def test_greedy_tokens_across_two_nodes_equal_transformers_and_one_process(engine, checkpoint, reference):
+    config, executor, _, _ = engine
+    single = LLMEngine(config_for(checkpoint), make_executor(config_for(checkpoint)))
+    assert greedy_tokens(single, PROMPTS, NEW_TOKENS) == reference
+    assert greedy_tokens(LLMEngine(config, executor), PROMPTS, NEW_TOKENS) == reference
+
+
+def test_a_node_that_dies_fails_the_stream_naming_it(engine):
+    config, executor, node, _ = engine
+    core = LLMEngine(config, executor)
+    core.add_request(EngineRequest("dying", PROMPTS[0], SamplingParams(max_tokens=100, temperature=0.0,
+                                                                       ignore_eos=True)))
+    tokens = 0
+    while tokens < 3:  # the stream is under way
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+    node.kill()
+    with pytest.raises(TensorParallelError, match=r"pipeline-parallel worker died: rank 1 on node 1 "
+                                                  r"\(127\.0\.0\.1:\d+\) closed its connection"):
+        for _ in range(100):
+            core.step()
+
+
+def test_a_node_that_stops_answering_fails_the_step_after_the_collective_timeout(engine, checkpoint, secret_file):
+    engine[1].close()  # one group per process: the first engine's is over
+    config, executor, node = two_nodes(checkpoint, secret_file, collective_timeout_s=5)
+    try:
+        core = LLMEngine(config, executor)
+        assert greedy_tokens(core, PROMPTS[:1], 2)
+        for pid in node.rank_pids():
+            os.kill(pid, signal.SIGSTOP)
+        core.add_request(EngineRequest("stuck", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0)))
+        with pytest.raises(TensorParallelError, match=r"no output within 5 s \(collective timeout\) from the last "
+                                                      r"stage \(rank 1 on node 1\)"):
+            for _ in range(100):
+                core.step()
+    finally:
+        executor.close()
+        node.kill()
