@@ -74,6 +74,8 @@ def _pool(pool) -> dict:
         "in_flight": pool.in_flight, "queued": pool.admission.queued,
         "deployments": [_with_kv_index(_deployment(d), pool.policy.kv_feed) for d in pool.deployments],
         "discovery": [g.status() for g in pool.groups],
+        # precise_prefix: sampled decisions (matched tokens, the chosen engine's TTFT estimate)
+        "recent_routes": getattr(pool.policy, "recent_routes", list)(),
     }
 
 

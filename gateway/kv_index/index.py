@@ -10,12 +10,19 @@ Bounded: at most `max_blocks` hashes; past that the least recently stored or loo
 Each deployment holds at most its share, `max_blocks` over the deployments that have stored
 blocks: past it, its own oldest stored blocks go, so one publisher (a hostile one sending
 millions of hashes, or a huge engine) cannot evict the others' blocks.
+
+Provisional entries: the gateway records the blocks of a prompt it just sent to a deployment
+(`provisional`), before that engine's BlockStored events could come, so the conversation's next
+turn finds its engine even when it arrives first. Each expires after its TTL unless the
+deployment's BlockStored confirms it (it is then an ordinary entry); BlockRemoved, a forgotten
+deployment, or the bound (at most `max_blocks` provisional entries, oldest first) drop it sooner.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, defaultdict
+import time
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
@@ -63,6 +70,10 @@ class KVIndex:
         # (in the order it stored them: past its share, its oldest go)
         self._held: defaultdict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.evicted = 0  # hashes dropped to stay under max_blocks or a deployment's share
+        # hash -> {deployment: expiry} of blocks the gateway sent and no event confirmed yet, and
+        # (expiry, hash, deployment) in the order they were made, to expire and bound them
+        self._provisional: dict[int, dict[str, float]] = {}
+        self._provisional_order: deque[tuple[float, int, str]] = deque()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -76,9 +87,46 @@ class KVIndex:
         others = len(self._held) - (deployment in self._held)
         return max(1, self.max_blocks // (others + 1))
 
+    def provisional_count(self) -> int:
+        return sum(len(holders) for holders in self._provisional.values())
+
+    def provisional(self, deployment: str, hashes, ttl_s: float, now: float | None = None) -> None:
+        """`deployment` was just sent a prompt with these blocks: count them as held until
+        `ttl_s` passes, unless its events confirm them first (blocks it holds already stay)."""
+        now = time.monotonic() if now is None else now
+        expiry = now + ttl_s
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is not None and deployment in holders:
+                continue
+            self._provisional.setdefault(h, {})[deployment] = expiry
+            self._provisional_order.append((expiry, h, deployment))
+        while len(self._provisional_order) > self.max_blocks:
+            self._unprovision(*self._provisional_order.popleft())
+
+    def _expire(self, now: float) -> None:
+        order = self._provisional_order
+        while order and order[0][0] <= now:
+            self._unprovision(*order.popleft())
+
+    def _unprovision(self, expiry: float, h: int, deployment: str) -> None:
+        """Drop one provisional entry, unless a later prompt renewed it (a later expiry)."""
+        holders = self._provisional.get(h)
+        if holders is not None and holders.get(deployment) == expiry:
+            del holders[deployment]
+            if not holders:
+                del self._provisional[h]
+
+    def _confirm(self, deployment: str, h: int) -> None:
+        holders = self._provisional.get(h)
+        if holders is not None and holders.pop(deployment, None) is not None and not holders:
+            del self._provisional[h]
+
     def stored(self, deployment: str, hashes) -> None:
         held = self._held[deployment]
         for h in hashes:
+            if self._provisional:
+                self._confirm(deployment, h)
             holders = self._holders.get(h)
             if holders is None:
                 holders = self._holders[h] = set()
@@ -106,6 +154,8 @@ class KVIndex:
 
     def removed(self, deployment: str, hashes) -> None:
         for h in hashes:
+            if self._provisional:
+                self._confirm(deployment, h)  # gone from the engine: not held, provisionally or not
             holders = self._holders.get(h)
             if holders is not None and deployment in holders:
                 holders.discard(deployment)
@@ -115,6 +165,8 @@ class KVIndex:
 
     def forget(self, deployment: str) -> None:
         """Drop everything `deployment` was said to hold (it restarted, left, or lost events)."""
+        for h in [h for h, holders in self._provisional.items() if deployment in holders]:
+            self._confirm(deployment, h)  # rare (a restart, a departure): a scan of the bounded table
         held = self._held.pop(deployment, None)
         for h in held or ():
             holders = self._holders.get(h)
@@ -123,16 +175,22 @@ class KVIndex:
                 if not holders:
                     del self._holders[h]
 
-    def longest_prefix(self, hashes: Iterable[int], deployments) -> dict[str, int]:
-        """For each of `deployments`, how many of the leading `hashes` it holds without a break
-        (read no further than the first hash none of them holds)."""
+    def longest_prefix(self, hashes: Iterable[int], deployments, now: float | None = None) -> dict[str, int]:
+        """For each of `deployments`, how many of the leading `hashes` it holds without a break,
+        confirmed or provisionally (read no further than the first hash none of them holds)."""
         matched = dict.fromkeys(deployments, 0)
         alive = set(matched)
+        if self._provisional_order:
+            self._expire(time.monotonic() if now is None else now)
         for i, h in enumerate(hashes):
             holders = self._holders.get(h)
-            if holders is None:
+            provisional = self._provisional.get(h)
+            if holders is None and provisional is None:
                 break
-            self._holders.move_to_end(h)  # a prefix that is asked for stays
+            if holders is not None:
+                self._holders.move_to_end(h)  # a prefix that is asked for stays
+            if provisional is not None:
+                holders = (holders or set()) | provisional.keys()
             alive &= holders
             if not alive:
                 break

@@ -83,9 +83,13 @@ class PrefixAffinity(RoutingPolicy):
         self.max_score = float(options.get("max_score", 1.5))
         self._fallback = LeastLoaded({})
 
-    def choose(self, request, candidates):
+    def home(self, request, candidates):
+        """The prompt prefix's home among `candidates`, whatever their load."""
         key = prompt_prefix(request, self.prefix_chars)
-        home = max(candidates, key=lambda d: _rendezvous(key, d.name))
+        return max(candidates, key=lambda d: _rendezvous(key, d.name))
+
+    def choose(self, request, candidates):
+        home = self.home(request, candidates)
         if load_score(home) <= self.max_score:
             return home
         return self._fallback.choose(request, candidates)

@@ -3,20 +3,21 @@
 Engines publish which blocks they cache (gateway.kv_index.events); one index per model records them
 (gateway.kv_index.index). For a request, the prompt becomes token ids before the policy chooses
 (gateway.routing.prompt_tokens: the engine's own tokenizer in this process, or the backend's /tokenize; chat
-through the same template), the token ids become the engines' chained block hashes, and each
-candidate scores
+through the same template), the token ids become the engines' chained block hashes, cached(d) is the number of leading prompt
+tokens in blocks d holds (llm-d's LongestPrefix, in tokens), and the deployment with the least
+expected time to first token wins (gateway.routing.cost_model):
 
-    score(d) = prefix_weight * cached(d) / prompt_tokens  -  load_weight * load_score(d) / weight(d)
+    estimate(d) = (queued_tokens(d) + prompt_tokens - cached(d)) / token_rate(d) + running(d) x step_s(d)
 
-where cached(d) is the number of leading prompt tokens in blocks d holds (llm-d's LongestPrefix,
-in tokens) and load_score the queue-and-KV score every load-aware policy uses (routing.load_score:
-(running + 2 * waiting) / capacity + KV-cache use). With the default weights (1, 1) a deployment
-holding the whole prompt wins until it is a full load unit busier than an empty one: a hot engine
-with the prefix does not get everything. Ties go in turn.
+Ties go to the prompt's home by affinity among them. With `cost_model: false` each candidate scores
+the older blend instead, prefix_weight * cached(d) / prompt_tokens - load_weight * load_score(d) /
+weight(d), ties in turn. The blocks of each routed prompt become provisional entries of the chosen
+deployment in the index (kv_index.index), so a conversation's next turn finds its engine before the
+engine's events say it stored them.
 
 When no candidate's events are live (no publisher declared, nothing heard yet) or the prompt could
-not be tokenized, `prefix_affinity` decides instead; it also places a prompt no deployment holds
-any block of, so that requests sharing a new prefix meet on one engine before any has cached it.
+not be tokenized, `prefix_affinity` decides instead; without the cost model it also places a prompt
+no deployment holds any block of, so that requests sharing a new prefix meet on one engine.
 Routing stays advisory: a wrong guess costs a recompute on the chosen engine, never a failed request.
 """
 
@@ -25,21 +26,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 
 import zmq.asyncio
 
 from gateway.kv_index.events import EventStream
 from gateway.kv_index.index import KVIndex, iter_block_hashes
 from gateway.policy import RoutingPolicy
+from gateway.routing.cost_model import CostModel
 from gateway.routing.policies import PrefixAffinity, load_score
 from gateway.routing.prompt_tokens import PromptTokens
 
 log = logging.getLogger("kvgate.routing")
 
 MATCHES_KEPT = 4096  # recent choices whose matched prefix a route span may still ask for
+ROUTES_SHOWN = 32  # sampled routing decisions the status page shows
 OPTIONS = {"prefix_weight", "load_weight", "max_index_blocks", "max_prompt_chars", "tokenize_timeout_s",
-           "tokenized_prompts_kept", "prefix_chars", "max_score"}
+           "tokenized_prompts_kept", "prefix_chars", "max_score", "cost_model", "tokens_per_s", "step_s",
+           "provisional_ttl_s", "provisional_max_blocks", "route_sample_every"}
 
 
 class KVFeed:
@@ -140,6 +145,16 @@ class PrecisePrefix(RoutingPolicy):
                              "tokenized_prompts_kept > 0")
         self.kv_feed = KVFeed(int(options.get("max_index_blocks", 1_000_000)),
                               PromptTokens(self.max_prompt_chars, timeout_s, kept))
+        self.cost = _cost_model(options)
+        self.provisional_ttl_s = float(options.get("provisional_ttl_s", 30.0))
+        # blocks hashed past those the lookup read, for provisional entries: on the event loop, ~80 us each
+        self.provisional_blocks = int(options.get("provisional_max_blocks", 64))
+        self.sample_every = int(options.get("route_sample_every", 8))
+        if self.provisional_ttl_s < 0 or self.sample_every <= 0 or self.provisional_blocks < 0:
+            raise ValueError("precise_prefix: provisional_ttl_s and provisional_max_blocks must be >= 0 "
+                             "(0: off), route_sample_every > 0")
+        self._routes: deque[dict] = deque(maxlen=ROUTES_SHOWN)
+        self._routed = itertools.count()
         self._options = dict(options)
         self._fallback = PrefixAffinity({k: options[k] for k in ("prefix_chars", "max_score") if k in options})
         self._turn = itertools.count()
@@ -166,17 +181,64 @@ class PrecisePrefix(RoutingPolicy):
         tokens = self.kv_feed.tokens.ids(request, live) if live else None
         if not tokens:
             return self._fallback.choose(request, candidates)
-        cached = self._cached_tokens(tokens, live, _cache_salt(request))
-        if not any(cached.values()):  # a new prefix: its home by affinity, so its next turns meet there
-            self._remember(request, 0)
-            return self._fallback.choose(request, candidates)
-        scores = [self.prefix_weight * cached.get(d.name, 0) / len(tokens) - self.load_weight * load_score(d) / d.weight
-                  for d in candidates]
+        chains = {}
+        cached = self._cached_tokens(tokens, live, _cache_salt(request), chains)
+        estimate = None
+        if self.cost is not None:
+            chosen, estimate = self._cheapest(request, len(tokens), cached, candidates)
+        elif not any(cached.values()):  # a new prefix: its home by affinity, so its next turns meet there
+            chosen = self._fallback.choose(request, candidates)
+        else:
+            chosen = self._blended(len(tokens), cached, candidates)
+        matched = cached.get(chosen.name, 0)
+        self._remember(request, matched)
+        self._provision(chosen, chains)
+        self._sample(request, chosen, len(tokens), matched, estimate)
+        return chosen
+
+    def _blended(self, prompt_tokens: int, cached: dict[str, int], candidates):
+        """Without the cost model: prefix_weight x cached share - load_weight x load score."""
+        scores = [self.prefix_weight * cached.get(d.name, 0) / prompt_tokens
+                  - self.load_weight * load_score(d) / d.weight for d in candidates]
         best = max(scores)
         ties = [i for i, s in enumerate(scores) if best - s < 1e-9]
-        chosen = candidates[ties[next(self._turn) % len(ties)]]
-        self._remember(request, cached.get(chosen.name, 0))
-        return chosen
+        return candidates[ties[next(self._turn) % len(ties)]]
+
+    def _cheapest(self, request, prompt_tokens: int, cached: dict[str, int], candidates):
+        """The least expected time to first token (gateway.routing.cost_model); ties go to the
+        prompt's home by affinity among them (a new prefix on idle engines: where its next
+        requests meet). The chosen deployment's queue grows by what it must prefill."""
+        estimates = {d.name: self.cost.estimate(d, prompt_tokens - cached.get(d.name, 0)) for d in candidates}
+        best = min(estimates.values())
+        ties = [d for d in candidates if estimates[d.name] - best < 1e-9]
+        chosen = ties[0] if len(ties) == 1 else self._fallback.home(request, ties)
+        self.cost.routed(chosen, prompt_tokens - cached.get(chosen.name, 0))
+        return chosen, estimates[chosen.name]
+
+    def _provision(self, chosen, chains: dict) -> None:
+        """The prompt's blocks become provisional entries of the chosen deployment (kv_index.index):
+        its next turn finds them before the engine's events say they are stored."""
+        stream = self.kv_feed.streams.get(chosen.name)
+        if self.provisional_ttl_s <= 0 or self.provisional_blocks == 0 or stream is None:
+            return
+        chain = chains.get((stream.source.block_size, stream.source.hash_seed))
+        if chain is not None:
+            hashes = chain.beyond_read(self.provisional_blocks)
+            self.kv_feed.index.provisional(chosen.name, hashes, self.provisional_ttl_s)
+
+    def _sample(self, request, chosen, prompt_tokens: int, matched: int, estimate: float | None) -> None:
+        """One routing decision in `route_sample_every`, for the status page."""
+        if next(self._routed) % self.sample_every:
+            return
+        self._routes.append({"request_id": getattr(request, "request_id", None), "deployment": chosen.name,
+                             "prompt_tokens": prompt_tokens, "matched_tokens": matched,
+                             "estimate_ms": None if estimate is None else round(1000 * estimate, 1),
+                             "at": time.time()})
+
+    def recent_routes(self) -> list[dict]:
+        """Sampled recent decisions: the prompt's tokens, the chosen deployment's cached prefix and
+        (with the cost model) its expected time to first token; newest last."""
+        return list(self._routes)
 
     def matched_tokens(self, request_id: str) -> int | None:
         """Prompt tokens the index said the chosen deployment holds; None: routed without it."""
@@ -189,18 +251,52 @@ class PrecisePrefix(RoutingPolicy):
             if len(self._matched) > MATCHES_KEPT:
                 self._matched.popitem(last=False)
 
-    def _cached_tokens(self, tokens: list[int], live, salt: str | None = None) -> dict[str, int]:
-        """Leading prompt tokens each live deployment holds in its cache, as the index knows it."""
+    def _cached_tokens(self, tokens: list[int], live, salt: str | None = None,
+                       chains: dict | None = None) -> dict[str, int]:
+        """Leading prompt tokens each live deployment holds in its cache, as the index knows it
+        (`chains`, when given, gets each hashing scheme's chain, to be hashed on if need be)."""
         by_scheme: dict[tuple[int, str], list] = {}
         for d in live:
             source = self.kv_feed.streams[d.name].source
             by_scheme.setdefault((source.block_size, source.hash_seed), []).append(d.name)
         cached: dict[str, int] = {}
         for (block_size, seed), names in by_scheme.items():
-            hashes = iter_block_hashes(tokens, block_size, seed, salt)  # hashed as far as the index matches
-            for name, blocks in self.kv_feed.index.longest_prefix(hashes, names).items():
+            chain = _Chain(iter_block_hashes(tokens, block_size, seed, salt))  # hashed as far as the index matches
+            if chains is not None:
+                chains[(block_size, seed)] = chain
+            for name, blocks in self.kv_feed.index.longest_prefix(chain, names).items():
                 cached[name] = blocks * block_size
         return cached
+
+
+class _Chain:
+    """A prompt's block hashes, computed as far as they are read and kept: the index lookup reads
+    the leading ones, the provisional entries the rest."""
+
+    def __init__(self, hashes):
+        self._hashes = hashes
+        self.done: list[int] = []
+
+    def __iter__(self):
+        yield from self.done
+        for h in self._hashes:
+            self.done.append(h)
+            yield h
+
+    def beyond_read(self, blocks: int) -> list[int]:
+        """The hashes read so far and up to `blocks` more."""
+        self.done.extend(itertools.islice(self._hashes, blocks))
+        return self.done
+
+
+def _cost_model(options: dict) -> CostModel | None:
+    """The cost model of the options (`cost_model: false`: the prefix/load blend instead)."""
+    enabled = options.get("cost_model", True)
+    if not isinstance(enabled, bool):
+        raise ValueError("precise_prefix: cost_model must be true or false")
+    if not enabled:
+        return None
+    return CostModel(float(options.get("tokens_per_s", 2000.0)), float(options.get("step_s", 0.02)))
 
 
 def _cache_salt(request) -> str | None:

@@ -92,3 +92,36 @@ def test_the_index_is_bounded_and_keeps_what_is_looked_up():
     assert index.longest_prefix([1], ["a"]) == {"a": 1}
     assert index.longest_prefix([2], ["a"]) == {"a": 0}  # the least recently used went first
     assert index.blocks_of("a") + index.blocks_of("b") == 4
+
+
+def test_a_provisional_entry_counts_until_its_ttl_unless_an_event_confirms_it():
+    """Blocks the gateway just sent to d0 count as d0's (issue 44 item 2) until the TTL passes; a
+    BlockStored from d0 makes them ordinary entries, a BlockRemoved or a forget drops them."""
+    index = KVIndex()
+    index.provisional("d0", [1, 2, 3], ttl_s=10.0, now=100.0)
+    assert index.longest_prefix([1, 2, 3, 4], ["d0", "d1"], now=105.0) == {"d0": 3, "d1": 0}
+    assert index.longest_prefix([1, 2, 3], ["d0"], now=110.0) == {"d0": 0}  # expired at 110
+    assert index.provisional_count() == 0
+
+    index.provisional("d0", [1, 2, 3], ttl_s=10.0, now=200.0)
+    index.stored("d0", [1, 2])  # the engine's events confirm two of them
+    assert index.longest_prefix([1, 2, 3], ["d0"], now=205.0) == {"d0": 3}
+    assert index.longest_prefix([1, 2, 3], ["d0"], now=1000.0) == {"d0": 2}  # 3 expired, 1-2 stay
+    assert index.blocks_of("d0") == 2
+
+    index.provisional("d1", [1, 2, 3], ttl_s=10.0, now=2000.0)
+    index.removed("d1", [2])  # evicted by the engine before the TTL: not held any more
+    assert index.longest_prefix([1, 2, 3], ["d1"], now=2001.0) == {"d1": 1}
+    index.forget("d1")
+    assert index.longest_prefix([1, 2, 3], ["d1"], now=2001.0) == {"d1": 0}
+    assert index.provisional_count() == 0
+
+
+def test_a_renewed_provisional_entry_keeps_its_later_expiry_and_the_table_is_bounded():
+    index = KVIndex(max_blocks=4)
+    index.provisional("d0", [1], ttl_s=10.0, now=0.0)
+    index.provisional("d0", [1], ttl_s=10.0, now=8.0)  # the next turn sent the same block again
+    assert index.longest_prefix([1], ["d0"], now=12.0) == {"d0": 1}  # the first expiry does not drop it
+    index.provisional("d1", [10, 11, 12, 13, 14], ttl_s=100.0, now=12.0)
+    assert index.provisional_count() <= 4
+    assert index.longest_prefix([14], ["d1"], now=13.0) == {"d1": 1}  # the newest stay

@@ -90,11 +90,14 @@ async def settle(policy, ds, condition, timeout_s=5.0):
         await asyncio.sleep(0.02)
 
 
-def with_engines(scenario, n=3):
+BLEND = {"cost_model": False, "provisional_ttl_s": 0}  # the policy as it was before issue 44
+
+
+def with_engines(scenario, n=3, options=None):
     async def main():
         engines = [Engine() for _ in range(n)]
         ds = [deployment(f"d{i}", e) for i, e in enumerate(engines)]
-        policy = PrecisePrefix({})
+        policy = PrecisePrefix(options or {})
         policy.kv_feed.track(ds)
         try:
             await settle(policy, ds, lambda: all(s.connected for s in policy.kv_feed.streams.values()))
@@ -149,7 +152,7 @@ def test_a_prompt_nobody_holds_goes_home_by_affinity():
             r = request(SYSTEM_B[:-1] + [i] * 9, f"cold{i}")
             assert policy.choose(r, ds) is affinity.choose(r, ds)
             assert policy.matched_tokens(f"cold{i}") == 0
-    with_engines(scenario)
+    with_engines(scenario, options=BLEND)
 
 
 def test_load_tempers_the_prefix_so_a_hot_engine_does_not_take_everything():
@@ -160,7 +163,53 @@ def test_load_tempers_the_prefix_so_a_hot_engine_does_not_take_everything():
         assert policy.choose(request(prompt), ds).name == "d0"
         ds[0].in_flight = 1  # load score 1 (no capacity known): more than the head start
         assert policy.choose(request(prompt), ds).name != "d0"
-    with_engines(scenario)
+    with_engines(scenario, options=BLEND)
+
+
+def test_a_conversations_next_turn_finds_its_engine_before_the_engines_events_say_so():
+    """Issue 44 item 2: every engine holds the shared system prompt; three conversations' first
+    turns go one to each engine, and their second turns come before any engine published the
+    first turns' blocks (the engines here never do). The gateway's provisional entries send each
+    to the engine its first turn went to. With provisional_ttl_s 0 the second turns tie on the
+    system prompt and go in turn (c2 to d0): it failed so."""
+    async def scenario(policy, ds, engines):
+        for e in engines:
+            e.serve(SYSTEM_A)
+        await settle(policy, ds, lambda: all(policy.kv_feed.index.blocks_of(d.name) == 8 for d in ds))
+        turns = {c: SYSTEM_A + [1000 + 10 * c + k for k in range(8)] for c in range(3)}  # 2 blocks of its own
+        first = {c: policy.choose(request(turns[c], f"c{c}t1"), ds).name for c in range(3)}
+        assert sorted(first.values()) == ["d0", "d1", "d2"]  # tied on the system prompt: in turn
+        for c in reversed(range(3)):  # the next turn: history + answer + a new question
+            second = policy.choose(request(turns[c] + [2000 + c] * 8, f"c{c}t2"), ds).name
+            assert second == first[c]
+            assert policy.matched_tokens(f"c{c}t2") == 40  # the system prompt + its first turn's blocks
+    with_engines(scenario, options={"cost_model": False})
+
+
+def test_the_cost_model_keeps_a_turn_where_its_history_is_when_the_queue_costs_less():
+    """Issue 44 item 1. Every engine holds the 32-token system prompt, d0 also the conversation's
+    24 tokens after it; d0 runs 2 requests, d1 and d2 none. The prompt has 64 tokens. With
+    tokens_per_s 1000 and step_s 0.005 (no engine exports rates here), worked by hand:
+        d0: (0 queued + 64 - 56) / 1000 + 2 x 0.005 = 0.018 s
+        d1, d2: (0 + 64 - 32) / 1000 + 0 = 0.032 s
+    so d0, estimated 18 ms, shown on the status page's sample. The blend (cost_model false) scores
+    d0 56/64 - 2 = -1.125 against d1's 32/64 = 0.5 and sends it away: the test failed so."""
+    async def scenario(policy, ds, engines):
+        conversation = SYSTEM_A + list(range(700, 724))
+        for e in engines:
+            e.serve(SYSTEM_A)
+        engines[0].serve(conversation)
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d0") == 14 and
+                     policy.kv_feed.index.blocks_of("d2") == 8)
+        ds[0].in_flight = 2
+        prompt = conversation + list(range(900, 908))
+        assert policy.choose(request(prompt, "turn"), ds).name == "d0"
+        assert policy.matched_tokens("turn") == 56
+        assert policy.recent_routes()[-1] | {"at": 0} == {
+            "request_id": "turn", "deployment": "d0", "prompt_tokens": 64, "matched_tokens": 56,
+            "estimate_ms": 18.0, "at": 0}
+    with_engines(scenario, options={"tokens_per_s": 1000, "step_s": 0.005, "provisional_ttl_s": 0,
+                                    "route_sample_every": 1})
 
 
 def test_a_restarted_or_departed_engine_is_forgotten():
@@ -272,6 +321,7 @@ GATEWAY = """
 models:
   - name: m
     policy: precise_prefix
+    policy_options: {route_sample_every: 1}
     deployments:
       - {name: d0, backend: kv_echo, settings: {engine: 0}}
       - {name: d1, backend: kv_echo, settings: {engine: 1}}
@@ -308,6 +358,10 @@ def test_through_the_gateway_the_route_span_metrics_and_status_page_show_the_ind
             views = {d["name"]: d for d in status["models"][0]["deployments"]}
             assert views["d1"]["kv_index"] == {"blocks": 8, "live": True}
             assert views["d0"]["kv_index"]["blocks"] == 0
+            route = status["models"][0]["recent_routes"][-1]  # the sampled decision, with its estimate
+            assert (route["deployment"], route["prompt_tokens"], route["matched_tokens"]) == ("d1", 34, 32)
+            assert route["estimate_ms"] > 0
+            assert "Recent routes" in httpx.get(gw.base_url + "/status").text
             metrics = httpx.get(gw.base_url + "/metrics").text
             assert 'kvgate_kv_index_deployment_blocks{deployment="d1",model="m"} 8.0' in metrics
             assert 'kvgate_kv_events_batches_total{deployment="d1",model="m"}' in metrics
@@ -405,4 +459,19 @@ def test_a_prompt_is_hashed_only_as_far_as_an_engine_holds_it(monkeypatch):
         assert policy.choose(request(SYSTEM_A[:8] + list(range(1000, 1400)), "long"), ds).name == "d0"
         assert policy.matched_tokens("long") == 8
         assert len(hashed) == 3  # the 2 blocks d0 holds and the first it does not, of 102
-    with_engines(scenario)
+    with_engines(scenario, options={"provisional_ttl_s": 0})
+
+
+def test_provisional_entries_hash_a_bounded_number_of_blocks_past_the_lookup(monkeypatch):
+    """The chosen engine's provisional entries hash on past the lookup, at most
+    provisional_max_blocks more: the event loop's cost stays bounded for a long prompt."""
+    async def scenario(policy, ds, engines):
+        engines[0].serve(SYSTEM_A[:8])  # 2 blocks
+        await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d0") == 2)
+        kv_index._root("0")
+        hashed, real = [], kv_index._sha256_cbor
+        monkeypatch.setattr(kv_index, "_sha256_cbor", lambda value: hashed.append(value) or real(value))
+        assert policy.choose(request(SYSTEM_A[:8] + list(range(1000, 1400)), "long"), ds).name == "d0"
+        assert len(hashed) == 3 + 5  # the lookup's 3, then 5 more for the provisional entries
+        assert policy.kv_feed.index.provisional_count() == 6  # the 3rd to 8th blocks: d0 holds the first 2
+    with_engines(scenario, options={"provisional_max_blocks": 5})

@@ -1,0 +1,74 @@
+"""gateway/routing/cost_model.py: precise_prefix's expected time to first token per deployment
+(issue 44 item 1). Expected values are worked by hand in each test from the documented formula
+(docs/guide/routing.md):
+
+    estimate = (queued_tokens + unmatched_tokens) / token_rate + running x step_s
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.backend import LoadSnapshot
+from gateway.routing.cost_model import CostModel
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def engine(name, running=0, waiting=0, in_flight=0, **counters):
+    """A deployment whose backend reports `counters` as the native engine does (LoadSnapshot.extra)."""
+    snapshot = LoadSnapshot(waiting=waiting, running=running, extra=dict(counters))
+    return SimpleNamespace(name=name, in_flight=in_flight, backend=SimpleNamespace(load=lambda: snapshot))
+
+
+def test_without_exported_rates_the_options_price_the_prompt():
+    model = CostModel(tokens_per_s=500, step_s=0.04, clock=Clock())
+    # 300 tokens to prefill at 500/s = 0.6 s, 3 running x 0.04 s = 0.12 s
+    assert model.estimate(engine("a", running=3), 300) == pytest.approx(0.72)
+    # the gateway's own in-flight count when the engine's report lags: 5 sent, 1 waiting -> 4 running
+    assert model.estimate(engine("b", running=1, waiting=1, in_flight=5), 0) == pytest.approx(0.16)
+
+
+def test_measured_rates_come_from_the_engines_step_counters():
+    model = CostModel(tokens_per_s=500, step_s=0.04, clock=Clock())
+    counters = {"num_step_tokens": 1000.0, "step_seconds": 2.0, "num_steps": 50.0}
+    d = engine("a", **counters)
+    model.rates(d)  # the first look: a baseline, nothing measured yet
+    counters.update(num_step_tokens=5000.0, step_seconds=4.0, num_steps=150.0)
+    d = engine("a", running=2, **counters)
+    # since the last look 4000 tokens in 2 s of steps: 2000 tokens/s; 2 s over 100 steps: 0.02 s a step
+    assert model.rates(d) == pytest.approx((2000.0, 0.02))
+    # 400 tokens at 2000/s = 0.2 s, 2 running x 0.02 = 0.04 s
+    assert model.estimate(d, 400) == pytest.approx(0.24)
+    counters.update(num_step_tokens=6000.0, step_seconds=5.0, num_steps=200.0)
+    # next: 1000 tokens in 1 s = 1000/s, smoothed 0.7 x 2000 + 0.3 x 1000 = 1700; step 0.7 x 0.02 + 0.3 x 0.02
+    assert model.rates(engine("a", **counters)) == pytest.approx((1700.0, 0.02))
+    counters.update(num_step_tokens=10.0, step_seconds=0.1, num_steps=3.0)  # the engine restarted
+    assert model.rates(engine("a", **counters)) == pytest.approx((1700.0, 0.02))  # kept until measured again
+
+
+def test_the_work_it_routed_queues_and_drains_at_the_engines_rate():
+    clock = Clock()
+    model = CostModel(tokens_per_s=1000, step_s=0.0, clock=clock)
+    a, b = engine("a"), engine("b")
+    model.estimate(a, 0)
+    model.routed(a, 800)  # a was sent 800 tokens to prefill at t=0
+    clock.now = 0.25  # a worked off 250 of them
+    # a: (550 queued + 100) / 1000 = 0.65 s; b, empty: (0 + 600) / 1000 = 0.6 s
+    assert model.estimate(a, 100) == pytest.approx(0.65)
+    assert model.estimate(b, 600) == pytest.approx(0.6)
+    clock.now = 2.0  # drained, not below 0
+    assert model.estimate(a, 100) == pytest.approx(0.1)
+
+
+def test_bad_rates_are_refused():
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        CostModel(tokens_per_s=0, step_s=0.01)
