@@ -15,9 +15,7 @@ Redis cannot be reached, `on_store_down` decides: open admits and counts in a lo
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -27,10 +25,9 @@ from redis.exceptions import RedisError
 from gateway.budgets.memory import Charge, MemoryStore, Verdict
 from gateway.config import LimitsStoreConfig
 from gateway.errors import Overloaded
+from gateway.redis_health import PROBE_S, RedisHealth
 
 log = logging.getLogger("kvgate.budgets")
-
-PROBE_S = 1.0
 
 _COMMON = """
 local t = redis.call('TIME')
@@ -155,11 +152,9 @@ class RedisStore:
         self._settle = self.redis.register_script(SETTLE)
         self._read = self.redis.register_script(READ)
         self.local = MemoryStore(reservation_ttl_s)
-        self.up = True
-        self.problem: str | None = None
-        self.since = time.time()
+        how = "this replica counts alone" if fail_open else "requests with budgets are refused (fail closed)"
+        self.health = RedisHealth(self.redis, log, "budget store", how, "spend is shared by every replica again")
         self._local_ids: set[str] = set()  # requests admitted on local counts: they settle there
-        self._probe: asyncio.Task | None = None
 
     def _keys(self, charges: list[Charge]) -> list[str]:
         out = []
@@ -169,14 +164,14 @@ class RedisStore:
         return out
 
     async def reserve(self, request_id: str, charges: list[Charge]) -> Verdict:
-        if self.up:
+        if self.health.up:
             args = [request_id, self.reservation_ttl_s]
             for c in charges:
                 args += [_num(c.limit), _num(c.amount), int(c.shadow), c.period_s, c.ttl_s]
             try:
                 answer = [float(x) for x in await self._reserve(keys=self._keys(charges), args=args)]
             except (RedisError, OSError) as exc:
-                self._went_down(exc)
+                self.health.went_down(exc)
             else:
                 refused = int(answer[0])
                 return Verdict(refused - 1 if refused else None, answer[2::2], answer[3::2], answer[1])
@@ -196,48 +191,28 @@ class RedisStore:
         try:
             return [float(x) for x in await self._settle(keys=self._keys(charges), args=args)]
         except (RedisError, OSError) as exc:
-            self._went_down(exc)  # its hold lapses after reservation_ttl_s; the use is counted here
+            self.health.went_down(exc)  # its hold lapses after reservation_ttl_s; the use is counted here
             return await self.local.settle(request_id, charges)
 
     async def read(self, charges: list[Charge]) -> list[tuple[float, float]]:
-        if self.up:
+        if self.health.up:
             try:
                 answer = [float(x) for x in await self._read(keys=self._keys(charges),
                                                              args=[c.period_s for c in charges])]
                 return list(zip(answer[::2], answer[1::2]))
             except (RedisError, OSError) as exc:
-                self._went_down(exc)
+                self.health.went_down(exc)
         return await self.local.read(charges)
-
-    def _went_down(self, exc: BaseException) -> None:
-        if not self.up:
-            return
-        self.up, self.since = False, time.time()
-        how = "this replica counts alone" if self.fail_open else "requests with budgets are refused (fail closed)"
-        self.problem = f"Redis unreachable ({type(exc).__name__}: {exc}); {how}"
-        log.warning("budget store: %s", self.problem)
-        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
-
-    async def _probe_until_up(self) -> None:
-        while not self.up:
-            await asyncio.sleep(PROBE_S)
-            try:
-                await self.redis.ping()
-            except (RedisError, OSError):
-                continue
-            self.up, self.since, self.problem = True, time.time(), None
-            log.warning("budget store: Redis answers again; spend is shared by every replica again")
 
     async def start(self) -> None:
         try:
             await self.redis.ping()
         except (RedisError, OSError) as exc:
-            self._went_down(exc)
+            self.health.went_down(exc)
 
     async def stop(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        self.health.stop()
         await self.redis.aclose()
 
     def status(self) -> dict:
-        return {"kind": "redis", "shared": self.up, "problem": self.problem, "since": self.since}
+        return self.health.status()

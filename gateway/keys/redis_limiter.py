@@ -41,11 +41,11 @@ from gateway.config import LimitsStoreConfig
 from gateway.errors import RateLimited
 from gateway.keys.limits import KeyLimiter, check_weight
 from gateway.keys.store import ApiKey
+from gateway.redis_health import PROBE_S, RedisHealth
 
 log = logging.getLogger("kvgate.limits")
 
 LEASE_S = 30  # an in-flight slot outlives a dead replica by at most this long
-PROBE_S = 1.0  # while Redis is down, how often it is tried again
 
 # Shared by the scripts: trim a window (KEYS[i], KEYS[i+1] = its sum) and return its total.
 _TRIM = """
@@ -195,9 +195,8 @@ class RedisLimiter:
         self._count = self.redis.register_script(COUNT)
         self._undo = self.redis.register_script(UNDO)
         self.local = KeyLimiter()
-        self.up = True
-        self.problem: str | None = None
-        self.since = time.time()  # when `up` last changed
+        self.health = RedisHealth(self.redis, log, "limits store", "each replica enforces the limits alone",
+                                  "limits are shared by every replica again")
         # Per key name, what each admitted request holds, oldest first: ("redis", id, leased,
         # tokens reserved) or ("local",). Requests of one key are interchangeable for counting, so finish pops any.
         self._held: dict[str, deque] = defaultdict(deque)
@@ -210,14 +209,14 @@ class RedisLimiter:
         check_weight(key, weight)
         limited = key.requests_per_minute or key.tokens_per_minute or key.max_concurrency
         reserve = min(reserve_tokens, key.tokens_per_minute or 0)  # as the script caps it
-        if self.up and limited:  # a key without limits costs no round trip
+        if self.health.up and limited:  # a key without limits costs no round trip
             request_id = uuid.uuid4().hex
             try:
                 answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
                                            args=[weight, key.requests_per_minute or 0, key.tokens_per_minute or 0,
                                                  key.max_concurrency or 0, request_id, self.lease_s, reserve, 0])
             except (RedisError, OSError) as exc:
-                self._went_down(exc)
+                self.health.went_down(exc)
                 # The script may have run and only its answer been lost: take it back once Redis
                 # answers, or the request would count twice (here and there) and hold a lease.
                 self._spawn(self._undo_in_redis(key, request_id, weight, reserve))
@@ -231,13 +230,13 @@ class RedisLimiter:
     async def admissible(self, key: ApiKey) -> None:
         """Raise 429 when `key` is at one of its limits now, counting nothing (asked before the
         body is read and parsed)."""
-        if self.up and (key.requests_per_minute or key.tokens_per_minute or key.max_concurrency):
+        if self.health.up and (key.requests_per_minute or key.tokens_per_minute or key.max_concurrency):
             try:
                 answer = await self._admit(keys=self._keys(key.name, "req", "req:sum", "tok", "tok:sum", "flight"),
                                            args=[1, key.requests_per_minute or 0, key.tokens_per_minute or 0,
                                                  key.max_concurrency or 0, "", self.lease_s, 0, 1])
             except (RedisError, OSError) as exc:
-                self._went_down(exc)
+                self.health.went_down(exc)
             else:
                 return _raise_refusal(key, answer)
         self.local.check(key)
@@ -245,7 +244,7 @@ class RedisLimiter:
     def count_refused(self, key: ApiKey) -> None:
         if not key.requests_per_minute:
             return
-        if not self.up:
+        if not self.health.up:
             return self.local.count_refused(key)
         self._spawn(self._count_in_redis(key))
 
@@ -253,7 +252,7 @@ class RedisLimiter:
         try:
             await self._count(keys=self._keys(key.name, "req", "req:sum"), args=[uuid.uuid4().hex])
         except (RedisError, OSError) as exc:
-            self._went_down(exc)
+            self.health.went_down(exc)
             self.local.count_refused(key)
 
     def finish(self, key: ApiKey, tokens: int) -> None:
@@ -270,7 +269,7 @@ class RedisLimiter:
             await self._finish(keys=self._keys(key.name, "tok", "tok:sum", "flight"),
                                args=[tokens, request_id, int(leased), reserved])
         except (RedisError, OSError) as exc:
-            self._went_down(exc)
+            self.health.went_down(exc)
             self.local.charge(key, tokens)  # its lease lapses in Redis by itself
 
     async def _undo_in_redis(self, key: ApiKey, request_id: str, weight: int, reserve: int) -> None:
@@ -289,24 +288,6 @@ class RedisLimiter:
 
     # ------------------------------------------------------------------ health
 
-    def _went_down(self, exc: BaseException) -> None:
-        if not self.up:
-            return
-        self.up, self.since = False, time.time()
-        self.problem = f"Redis unreachable ({type(exc).__name__}: {exc}); each replica enforces the limits alone"
-        log.warning("limits store: %s", self.problem)
-        self._spawn(self._probe_until_up())
-
-    async def _probe_until_up(self) -> None:
-        while not self.up:
-            await asyncio.sleep(PROBE_S)
-            try:
-                await self.redis.ping()
-            except (RedisError, OSError):
-                continue
-            self.up, self.since, self.problem = True, time.time(), None
-            log.warning("limits store: Redis answers again; limits are shared by every replica again")
-
     async def _renew_leases(self) -> None:
         """Keep this replica's in-flight leases alive (a dead replica's lapse after lease_s)."""
         while True:
@@ -317,12 +298,12 @@ class RedisLimiter:
                 if ids:
                     by_key[name] = ids
             for name, ids in by_key.items():
-                if not self.up:
+                if not self.health.up:
                     break
                 try:
                     await self._renew(keys=self._keys(name, "flight"), args=[self.lease_s, *ids])
                 except (RedisError, OSError) as exc:
-                    self._went_down(exc)
+                    self.health.went_down(exc)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -337,17 +318,18 @@ class RedisLimiter:
             await self.redis.ping()
             log.info("limits store: Redis reachable; per-key limits are shared by every replica")
         except (RedisError, OSError) as exc:
-            self._went_down(exc)  # start anyway: serving never waits on the limits store
+            self.health.went_down(exc)  # start anyway: serving never waits on the limits store
 
     async def stop(self) -> None:
         if self._tasks:  # let last finishes reach Redis
             await asyncio.wait(set(self._tasks), timeout=self.cfg.timeout_s)
         for task in [*self._background, *self._tasks]:
             task.cancel()
+        self.health.stop()
         await self.redis.aclose()
 
     def status(self) -> dict:
-        return {"kind": "redis", "shared": self.up, "problem": self.problem, "since": self.since}
+        return self.health.status()
 
 
 def _raise_refusal(key: ApiKey, answer) -> None:

@@ -47,7 +47,7 @@ CLIENT_TEXT_MODULES = {"native_backend.text.tokenizer", "native_backend.text.det
 
 # The gateway's plugin-facing seam: the modules at its root that plugins import (and every room may).
 GATEWAY_SEAM = {"gateway", "backend", "capabilities", "config", "errors", "fastjson", "hookspecs", "idle", "plugins",
-                "policy"}
+                "policy", "redis_health"}
 # Each room of gateway/ and the rooms it may import, bottom to top (docs/design/architecture.md
 # draws it). A room is a package, the seam, or one of the modules on top of the root (state, app, cli).
 GATEWAY_ROOMS = {
