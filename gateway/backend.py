@@ -8,7 +8,7 @@ plain data: the dataclasses below, and the exceptions in `gateway.errors`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
 
 # Capabilities is re-exported: a plugin imports the whole seam from this module.
@@ -160,6 +160,32 @@ class TokenEvent:
     # kv_transfer_params with do_remote_decode): what the engine returned for the decode side to
     # load the prompt's KV from it. The gateway hands it to the decode hop unread.
     kv_transfer_params: dict | None = None
+
+
+def _plain_defaults(cls) -> dict:
+    """Each field's default; a field with none (or a factory) has no place in token_event."""
+    out = {}
+    for f in fields(cls):
+        if f.default is MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name} has no plain default: token_event cannot fill it")
+        out[f.name] = f.default
+    return out
+
+
+_EVENT_DEFAULTS = _plain_defaults(TokenEvent)
+
+
+def token_event(text: str = "", token_ids: tuple[int, ...] = (), logprobs: tuple = (),
+                finish_reason: str | None = None, usage: Usage | None = None, tool_calls: tuple = (),
+                reasoning: str = "", refusal: str = "") -> TokenEvent:
+    """TokenEvent(...) of these fields (the others at their defaults) for a third of the cost,
+    for code that makes one per token: a frozen dataclass's __init__ sets each of its 11 fields
+    through object.__setattr__, this fills the new instance's __dict__ in one update."""
+    event = object.__new__(TokenEvent)
+    event.__dict__.update(_EVENT_DEFAULTS, text=text, token_ids=token_ids, logprobs=logprobs,
+                          finish_reason=finish_reason, usage=usage, tool_calls=tool_calls, reasoning=reasoning,
+                          refusal=refusal)
+    return event
 
 
 @dataclass(frozen=True)

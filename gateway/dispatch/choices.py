@@ -98,13 +98,14 @@ class OpenChoice:
 def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
                     trace_context: dict | None = None) -> list[GenerationRequest]:
     """One GenerationRequest per choice: prompts x n, each choice with its own seed offset."""
-    base = GenerationRequest(
-        request_id=request_id, model=parsed.model, sampling=parsed.sampling, user=parsed.user,
-        priority=priority, trace_context=dict(trace_context or {}), stream=parsed.stream,
-        tools=parsed.tools, tool_choice=parsed.tool_choice, parallel_tool_calls=parsed.parallel_tool_calls,
-        response_format=parsed.response_format, reasoning_effort=parsed.reasoning_effort,
-        extra=parsed.extra or {}, needs=parsed.needs, passthrough=parsed.passthrough,
-        continuous_usage=parsed.continuous_usage,
+    # What every choice shares (the same objects, as dataclasses.replace of one base would give),
+    # passed to each constructor: a replace per choice costs twice a construction.
+    common = dict(
+        model=parsed.model, user=parsed.user, priority=priority, trace_context=dict(trace_context or {}),
+        stream=parsed.stream, tools=parsed.tools, tool_choice=parsed.tool_choice,
+        parallel_tool_calls=parsed.parallel_tool_calls, response_format=parsed.response_format,
+        reasoning_effort=parsed.reasoning_effort, extra=parsed.extra or {}, needs=parsed.needs,
+        passthrough=parsed.passthrough, continuous_usage=parsed.continuous_usage, messages=parsed.messages,
     )
     inputs = parsed.prompts if parsed.prompts is not None else [None]
     out = []
@@ -114,15 +115,9 @@ def choice_requests(parsed: ParsedRequest, request_id: str, priority: int = 0,
             sampling = parsed.sampling
             if sampling.seed is not None and i:
                 sampling = replace(sampling, seed=(sampling.seed + i) % 2**63)  # stays in range
-            out.append(
-                replace(
-                    base,
-                    request_id=f"{request_id}-{index}" if parsed.num_choices > 1 else request_id,
-                    sampling=sampling,
-                    prompt=prompt,
-                    messages=parsed.messages,
-                )
-            )
+            out.append(GenerationRequest(
+                request_id=f"{request_id}-{index}" if parsed.num_choices > 1 else request_id,
+                sampling=sampling, prompt=prompt, **common))
     return out
 
 
@@ -252,7 +247,7 @@ def pools_to_try(registry: ModelRegistry, pool: ModelPool):
 async def open_on(pool: ModelPool, deployment: Deployment, index: int, request: GenerationRequest) -> OpenChoice:
     """`request` sent to `deployment`, open up to its first event; the slot (already claimed)
     stays the caller's to release when this raises."""
-    request = replace(request, model=deployment.upstream_model)
+    request = _sent_as(request, deployment.upstream_model)
     events, batched = batched_events(deployment.backend, request)
     timeout = pool.config.timeouts.first_token_s
     try:
@@ -275,6 +270,15 @@ async def open_on(pool: ModelPool, deployment: Deployment, index: int, request: 
         raise
     deployment.breaker.record_success()
     return OpenChoice(index, request, pool, deployment, events, first if batched else [first], batched)
+
+
+def _sent_as(request: GenerationRequest, model: str) -> GenerationRequest:
+    """replace(request, model=model) for a fifth of its cost: a shallow copy of its fields
+    (GenerationRequest is a plain dataclass with no __post_init__: nothing replace would run
+    is skipped)."""
+    sent = object.__new__(type(request))
+    sent.__dict__.update(vars(request), model=model)
+    return sent
 
 
 async def _give_up(deployment: Deployment, events, request_id: str) -> None:

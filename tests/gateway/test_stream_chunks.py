@@ -7,14 +7,16 @@ run once per token; they must give exactly what `ResponseShape.head`, `finish_re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from gateway import fastjson
-from gateway.backend import TokenEvent, TokenLogprob, TopLogprob
+from gateway.backend import TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage, token_event
 from gateway.protocol.bodies import ResponseShape, finish_reason, sse, stream_chunk
 from kvgate_openai import wire
+from kvgate_openai.counts import token_count
 
 EVENTS = [
     TokenEvent(text="hello"),
@@ -99,3 +101,63 @@ def test_a_chunk_carries_one_tool_call_entry_per_index():
         {"index": 0, "function": {"arguments": '"}'}},
         {"index": 1, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": '{"a'}},
     ]
+
+
+TOKEN_EVENT_FIELDS = [
+    {},
+    {"text": " hi"},
+    {"text": "", "token_ids": (5, 6), "finish_reason": "length", "usage": Usage(3, 2, 1)},
+    {"text": "x", "logprobs": (TokenLogprob("x", -0.5, 7, (TopLogprob("x", -0.5),)),)},
+    {"tool_calls": (ToolCallDelta(0, "call_0", "f", '{"a"'),), "reasoning": "r", "refusal": "no"},
+]
+
+
+@pytest.mark.parametrize("fields", TOKEN_EVENT_FIELDS)
+def test_token_event_is_the_dataclass_it_stands_for(fields):
+    """The per-token constructor gives what TokenEvent(...) gives: every field, frozen."""
+    event = token_event(**fields)
+    assert event == TokenEvent(**fields) and repr(event) == repr(TokenEvent(**fields))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.text = "changed"
+
+
+def _usage_general(chunk: dict):
+    """usage_of as it was written before its common case was read once per chunk."""
+    u = chunk.get("usage")
+    if not u:
+        return None
+    if not isinstance(u, dict):
+        raise ValueError("usage is not an object")
+    details = u.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(token_count(u, "prompt_tokens"), token_count(u, "completion_tokens"),
+                 token_count({"cached_tokens": cached}, "cached_tokens"))
+
+
+USAGES = [
+    None, {}, {"prompt_tokens": 36, "completion_tokens": 16}, {"completion_tokens": 4}, {"prompt_tokens": 2.0,
+    "completion_tokens": 3}, {"prompt_tokens": 0, "completion_tokens": 2**31 - 1},
+    {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}},
+    {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None},
+    {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": [1]},
+    {"prompt_tokens": True, "completion_tokens": 1}, {"prompt_tokens": -1, "completion_tokens": 1},
+    {"prompt_tokens": 1, "completion_tokens": 2**31}, {"prompt_tokens": 1, "completion_tokens": 1.5},
+    {"prompt_tokens": "3", "completion_tokens": 1}, {"prompt_tokens": 1, "completion_tokens": 1,
+                                                    "prompt_tokens_details": {"cached_tokens": -2}}, [1],
+]
+
+
+@pytest.mark.parametrize("usage", USAGES)
+def test_usage_read_once_means_what_its_general_form_means(usage):
+    """The same Usage, or a ValueError naming the same field, as the general form; and the chunk's
+    event carries it whether chunk_event reads it or is handed it."""
+    chunk = {"choices": [{"index": 0, "text": " hi", "finish_reason": None}], "usage": usage}
+    try:
+        expected = _usage_general(chunk)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=str(exc).replace("[", r"\[").replace("]", r"\]")):
+            wire.usage_of(chunk)
+        return
+    assert wire.usage_of(chunk) == expected
+    assert wire.chunk_event(chunk, False) == wire.chunk_event(chunk, False, wire.usage_of(chunk)) == TokenEvent(
+        text=" hi", usage=expected)

@@ -269,9 +269,10 @@ class OpenAIBackend(TokenCalls, Backend):
                         done = True
                         break
                     chunk = self._decode(payload, sent)
-                    if chunk.get("usage"):  # most chunks carry none
-                        usage = self._usage(chunk) or usage
-                    event = wire.chunk_event(chunk, chat)
+                    own = self._usage(chunk) if chunk.get("usage") else None  # most chunks carry none
+                    if own is not None:
+                        usage = own
+                    event = wire.chunk_event(chunk, chat, own)
                     if event is None:
                         continue
                     if event.finish_reason:

@@ -17,8 +17,9 @@ from dataclasses import replace
 
 from gateway import fastjson
 from gateway.backend import (
-    TRANSFER_PARAMS, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
-from kvgate_openai.counts import token_count
+    TRANSFER_PARAMS, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage,
+    token_event)
+from kvgate_openai.counts import MAX_COUNT, token_count
 from kvgate_openai.relay import PATHS
 
 COMPLETIONS = "/completions"
@@ -118,8 +119,13 @@ def _vllm_extensions(body: dict, s: SamplingParams) -> None:
         body["stop_token_ids"] = list(s.stop_token_ids)
 
 
-def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
-    """The token event in one stream chunk, or None when it carries nothing (role opener, usage)."""
+_READ = object()  # chunk_event's usage: read it from the chunk
+
+
+def chunk_event(chunk: dict, chat: bool, usage: Usage | None = _READ) -> TokenEvent | None:
+    """The token event in one stream chunk, or None when it carries nothing (role opener, usage).
+    `usage`: the chunk's own usage when the caller has read it already (usage_of, per chunk of an
+    upstream that sends continuous usage: read once, not twice)."""
     choices = chunk.get("choices")
     if not choices:
         return None
@@ -136,8 +142,9 @@ def chunk_event(chunk: dict, chat: bool) -> TokenEvent | None:
     if not (text or logprobs or reason or token_ids):
         return None
     # The counts so far, when the upstream sends them in every chunk (continuous usage stats).
-    usage = usage_of(chunk) if "usage" in chunk else None
-    return TokenEvent(text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, usage=usage)
+    if usage is _READ:
+        usage = usage_of(chunk) if "usage" in chunk else None
+    return token_event(text, token_ids, logprobs, reason, usage)  # one per token: the cheap constructor
 
 
 def _event_with_more(message: dict, text: str, token_ids, logprobs, reason, streamed: bool) -> TokenEvent | None:
@@ -226,10 +233,14 @@ def usage_of(chunk: dict) -> Usage | None:
         return None
     if not isinstance(u, dict):
         raise ValueError("usage is not an object")
-    details = u.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if details and isinstance(details, dict) else None
+    prompt, completion = u.get("prompt_tokens"), u.get("completion_tokens")
+    if type(prompt) is int and type(completion) is int and cached is None and (  # the usual: two plain counts
+            0 <= prompt <= MAX_COUNT and 0 <= completion <= MAX_COUNT):
+        return Usage(prompt, completion)  # what token_count would return, read once per chunk
     return Usage(token_count(u, "prompt_tokens"), token_count(u, "completion_tokens"),
-                 token_count({"cached_tokens": cached}, "cached_tokens"))
+                 0 if cached is None else token_count({"cached_tokens": cached}, "cached_tokens"))
 
 
 def completion_logprobs(lp: dict | None) -> tuple[TokenLogprob, ...]:
