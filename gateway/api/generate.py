@@ -169,21 +169,21 @@ async def _serve(request: Request, parse, id_prefix: str):
         chat=parsed.chat, id=request_id, model=pool.name, want_logprobs=parsed.sampling.logprobs is not None
     )
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
-    trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
-    requests = choice_requests(parsed, request_id, sla.priority, trace)
-    if hit:
+    if hit:  # no backend request: the choices' events are the entry's
         opening = _replayed(cache.replay(found))
     else:
+        trace = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
+        requests = choice_requests(parsed, request_id, sla.priority, trace)
         opening = open_choices(registry, pool, requests, ticket, recorder, disagg.opener(pool))
     if not parsed.stream:
-        return _headed(await _answer_whole(request, recorder, parsed, shape, opening), hold, found)
+        return _headed(await _answer_whole(request, recorder, parsed, shape, opening, watch=not hit), hold, found)
     # Watch the client from the start: one that leaves while queued, or before the first token,
     # frees its queue slot and aborts its backend work now, not when a token comes. The same
-    # watcher then serves the stream.
+    # watcher then serves the stream. A hit's choices are open at once: no task to wait on them.
     watcher = watch_disconnect(request.receive)
     try:
-        opened, choices = await run_until_disconnect(request.receive, opening,
-                                                     orphan=lambda late: _release(recorder, late), watcher=watcher)
+        opened, choices = (True, await opening) if hit else await run_until_disconnect(
+            request.receive, opening, orphan=lambda late: _release(recorder, late), watcher=watcher)
     except BaseException as exc:
         watcher.cancel()
         _finish_failed(recorder, exc)
@@ -248,9 +248,11 @@ async def key_info(request: Request) -> JSONResponse:
 
 
 async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: ParsedRequest, shape: ResponseShape,
-                        opening) -> JSONResponse:
+                        opening, watch: bool = True) -> JSONResponse:
     """Open the choices and collect their answers under one watch of the client (one task and
-    one watcher per request, not two of each): a client that leaves at any point aborts them."""
+    one watcher per request, not two of each): a client that leaves at any point aborts them.
+    `watch` false (a cache hit: its answer is in memory, nothing waits) runs it in the request's
+    own task, with no watcher: two tasks and a wait less per hit."""
     choices: list[OpenChoice] = []
 
     async def open_then_collect() -> tuple[dict, list[ChoiceState]]:
@@ -262,7 +264,10 @@ async def _answer_whole(request: Request, recorder: RequestRecorder, parsed: Par
         return await _collect(recorder, parsed, shape, choices)
 
     try:
-        finished, collected = await run_until_disconnect(request.receive, open_then_collect())
+        if watch:
+            finished, collected = await run_until_disconnect(request.receive, open_then_collect())
+        else:
+            finished, collected = True, await open_then_collect()
         body, states = collected if collected else (None, [])
         recorder.finish(200 if finished else CLIENT_CLOSED, body["usage"] if body else None,
                         [c["finish_reason"] for c in body["choices"]] if body else ())

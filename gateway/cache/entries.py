@@ -16,7 +16,7 @@ import json
 import orjson
 
 from gateway import fastjson
-from gateway.backend import TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage
+from gateway.backend import TokenEvent, TokenLogprob, ToolCallDelta, TopLogprob, Usage, token_event
 
 STORED_FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})  # not "abort", not an error
 
@@ -84,7 +84,7 @@ def _event(e: TokenEvent) -> dict:
 
 
 def _from(d: dict) -> TokenEvent:
-    return TokenEvent(
+    return token_event(  # one per kept event, on every hit: the cheap constructor
         text=d.get("t", ""), token_ids=tuple(d.get("i", ())), finish_reason=d.get("f"),
         logprobs=tuple(TokenLogprob(t, lp, i, tuple(TopLogprob(*top) for top in tops))
                        for t, lp, i, tops in d.get("l", ())),

@@ -55,6 +55,13 @@ class ReplayChoice:
 class ResponseCache:
     def __init__(self, model: str, cfg: ResponseCacheConfig, store, requests: Counter):
         self.model, self.cfg, self.store, self._requests = model, cfg, store, requests
+        self._counted: dict[str, object] = {}  # outcome -> its labelled series, looked up once
+
+    def _count(self, outcome: str) -> None:
+        series = self._counted.get(outcome)
+        if series is None:
+            series = self._counted[outcome] = self._requests.labels(self.model, outcome)
+        series.inc()
 
     def scope(self, key) -> str:
         if key is None or self.cfg.scope == "shared":
@@ -68,12 +75,12 @@ class ResponseCache:
         no-store, passthrough) is a miss that keeps nothing."""
         control = headers.get("cache-control", "").lower()
         if "no-store" in control or not cacheable(parsed, self.cfg.tools):
-            self._requests.labels(self.model, "bypass").inc()
+            self._count("bypass")
             return Lookup("", store=False)
         found = Lookup(cache_key(parsed, self.model, self.scope(key)), store=True)
         if "no-cache" not in control:
             found.hit = await self.store.get(found.key)
-        self._requests.labels(self.model, "hit" if found.hit is not None else "miss").inc()
+        self._count("hit" if found.hit is not None else "miss")
         return found
 
     @staticmethod
@@ -86,7 +93,7 @@ class ResponseCache:
         if not finish_reasons or any(r not in STORED_FINISH_REASONS for r in finish_reasons):
             return
         self.store.put(found.key, encode(found.batches))
-        self._requests.labels(self.model, "stored").inc()
+        self._count("stored")
 
 
 def make_caches(config: GatewayConfig, requests: Counter, env=None) -> dict[str, ResponseCache]:
