@@ -48,6 +48,7 @@ VALUE_SETS = {
     "kv-events": [HERE / "values" / "kv-events.yaml"],
     "disaggregated": [CHART / "examples" / "disaggregated.yaml"],
     "disaggregated-vllm": [CHART / "examples" / "disaggregated-vllm.yaml"],
+    "multi-node": [HERE / "values" / "multi-node.yaml"],
 }
 SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
@@ -194,6 +195,10 @@ BAD_VALUES = [
       "engines[2].name=d", "engines[2].model=smollm2-135m-instruct", "engines[2].role=decode"],
      "either all colocated or each prefill or decode"),
     (["models[0].name=m", "models[0].disaggregation.min_prompt_tokens=5"], "additional properties 'min_prompt_tokens'"),
+    (["engines[0].name=b", "engines[0].model=m", "engines[0].nnodes=2", "engines[0].replicas=2"],
+     "engines[b]: nnodes 2 needs replicas 1"),
+    (["engines[0].name=b", "engines[0].model=m", "engines[0].nnodes=2", "engines[0].pipelineParallelSize=3"],
+     "engines[b]: tensorParallelSize x pipelineParallelSize (1 x 3) must spread evenly over nnodes 2"),
     (["engineAuth.enabled=false", "engines[0].name=p", "engines[0].model=smollm2-135m-instruct", "engines[0].role=prefill",
       "engines[1].name=d", "engines[1].model=smollm2-135m-instruct", "engines[1].role=decode"],
      "prefill and decode engines need engineAuth"),
@@ -387,6 +392,9 @@ def test_the_check_function_sees_violations():
 def test_probes_and_graceful_shutdown(rendered, name):
     for where, pod in pod_specs(rendered(name)):
         c = pod["containers"][0]
+        if c["name"] == "node":  # a headless engine node serves no HTTP: node 0's engine fails when it does
+            assert not {"livenessProbe", "readinessProbe", "ports"} & set(c), where
+            continue
         assert c["livenessProbe"]["httpGet"]["path"] == "/health/live", where
         assert c["readinessProbe"]["httpGet"]["path"].startswith("/health/"), where
         startup = c["startupProbe"]
@@ -1145,3 +1153,56 @@ def test_rendered_engine_pools_pass_kv_transfer_params_through_their_pods(render
         assert decode["kv_transfer_params"]["remote_engine_id"] == "smollm2-prefill"
         assert [engine for engine, _ in engines["smollm2-decode"].loaded] == ["smollm2-prefill"]
 
+
+
+def test_an_engine_across_machines_is_a_leader_and_headless_nodes_that_find_it_by_name(rendered):
+    """Issue 47 item 3: engines[].nnodes 2 renders node 0 as the group's StatefulSet pod (its config
+    says nnodes, its pod IP as master_addr, masterPort) and StatefulSet <engine>-nodes, whose pods
+    run `kvgate engine --headless` with node rank ordinal + 1, dialing the leader's stable DNS name
+    (a headless Service listing the leader pod ready or not); both get the rendezvous secret from a
+    generated Secret, the gateway never; the nodes are never the gateway's backends; the engines'
+    NetworkPolicy admits the node pods, and the node pods admit the engine pods alone."""
+    docs = rendered("multi-node")
+    settings = engine_settings(docs, "big")
+    assert {k: settings[k] for k in ("nnodes", "master_addr", "master_port", "pipeline_parallel_size")} == {
+        "nnodes": 2, "master_addr": "__KVGATE_POD_IP__", "master_port": 29600, "pipeline_parallel_size": 4}
+    assert "nnodes" not in engine_settings(docs, "small")
+    leader = engine_container(docs, "big")
+    assert {"name": "rendezvous", "containerPort": 29600, "protocol": "TCP"} in leader["ports"]
+    assert "$KVGATE_POD_IP" in leader["args"][0]  # the placeholder filled in at start
+    [service] = find(docs, "Service", f"{RELEASE}-kvgate-big-leader")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    leader_labels = find(docs, "StatefulSet", f"{RELEASE}-kvgate-big")[0]["spec"]["template"]["metadata"]["labels"]
+    selector = dict(service["spec"]["selector"])
+    assert selector.pop("statefulset.kubernetes.io/pod-name") == f"{RELEASE}-kvgate-big-0"  # ordinal 0 alone
+    assert selector.items() <= leader_labels.items()
+    [nodes] = find(docs, "StatefulSet", f"{RELEASE}-kvgate-big-nodes")
+    pod = nodes["spec"]["template"]
+    [node] = pod["spec"]["containers"]
+    assert nodes["spec"]["replicas"] == 1
+    assert node["args"] == [f"exec kvgate engine --headless --nnodes 2 --node-rank $((KVGATE_POD_INDEX + 1)) "
+                            f"--master-addr {RELEASE}-kvgate-big-leader.{NAMESPACE}.svc.cluster.local "
+                            "--master-port 29600"]
+    env = {e["name"]: e for e in node["env"]}
+    assert env["KVGATE_POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']")
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == 2  # 1 x 4 ranks over 2 nodes
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == 2
+    secret = secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-big-nodes")["KVGATE_RENDEZVOUS_SECRET"]
+    assert len(secret) >= 32 and secret.isalnum()
+    assert secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-big")["KVGATE_RENDEZVOUS_SECRET"] == secret
+    assert "KVGATE_RENDEZVOUS_SECRET" not in secret_env(docs, "Deployment", f"{RELEASE}-kvgate")
+    assert "KVGATE_RENDEZVOUS_SECRET" not in secret_env(docs, "StatefulSet", f"{RELEASE}-kvgate-small")
+    discovery = find(docs, "Service", f"{RELEASE}-kvgate-big-pods")[0]["spec"]["selector"]
+    assert not discovery.items() <= pod["metadata"]["labels"].items()  # the gateway never routes to a node
+    assert [d["metadata"]["name"] for d in find(docs, "StatefulSet") if d["metadata"]["name"].endswith("-nodes")] == [
+        f"{RELEASE}-kvgate-big-nodes"]
+    engines = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-engines")[0]["spec"]
+    [from_nodes] = [r for r in engines["ingress"] if "ports" not in r]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in from_nodes["from"]] == [
+        "engine-node"]
+    node_policy = find(docs, "NetworkPolicy", f"{RELEASE}-kvgate-engine-nodes")[0]["spec"]
+    assert node_policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+            for r in node_policy["ingress"] for p in r["from"]] == ["engine", "engine-node"]
+    assert "engine-nodes" not in str([d["metadata"]["name"] for d in find(rendered("default"), "NetworkPolicy")])

@@ -86,7 +86,7 @@ kvgate.io/engine: {{ .engine.name }}
 
 {{/* GPUs per engine pod. */}}
 {{- define "kvgate.engineGpus" -}}
-{{- if not (kindIs "invalid" .gpus) -}}{{ int .gpus }}{{- else if eq .device "cuda" -}}{{ int .tensorParallelSize }}{{- else -}}0{{- end -}}
+{{- if not (kindIs "invalid" .gpus) -}}{{ int .gpus }}{{- else if eq .device "cuda" -}}{{ div (mul (int .tensorParallelSize) (int (default 1 .pipelineParallelSize))) (int (default 1 .nnodes)) }}{{- else -}}0{{- end -}}
 {{- end -}}
 
 {{/* Secret names. */}}
@@ -303,6 +303,13 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- if not (kindIs "invalid" $e.maxModelLen) }}{{ $_ := set $settings "max_model_len" (int $e.maxModelLen) }}{{ end -}}
 {{- if not (kindIs "invalid" $e.numThreads) }}{{ $_ := set $settings "num_threads" (int $e.numThreads) }}{{ end -}}
 {{- if gt (int $e.tensorParallelSize) 1 }}{{ $_ := set $settings "tensor_parallel_size" (int $e.tensorParallelSize) }}{{ end -}}
+{{- if gt (int $e.pipelineParallelSize) 1 }}{{ $_ := set $settings "pipeline_parallel_size" (int $e.pipelineParallelSize) }}{{ end -}}
+{{- if gt (int $e.nnodes) 1 -}}
+{{- /* node 0 listens on its pod IP (filled in at start); the nodes reach it by the leader Service's name */ -}}
+{{- $_ := set $settings "nnodes" (int $e.nnodes) -}}
+{{- $_ := set $settings "master_addr" (include "kvgate.podIpPlaceholder" $e) -}}
+{{- $_ := set $settings "master_port" (int $e.masterPort) -}}
+{{- end -}}
 {{- /* The default model file (the image's GGUF) runs its Q4_1 linears as stored on cpu, as `make serve` does */ -}}
 {{- $quantization := $e.quantization | default (and (eq (default "default" $e.modelFile) "default") (ne $e.device "cuda") | ternary "gguf" "") -}}
 {{- with $quantization }}{{ $_ := set $settings "quantization" . }}{{ end -}}
@@ -403,7 +410,7 @@ the ready prefill pods): the producers its engines read KV blocks from, and no o
 {{/* Non-empty when an engine group's config names its pod's IP (a prefill pool's advertised
 host, the KV-event endpoints): its container fills the placeholder in before it starts. */}}
 {{- define "kvgate.engineNeedsPodIp" -}}
-{{- if or (eq .role "prefill") .kvEvents.enabled }}yes{{ end -}}
+{{- if or (eq .role "prefill") .kvEvents.enabled (gt (int .nnodes) 1) }}yes{{ end -}}
 {{- end -}}
 
 {{/* Non-empty when an engines[] group publishes KV events. */}}
@@ -418,4 +425,33 @@ host, the KV-event endpoints): its container fills the placeholder in before it 
 {{- range .Values.engines -}}
 {{- if eq (default $.Values.engineDefaults.role .role) "prefill" }}yes{{ end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* An engine across machines: node 0's stable DNS name (headless Service <engine>-leader, which
+lists the leader pod ready or not: the nodes join before it is ready), its Secret's name. */}}
+{{- define "kvgate.engineLeader" -}}
+{{- printf "%s-leader" (include "kvgate.engineFullname" .) -}}
+{{- end -}}
+
+{{- define "kvgate.engineLeaderAddress" -}}
+{{- printf "%s.%s.svc.%s" (include "kvgate.engineLeader" .) .root.Release.Namespace (trimSuffix "." .root.Values.clusterDomain) -}}
+{{- end -}}
+
+{{- define "kvgate.rendezvousSecret" -}}
+{{- default (printf "%s-rendezvous" (include "kvgate.fullname" .)) .Values.engineRendezvous.existingSecret -}}
+{{- end -}}
+
+{{/* Non-empty when an engines[] group spans machines. */}}
+{{- define "kvgate.anyMultiNode" -}}
+{{- range .Values.engines -}}
+{{- $e := include "kvgate.mergedEngine" (dict "root" $ "raw" .) | fromYaml -}}
+{{- if gt (int $e.nnodes) 1 }}yes{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rendezvous secret env of an engine or node pod. */}}
+{{- define "kvgate.rendezvousEnv" -}}
+- name: KVGATE_RENDEZVOUS_SECRET
+  valueFrom:
+    secretKeyRef: {name: {{ include "kvgate.rendezvousSecret" . }}, key: {{ .Values.engineRendezvous.secretKey }}}
 {{- end -}}
