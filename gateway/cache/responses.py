@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -20,6 +21,10 @@ from gateway.cache.stores import MemoryCache, RedisCache
 from gateway.config import GatewayConfig, ResponseCacheConfig
 
 HEADER = "x-kvgate-cache"
+# Decoded entries kept beside the store (ResponseCache._decoded): bounded by count and entry size,
+# so they add at most ~64 x 64 KiB of encoded answers (a few MiB of objects) to max_bytes.
+DECODED_ENTRIES = 64
+DECODED_ENTRY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -56,6 +61,7 @@ class ResponseCache:
     def __init__(self, model: str, cfg: ResponseCacheConfig, store, requests: Counter):
         self.model, self.cfg, self.store, self._requests = model, cfg, store, requests
         self._counted: dict[str, object] = {}  # outcome -> its labelled series, looked up once
+        self._recent: OrderedDict[str, tuple[bytes, dict]] = OrderedDict()  # key -> (entry, decoded), LRU first
 
     def _count(self, outcome: str) -> None:
         series = self._counted.get(outcome)
@@ -83,9 +89,24 @@ class ResponseCache:
         self._count("hit" if found.hit is not None else "miss")
         return found
 
-    @staticmethod
-    def replay(found: Lookup) -> list[ReplayChoice]:
-        return [ReplayChoice(index, batches) for index, batches in sorted(decode(found.hit).items())]
+    def replay(self, found: Lookup) -> list[ReplayChoice]:
+        return [ReplayChoice(index, batches) for index, batches in sorted(self._decoded(found).items())]
+
+    def _decoded(self, found: Lookup) -> dict:
+        """The hit's events, decoded once per entry while it stays hot: a small LRU of decoded
+        entries (of at most DECODED_ENTRY_BYTES each), used only while the store still answers
+        the same bytes under that key (events are frozen: replays share them)."""
+        kept = self._recent.get(found.key)
+        if kept is not None and kept[0] == found.hit:
+            self._recent.move_to_end(found.key)
+            return kept[1]
+        events = decode(found.hit)
+        if len(found.hit) <= DECODED_ENTRY_BYTES:
+            self._recent[found.key] = (found.hit, events)
+            self._recent.move_to_end(found.key)
+            if len(self._recent) > DECODED_ENTRIES:
+                self._recent.popitem(last=False)
+        return events
 
     def keep(self, found: Lookup, status: int, finish_reasons, error) -> None:
         if found.hit is not None or not found.store or status != 200 or error is not None:

@@ -226,3 +226,28 @@ def test_a_hit_is_traced_without_a_backend_attempt():
     assert [r.attributes["kvgate.cache"] for r in roots] == ["miss", "hit"]
     attempts = [s for s in spans if s.kind == SpanKind.CLIENT]
     assert {a.context.trace_id for a in attempts} == {roots[0].context.trace_id}  # the miss's attempt only
+
+
+def test_a_replay_follows_the_entry_the_store_answers_now():
+    """Hits reuse an entry's decoded events while the store answers the same bytes under its key;
+    an entry stored again under that key (another answer) replays the new events."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from gateway.backend import TokenEvent, Usage
+    from gateway.cache.entries import encode
+    from gateway.cache.responses import Lookup, ResponseCache
+    from gateway.config import ResponseCacheConfig
+
+    requests = Counter("c", "c", ["model", "outcome"], registry=CollectorRegistry())
+    cache = ResponseCache("m", ResponseCacheConfig(), MemoryCache(2**20, 60), requests)
+
+    def stored(text: str) -> bytes:
+        return encode([(0, [TokenEvent(text=text), TokenEvent(finish_reason="stop", usage=Usage(3, 2))])])
+
+    def replayed(data: bytes) -> list[str]:
+        return [e.text for c in cache.replay(Lookup("k", True, hit=data)) for e in c.events]
+
+    first = stored("one")
+    assert replayed(first) == replayed(first) == ["one", ""]
+    assert replayed(stored("two")) == ["two", ""]  # same key, new bytes: not the old events
+    assert replayed(bytes(first)) == ["one", ""]
