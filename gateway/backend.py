@@ -62,7 +62,7 @@ class GenerationRequest:
     """
 
     request_id: str
-    model: str  # the model name the backend serves (the deployment's upstream name)
+    model: str  # the model name the backend serves (the deployment's upstream name); a LoRA adapter: needs.adapter
     sampling: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
@@ -189,6 +189,18 @@ def token_event(text: str = "", token_ids: tuple[int, ...] = (), logprobs: tuple
 
 
 @dataclass(frozen=True)
+class LoRAState:
+    """A backend's LoRA adapters now: every adapter it can run (name -> its directory, /v1/models'
+    `root`), `max_loras` adapters at once in a batch, and the adapters of its running and waiting
+    requests (vLLM's `vllm:lora_requests_info` labels: what `lora_affinity` routes by)."""
+
+    max_loras: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LoadSnapshot:
     """A cheap view of how busy a backend is, used for routing and shedding."""
 
@@ -210,6 +222,9 @@ class LoadSnapshot:
     # Which serving process this is: a backend that replaces a dead one (an engine restart) counts
     # up, and the gateway's breaker then forgets the failures charged to the process that is gone.
     incarnation: int = 0
+    # Its LoRA adapters, for a backend that serves them (None: it serves none; an empty
+    # LoRAState: it could, none is loaded). The gateway names them as models of the deployment's pool.
+    lora: LoRAState | None = None
 
 
 @dataclass(frozen=True)
@@ -377,6 +392,12 @@ class Backend(Protocol):
     # cache: forget the cached prefixes (and tell KV-event subscribers); an APIError when the
     # engine cannot be reached.
     reset_prefix_cache: Callable[[], Awaitable[None]] | None = None
+
+    # async load_lora_adapter(name, path) / unload_lora_adapter(name): vLLM's POST
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter for a backend whose `load().lora` is not
+    # None; an APIError (InvalidRequestError naming the adapter) when it refuses.
+    load_lora_adapter: Callable[[str, str], Awaitable[None]] | None = None
+    unload_lora_adapter: Callable[[str], Awaitable[None]] | None = None
 
 
 def batched_events(backend: Backend, request: GenerationRequest) -> tuple[AsyncIterator, bool]:

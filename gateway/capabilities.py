@@ -73,6 +73,9 @@ class Needs:
     features: frozenset[str] = frozenset()
     extras: frozenset[str] = frozenset()
     params: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # The LoRA adapter the request's `model` named (None: the base model): only deployments that
+    # hold it take the request (ModelPool.take), and the backend runs it with that adapter.
+    adapter: str | None = None
 
     def param_of(self, feature: str) -> str:
         return dict(self.params).get(feature) or FEATURE_PARAMS.get(feature, feature)

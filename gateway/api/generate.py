@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import uuid
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -67,7 +68,23 @@ async def list_models(request: Request) -> JSONResponse:
         for pool in state.registry.pools
         if key is None or key.may_use([pool.name, *pool.aliases])
     ]
+    data += _adapter_cards(state, key, created)
     return JSONResponse({"object": "list", "data": data})
+
+
+def _adapter_cards(state: GatewayState, key: ApiKey | None, created: int) -> list[dict]:
+    """Each LoRA adapter as vLLM lists one: its `root` the adapter's directory, its `parent` the
+    base model (the pool), `max_model_len` null; only those the key may use by name."""
+    taken = {n for pool in state.registry.pools for n in [pool.name, *pool.aliases]}
+    cards, seen = [], set(taken)
+    for pool in state.registry.pools:
+        for name, root in sorted(pool.adapters().items()):
+            if name in seen or (key is not None and not key.may_use([name])):
+                continue  # a model's name wins over an adapter's; the first pool's adapter of a name
+            seen.add(name)
+            cards.append({"id": name, "object": "model", "created": created, "owned_by": "kvgate", "root": root,
+                          "parent": pool.name, "max_model_len": None})
+    return cards
 
 
 def _model_card(pool) -> dict:
@@ -125,10 +142,13 @@ def _api_key(request: Request) -> ApiKey | None:
 
 
 def _resolve_pool(state: GatewayState, key: ApiKey | None, model: str):
-    pool = state.registry.resolve(model)
-    if key is not None and not key.may_use([model, pool.name]):
+    """(the pool `model` names, the LoRA adapter it names or None). A key's allow-list names an
+    adapter itself: allowing the base model does not allow its adapters."""
+    pool, adapter = state.registry.route(model)
+    allowed = [model] if adapter is not None else [model, pool.name]
+    if key is not None and not key.may_use(allowed):
         raise ModelNotFound(model)  # as if it did not exist: keys do not learn other models
-    return pool
+    return pool, adapter
 
 
 def _sla_class(request: Request, state: GatewayState, key: ApiKey | None) -> SlaClass:
@@ -166,7 +186,8 @@ async def _serve(request: Request, parse, id_prefix: str):
         _cache_noted(recorder, cache, found)
     notify(state.pm, "request_started", request_id=request_id, model=pool.name, sla_class=sla.name)
     shape = ResponseShape(
-        chat=parsed.chat, id=request_id, model=pool.name, want_logprobs=parsed.sampling.logprobs is not None
+        chat=parsed.chat, id=request_id, model=parsed.needs.adapter or pool.name,
+        want_logprobs=parsed.sampling.logprobs is not None,
     )
     ticket = Ticket(sla.priority, sla.sheddable, sla.max_queue_wait_s, sla.name)
     if hit:  # no backend request: the choices' events are the entry's
@@ -313,9 +334,11 @@ async def _release(recorder: RequestRecorder, choices: list[OpenChoice]) -> None
 def _parse_and_route(request: Request, state: GatewayState, key: ApiKey | None, parse, body, limits):
     """The request parsed and checked, its pool and its SLA class; an APIError (a 4xx) if not."""
     parsed: ParsedRequest = disagg.engine_hop(parse(body, limits), key, body)
-    pool = _resolve_pool(state, key, parsed.model)
+    pool, adapter = _resolve_pool(state, key, parsed.model)
     if parsed.translation is not None:  # passed through where a deployment serves the API itself
         parsed = parsed.translation.routed(parsed, pool.declared())
+    if adapter is not None:
+        parsed = replace(parsed, needs=replace(parsed.needs, adapter=adapter))
     sla = _sla_class(request, state, key)
     parsed = with_cache_salt(parsed, key.salt_for(sla.cache_salt) if key is not None else tenant_salt(
         sla.cache_salt, None))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from starlette.responses import RedirectResponse
 
-from gateway.api import generate, openapi, ops, status, tokens
+from gateway.api import generate, lora, openapi, ops, status, tokens
 from gateway.http import login
 from gateway.http.routes import ADMIN, OPEN, OPERATOR, SIGN_IN, SIGN_OUT, TENANT, TENANT_PAGE, Endpoint
 
@@ -36,6 +36,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/health/ready", GET, ops.health_ready, access=OPEN, openapi=openapi.summary_entry("Readiness")),
     Endpoint("/admin/reload", POST, ops.admin_reload, access=ADMIN),
     Endpoint("/admin/reset_prefix_cache", POST, ops.admin_reset_prefix_cache, access=ADMIN),
+    Endpoint("/v1/load_lora_adapter", POST, lora.load_lora_adapter, access=ADMIN),
+    Endpoint("/v1/unload_lora_adapter", POST, lora.unload_lora_adapter, access=ADMIN),
     Endpoint("/metrics", GET, ops.metrics, access=OPERATOR),
     Endpoint("/openapi.json", GET, openapi.serving(lambda: ENDPOINTS)),
     Endpoint("/", GET, _to_status),

@@ -140,7 +140,10 @@ async def _serve(request: Request, model: str, needs, operation: str, id_prefix:
     state = state_of(request)
     key = api._api_key(request)
     with api.refusals_counted(request, model):
-        pool = api._resolve_pool(state, key, model)
+        pool, adapter = api._resolve_pool(state, key, model)  # an adapter tokenizes as its base model
+        if adapter is not None and needs.endpoint == "embeddings":
+            raise InvalidRequestError(f"Model '{model}' is a LoRA adapter: adapters do not serve /v1/embeddings yet.",
+                                      param="model")
         pool.check_servable(needs)
         sla = api._sla_class(request, state, key)
     if key is not None:

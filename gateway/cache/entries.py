@@ -41,6 +41,8 @@ def cache_key(parsed, model: str, scope: str) -> str:
         "response_format": parsed.response_format, "reasoning_effort": parsed.reasoning_effort,
         "extra": parsed.extra,
     }
+    if parsed.needs.adapter is not None:  # an adapter's answers are not the base model's
+        canonical["adapter"] = parsed.needs.adapter
     try:
         text = orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)
     except (TypeError, orjson.JSONEncodeError):  # what fastjson hands to the standard library

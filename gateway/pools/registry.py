@@ -53,6 +53,11 @@ class Deployment:
             return True
         return bool(load.capacity) and load.running + load.waiting >= load.capacity + limits.max_waiting
 
+    def holds_adapter(self, name: str) -> bool:
+        """Whether it runs LoRA adapter `name` now (its load's LoRAState)."""
+        lora = self.backend.load().lora if self.started else None
+        return lora is not None and name in lora.adapters
+
     async def stop(self) -> None:
         """Stop the backend; a failure is logged, never raised (the others must stop too)."""
         try:
@@ -115,6 +120,7 @@ class ModelPool:
         candidates = [
             d for d in self.deployments
             if d.name not in exclude and d.role in roles and d.capabilities.serves(needs) and d.available
+            and (needs.adapter is None or d.holds_adapter(needs.adapter))
             and not d.saturated(self.config.saturation, self.config.queue.max_in_flight_per_deployment)
         ]
         if not candidates:
@@ -125,10 +131,20 @@ class ModelPool:
         chosen.breaker.claim()
         return chosen
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters its started deployments hold: name -> directory (the first's)."""
+        found: dict[str, str] = {}
+        for d in self.deployments:
+            lora = d.backend.load().lora if d.started else None
+            for name, root in (lora.adapters if lora is not None else {}).items():
+                found.setdefault(name, root)
+        return found
+
     def any_available(self, needs: Needs | None = None) -> bool:
         """Whether a deployment that serves requests (not a prefill one) is up for `needs`."""
         return any(d.available for d in self.deployments
-                   if d.role != "prefill" and (needs is None or d.capabilities.serves(needs)))
+                   if d.role != "prefill" and (needs is None or d.capabilities.serves(needs))
+                   and (needs is None or needs.adapter is None or d.holds_adapter(needs.adapter)))
 
     def declared(self) -> list[tuple[str, Capabilities]]:
         """(name, capabilities) of every deployment as configured: a discovery group counts once,
@@ -173,6 +189,17 @@ class ModelRegistry:
 
     def get(self, name: str) -> ModelPool | None:
         return self._by_name.get(name)
+
+    def route(self, name: str) -> tuple[ModelPool, str | None]:
+        """The pool a request's `model` names, and the LoRA adapter when it names one (an adapter a
+        deployment of the pool holds; model names and aliases come first); ModelNotFound if neither."""
+        pool = self._by_name.get(name)
+        if pool is not None:
+            return pool, None
+        for pool in self.pools:
+            if name in pool.adapters():
+                return pool, name
+        raise ModelNotFound(name)
 
     def deployments(self) -> list[Deployment]:
         """Every routable deployment: the listed ones and the discovered members taking requests."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from native_backend.config.engine import EngineConfig
 from native_backend.core.grammars import GrammarService
-from native_backend.core.interface import CoreOutput, EngineError, EngineRequest, EngineStats
+from native_backend.core.interface import CoreOutput, EngineError, EngineRequest, EngineStats, LoRAStats
 from native_backend.core.kv_connector import KVConnectorScheduler, KVTransferPort
 from native_backend.core.kv_events import KVEvent
 from native_backend.core.scheduler import ContextLengthError, Scheduler, SchedulerConfig, StepResult
@@ -187,7 +187,7 @@ class LLMEngine:
         lora = getattr(self.executor, "lora", None)
         if lora is None:
             raise EngineError("invalid", f"LoRA adapter '{name}': this engine runs without enable_lora")
-        if name not in lora.adapters:
+        if name not in lora.paths:
             raise EngineError("invalid", f"LoRA adapter '{name}' is not loaded")
 
     def add_lora(self, name: str, path: str) -> None:
@@ -198,9 +198,40 @@ class LLMEngine:
         if lora is None:
             raise EngineError("invalid", "this engine runs without enable_lora")
         try:
-            lora.add(name, path, in_use={s.lora_name for s in self.scheduler.requests.values()})
+            lora.add(name, path, in_use=self._adapters_in_use())
         except ValueError as exc:
             raise EngineError("invalid", str(exc)) from None
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (vLLM's /v1/unload_lora_adapter); EngineError "invalid" when it is not
+        loaded or an unfinished request (running, waiting, or waiting for its grammar) uses it:
+        those would otherwise fail mid-way."""
+        lora = getattr(self.executor, "lora", None)
+        if lora is None:
+            raise EngineError("invalid", "this engine runs without enable_lora")
+        if name in self._adapters_in_use():
+            raise EngineError("invalid", f"LoRA adapter '{name}' is in use by unfinished requests")
+        try:
+            lora.remove(name)
+        except ValueError as exc:
+            raise EngineError("invalid", str(exc)) from None
+
+    def _adapters_in_use(self) -> set[str]:
+        seqs = [*self.scheduler.requests.values(), *(a.seq for a in self._awaiting.values())]
+        return {s.lora_name for s in seqs if s.lora_name is not None}
+
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info fields (its adapters of running and of waiting requests) and
+        the served adapters' directories; nothing without enable_lora."""
+        lora = getattr(self.executor, "lora", None)
+        if lora is None:
+            return {}
+        running = {s.lora_name for s in self.scheduler.running} - {None}
+        waiting = ({s.lora_name for s in self.scheduler.requests.values()} - running - {None}
+                   | {a.seq.lora_name for a in self._awaiting.values()} - {None})
+        return {"lora": LoRAStats(max_loras=self.config.lora.max_loras,
+                                  adapters=dict(lora.paths),
+                                  running=tuple(sorted(running)), waiting=tuple(sorted(waiting)))}
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -455,6 +486,7 @@ class LLMEngine:
             **engine_stats_fields(s.spec_decode),
             **self._grammar_stats(),
             **(dict(num_waiting_for_remote_kv=s.num_waiting_for_remote_kv, **self.kv.stats()) if self.kv else {}),
+            **self._lora_stats(),
         )
 
     def _grammar_stats(self) -> dict:

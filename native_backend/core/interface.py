@@ -35,6 +35,18 @@ POOLING_TYPES = ("last", "mean")
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """An engine's LoRA adapters now (with enable_lora): what vLLM's `vllm:lora_requests_info`
+    says (`max_loras`, the adapters of running and of waiting requests), plus every loaded
+    adapter's directory (vLLM's /v1/models `root`)."""
+
+    max_loras: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded in RAM
+    running: tuple[str, ...] = ()  # adapters of running requests, sorted
+    waiting: tuple[str, ...] = ()  # adapters of waiting requests, sorted
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A load snapshot of one engine core, sent to the gateway side every stats interval."""
 
@@ -96,6 +108,7 @@ class EngineStats:
     kv_transfers_refused: int = 0
     kv_holds_expired: int = 0
     kv_holds_released: int = 0
+    lora: LoRAStats | None = None  # None: the engine runs without enable_lora
 
 
 @dataclass
@@ -240,6 +253,12 @@ class EngineCoreProtocol(Protocol):
     def release_kv(self, engine_id: str, request_id: str) -> None:
         """Free the blocks a producer holds unread for `request_id` under `engine_id` (nobody will
         read them); another engine's id, an unknown request or a read in progress: a no-op."""
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (or replace an idle one); EngineError names what is wrong."""
+
+    def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter; EngineError when it is not loaded or a request uses it."""
 
     def stats(self) -> EngineStats:
         """A small, picklable snapshot of load (queue lengths, KV usage, ...) for routing."""

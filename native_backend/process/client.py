@@ -33,7 +33,7 @@ from typing import Any
 
 from native_backend.core.interface import EngineRequest, EngineStats, RequestOutput
 from native_backend.process.engine_process import HEARTBEAT_S, CoreFactory, pack_factory, run_engine_process
-from native_backend.process.protocol import EngineDeadError, EngineStartupError, Msg
+from native_backend.process.protocol import EngineDeadError, EngineStartupError, LoRARefused, Msg
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class AsyncEngineClient:
         self._ready: asyncio.Future | None = None
 
         self._streams: dict[str, _RequestStream] = {}
+        self._lora_ops: dict[int, asyncio.Future] = {}  # LoRA loads/unloads the engine has not answered
+        self._next_op = 0
         self._stats = EngineStats()
         self._alive = False
         self._death_reason: str | None = None
@@ -229,6 +231,28 @@ class AsyncEngineClient:
         self._check_accepting()
         self._send((Msg.RESET_PREFIX_CACHE,))
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into the engine (between two steps). Raises LoRARefused with the
+        engine's reason (a missing file, a shape that does not fit, ...), EngineDeadError if it dies."""
+        await self._lora_op("load", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter; LoRARefused when it is not loaded or unfinished requests use it."""
+        await self._lora_op("unload", name, None)
+
+    async def _lora_op(self, action: str, name: str, path: str | None) -> None:
+        self._check_accepting()
+        self._next_op += 1
+        op_id, done = self._next_op, self._loop.create_future()
+        self._lora_ops[op_id] = done
+        self._send((Msg.LORA, op_id, action, name, path))
+        try:
+            refusal = await done
+        finally:
+            self._lora_ops.pop(op_id, None)
+        if refusal is not None:
+            raise LoRARefused(refusal)
+
     def _check_accepting(self) -> None:
         if self._alive and self._ready is not None and self._ready.done():
             return
@@ -252,6 +276,10 @@ class AsyncEngineClient:
                 stream = self._streams.pop(message[1], None)
                 if stream is not None:
                     stream.put(message[2])
+            elif tag is Msg.LORA_DONE:
+                done = self._lora_ops.get(message[1])
+                if done is not None and not done.done():
+                    done.set_result(message[2])
             elif tag is Msg.STATS:
                 self._stats = message[1]
             elif tag is Msg.READY:
@@ -290,6 +318,9 @@ class AsyncEngineClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(EngineDeadError(reason))
+        for done in self._lora_ops.values():
+            if not done.done():
+                done.set_exception(EngineDeadError(reason))
         if self._on_exit is not None and not self._exit_reported:
             self._exit_reported = True
             self._on_exit(reason)

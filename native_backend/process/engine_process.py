@@ -115,6 +115,8 @@ class EngineLoop:
             self.core.release_kv(command[1], command[2])
         elif tag is Msg.RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
+        elif tag is Msg.LORA:
+            self._lora(*command[1:])
         elif tag is Msg.SHUTDOWN:
             self._running = False
         else:
@@ -128,6 +130,21 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the engine down
             self.core.abort(request.request_id)  # whatever part of it got in
             self._send((Msg.ERROR, request.request_id, EngineError("internal", _summary(exc))))
+
+    def _lora(self, op_id: int, action: str, name: str, path: str | None) -> None:
+        """Load or unload an adapter between two steps; the answer names a refusal, which never
+        takes the engine down (a bad adapter is the operator's mistake)."""
+        try:
+            if action == "load":
+                self.core.add_lora(name, path)
+            else:
+                self.core.remove_lora(name)
+        except EngineError as exc:
+            self._send((Msg.LORA_DONE, op_id, exc.message))
+        except Exception as exc:  # noqa: BLE001 - an unreadable adapter must not kill the engine
+            self._send((Msg.LORA_DONE, op_id, _summary(exc)))
+        else:
+            self._send((Msg.LORA_DONE, op_id, None))
 
     def _step(self) -> None:
         outputs = self.core.step()

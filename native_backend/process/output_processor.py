@@ -80,6 +80,12 @@ class OutputProcessor:
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
 
+    def add_lora(self, name: str, path: str) -> None:
+        self.core.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.core.remove_lora(name)
+
     def step(self) -> list[RequestOutput]:
         """One core step; each request's new tokens as a text delta."""
         return [self._to_output_or_error(out) for out in self.core.step() if out.request_id in self._texts]

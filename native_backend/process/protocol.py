@@ -21,17 +21,19 @@ class Msg(enum.Enum):
 
     parent -> engine (sent in lists, so a burst costs one pipe write):
         (ADD, EngineRequest) | (ABORT, request_id) | (RELEASE_KV, engine_id, request_id)
-        | (RESET_PREFIX_CACHE,) | (SHUTDOWN,)
+        | (RESET_PREFIX_CACHE,) | (LORA, op_id, "load" | "unload", name, path) | (SHUTDOWN,)
     engine -> parent:
         (READY, EngineStats, description) | (STARTUP_FAILED, summary, traceback)
         | (OUTPUTS, [RequestOutput, ...]) | (ERROR, request_id, EngineError)
         | (STATS, EngineStats) | (FATAL, summary, traceback)
+        | (LORA_DONE, op_id, None or the refusal's message)
     """
 
     ADD = enum.auto()
     ABORT = enum.auto()
     RELEASE_KV = enum.auto()
     RESET_PREFIX_CACHE = enum.auto()
+    LORA = enum.auto()
     SHUTDOWN = enum.auto()
     READY = enum.auto()
     STARTUP_FAILED = enum.auto()
@@ -39,6 +41,7 @@ class Msg(enum.Enum):
     ERROR = enum.auto()
     STATS = enum.auto()
     FATAL = enum.auto()
+    LORA_DONE = enum.auto()
 
 
 class EngineDeadError(RuntimeError):
@@ -47,3 +50,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine process could not be started (its factory raised, it died, or it timed out)."""
+
+
+class LoRARefused(ValueError):
+    """The engine refused a LoRA load or unload; the message says why (it names the adapter)."""

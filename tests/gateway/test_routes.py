@@ -37,7 +37,8 @@ def test_each_path_is_declared_once_and_the_known_facts_hold():
     assert {e.path for e in routes.ENDPOINTS if e.errors == "anthropic"} == {"/v1/messages", "/v1/messages/count_tokens"}
     assert {e.path for e in routes.ENDPOINTS if e.access == OPEN} == {"/health", "/health/live", "/health/ready",
                                                                       "/version"}
-    assert {e.path for e in routes.ENDPOINTS if e.access == ADMIN} == {"/admin/reload", "/admin/reset_prefix_cache"}
+    assert {e.path for e in routes.ENDPOINTS if e.access == ADMIN} == {
+        "/admin/reload", "/admin/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     with pytest.raises(ValueError, match="declared twice"):
         access_by_path(routes.ENDPOINTS + routes.ENDPOINTS[:1])
 

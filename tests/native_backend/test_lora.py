@@ -241,3 +241,46 @@ def test_engine_serves_adapters_by_name_with_their_peft_tokens(setup, tmp_path):
         executor.close()
         for hook in executor.lora._hooks:
             hook.remove()
+
+
+def test_adapters_dropped_from_ram_are_read_again_and_unloading_waits_for_their_requests(setup):
+    """max_cpu_loras=1 for two served adapters: a request for the one dropped from RAM reads it
+    again and gets its PeftModel tokens; an adapter unfinished requests use cannot be unloaded,
+    one no request uses can, and is then refused; stats say which adapters run and wait."""
+    hf, _, adapters = setup
+    base = os.path.join(os.path.dirname(adapters["all"][0]), "base")
+    config = EngineConfig.build(path=base, kv_cache_bytes=2 << 20, block_size=4, max_num_batched_tokens=16,
+                                enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+                                lora_modules={"all": adapters["all"][0], "mlp": adapters["mlp"][0]})
+    executor = InProcessExecutor(config)
+    engine = LLMEngine(config, executor)
+    try:
+        assert list(executor.lora.adapters) == ["mlp"]  # "all" was dropped to keep one in RAM
+        prompt = rand_tokens(9, seed=71)
+        engine.add_request(EngineRequest("a", prompt, GREEDY, lora_name="all"))
+        engine.add_request(EngineRequest("m", prompt, GREEDY, lora_name="mlp"))
+        first = engine.step()
+        lora = engine.stats().lora
+        assert (lora.max_loras, lora.running, lora.waiting) == (1, ("all",), ("mlp",))
+        assert lora.adapters == {"all": adapters["all"][0], "mlp": adapters["mlp"][0]}
+        with pytest.raises(EngineError, match="'mlp' is in use"):
+            engine.remove_lora("mlp")
+        got = {"a": [], "m": []}
+        for out in first:
+            got[out.request_id] += out.new_token_ids
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+        want = {rid: greedy(adapters[name][1], prompt, GREEDY.max_tokens)
+                for rid, name in (("a", "all"), ("m", "mlp"))}
+        assert got == want
+        engine.remove_lora("mlp")
+        with pytest.raises(EngineError, match="'mlp' is not loaded"):
+            engine.add_request(EngineRequest("again", prompt, GREEDY, lora_name="mlp"))
+        with pytest.raises(EngineError, match="'mlp' is not loaded"):
+            engine.remove_lora("mlp")
+        assert engine.stats().lora.adapters == {"all": adapters["all"][0]}
+    finally:
+        executor.close()
+        for hook in executor.lora._hooks:
+            hook.remove()

@@ -15,14 +15,12 @@ import pydantic
 import pytest
 
 from kvgate_native.settings import KVEventsSettings, NativeSettings, SpeculativeSettings
-from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, SpeculativeOptions
+from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, LoRAOptions, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
-# The engine's LoRA settings (native_backend.model.lora), not in YAML until the gateway names adapters (issue 43 item 5).
-ENGINE_ONLY |= {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules"}
 NESTED = {"speculative", "kv_events"}  # nested parts, absent unless asked for: their fields are held in step below
 SPECULATIVE = dict(method="draft", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
                    draft_model="/models/draft.gguf", draft_num_layers=None, max_batch_size=5,
@@ -95,9 +93,23 @@ def _non_default_settings() -> dict:
                 nnodes=2, master_addr="10.0.0.1", master_port=29600, rendezvous_secret_file="/etc/kvgate/secret")
 
 
+LORA = dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5)  # not under PP: a test of their own
+
+
+def test_the_lora_settings_arrive_and_lora_modules_take_vllms_two_forms():
+    config = NativeSettings(**LORA, lora_modules=["sql=/a/sql", {"name": "chat", "path": "/a/chat"}]).engine_config()
+    assert config.lora == LoRAOptions(**LORA, lora_modules={"sql": "/a/sql", "chat": "/a/chat"})
+    for bad, message in ((["sql"], "expected 'name=path'"), (["x=/a", "x=/b"], "given twice"),
+                         ([{"name": "x"}], "path")):
+        with pytest.raises(pydantic.ValidationError, match=message):
+            NativeSettings(**LORA, lora_modules=bad)
+    with pytest.raises(pydantic.ValidationError, match="needs enable_lora"):
+        NativeSettings(lora_modules=["x=/a"])
+
+
 def test_each_setting_arrives_in_its_part():
     values = _non_default_settings()
-    assert set(values) == set(NativeSettings.model_fields) - PLUGIN_ONLY - NESTED
+    assert set(values) == set(NativeSettings.model_fields) - PLUGIN_ONLY - NESTED - set(LORA) - {"lora_modules"}
     config = NativeSettings(model="/models/x.gguf", **values).engine_config()
     for name, value in values.items():
         assert getattr(getattr(config, FIELD_PARTS[name]), name) == value, name

@@ -1,6 +1,7 @@
 """Adapters in RAM and in slots, and the additive path beside every target linear.
 
-    max_cpu_loras   adapters kept loaded (LRU; the least recently used idle one is dropped)
+    max_cpu_loras   adapters kept in RAM (LRU; the least recently used idle one is dropped, and
+                    read again from its directory when a step needs it)
     max_loras       slots: adapters that may run in one step; a request whose adapter has no free
                     slot waits (the scheduler asks `can_schedule`)
     per step        `with manager.step(chunks, token_counts)`: each token's slot index (-1: base)
@@ -27,7 +28,8 @@ class LoRAManager:
         if model.ctx.shard.size > 1:
             raise ValueError("lora: LoRA adapters under tensor parallelism are not supported yet")
         self.model, self.options = model, options
-        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, most recent last
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # in RAM: LRU, most recent last
+        self.paths: dict[str, str] = {}  # every adapter served, name -> directory (max_cpu_loras of them in RAM)
         self.slots: list[str | None] = [None] * options.max_loras
         self._device_weights: list[dict | None] = [None] * options.max_loras  # slot -> (layer, module) -> (A, B)
         self._segments: list[tuple[int, torch.Tensor]] = []  # this step: (slot, token rows)
@@ -45,26 +47,34 @@ class LoRAManager:
         return manager
 
     def add(self, name: str, path: str, in_use: frozenset | set = frozenset()) -> LoRAAdapter:
-        """Load (or reload) an adapter into RAM; LoRAError names what is wrong, nothing changes then.
-        `in_use`: adapters of unfinished requests, never dropped to make room."""
+        """Load (or reload) an adapter into RAM and serve it by name; LoRAError names what is wrong,
+        nothing changes then. To make room, an adapter no unfinished request uses (`in_use`) is
+        dropped first, else any not in a slot: a step reads a dropped one again (`_place`)."""
         adapter = load_adapter(name, path, self.model, self.options.max_lora_rank)
-        busy = set(self.slots) | set(in_use)
-        if name in busy:
+        if name in set(self.slots) | set(in_use):
             raise LoRAError(f"LoRA adapter '{name}' is in use and cannot be replaced now")
         self.adapters.pop(name, None)
-        while len(self.adapters) >= self.options.cpu_loras:
-            idle = next((n for n in self.adapters if n not in busy), None)
-            if idle is None:
-                raise LoRAError(f"LoRA adapter '{name}': all {self.options.cpu_loras} max_cpu_loras are in use")
-            del self.adapters[idle]
+        self._make_room(set(in_use))
         self.adapters[name] = adapter
+        self.paths[name] = path
         return adapter
 
+    def _make_room(self, in_use: set) -> None:
+        while len(self.adapters) >= self.options.cpu_loras:
+            idle = [n for n in self.adapters if n not in self.slots]
+            if not idle:
+                raise LoRAError(f"all {self.options.cpu_loras} max_cpu_loras adapters are in the running batch")
+            del self.adapters[next((n for n in idle if n not in in_use), idle[0])]
+
     def remove(self, name: str) -> None:
-        if name in self.slots:
-            raise LoRAError(f"LoRA adapter '{name}' is running and cannot be unloaded now")
-        if self.adapters.pop(name, None) is None:
+        """Stop serving an adapter. The caller checks that no unfinished request uses it; the slot
+        it may still hold since its last step is freed."""
+        if self.paths.pop(name, None) is None:
             raise LoRAError(f"LoRA adapter '{name}' is not loaded")
+        self.adapters.pop(name, None)
+        if name in self.slots:
+            slot = self.slots.index(name)
+            self.slots[slot], self._device_weights[slot] = None, None
 
     def can_schedule(self, name: str | None, running: set[str]) -> bool:
         """Whether a request for `name` may run beside requests for the adapters in `running`."""
@@ -92,9 +102,7 @@ class LoRAManager:
             if held is not None and held not in wanted:
                 self.slots[i], self._device_weights[i] = None, None
         for name in wanted - set(self.slots):
-            adapter = self.adapters.get(name)
-            if adapter is None:
-                raise LoRAError(f"LoRA adapter '{name}' is not loaded")
+            adapter = self.adapters.get(name) or self._read_again(name)
             slot = self.slots.index(None)
             self.slots[slot] = name
             self._device_weights[slot] = {k: (a.to(self.device), b.to(self.device)) for k, (a, b) in
@@ -108,6 +116,14 @@ class LoRAManager:
                 rows.setdefault(self.slots.index(name), []).extend(range(start, start + n))
             start += n
         return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
+
+    def _read_again(self, name: str) -> LoRAAdapter:
+        """An adapter dropped from RAM for room while a request for it waited."""
+        if name not in self.paths:
+            raise LoRAError(f"LoRA adapter '{name}' is not loaded")
+        self._make_room(set())
+        self.adapters[name] = load_adapter(name, self.paths[name], self.model, self.options.max_lora_rank)
+        return self.adapters[name]
 
     # ------------------------------------------------------------------ the additive path
 

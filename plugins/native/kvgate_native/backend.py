@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from gateway.backend import (
     TRANSFER_PARAMS, Backend, Capabilities, DetokenizeRequest, EmbeddingRequest, EmbeddingResult, GenerationRequest,
-    KVEventsSource, LoadSnapshot, TokenizeRequest, TokenizeResult)
+    KVEventsSource, LoadSnapshot, LoRAState, TokenizeRequest, TokenizeResult)
 from gateway.config import settings_error
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
 from kvgate_native.embeddings import check_embedding_request, input_path, pooled_vectors
@@ -47,7 +47,7 @@ from native_backend.core.interface import EngineError, EngineRequest
 from native_backend.execution.kv_transfer.trust import share_local_key
 from native_backend.process.client import AsyncEngineClient
 from native_backend.process.kv_publisher import binds as publisher_binds
-from native_backend.process.protocol import EngineDeadError
+from native_backend.process.protocol import EngineDeadError, LoRARefused
 from native_backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.native")
@@ -153,7 +153,45 @@ class NativeBackend(Backend):
             problem=None if sup.state == UP else _problem(sup),
             fatal=sup.crash_looped,
             incarnation=sup.incarnation,
+            lora=self._lora_state(stats.get("lora")),
         )
+
+    def _lora_state(self, engine: dict | None) -> LoRAState | None:
+        """The adapters this deployment serves (as loaded through it: a load shows at once, not
+        at the next stats) and those of the engine's running and waiting requests."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        engine = engine or {}
+        return LoRAState(max_loras=lora.max_loras, adapters=dict(lora.lora_modules),
+                         running=tuple(engine.get("running", ())), waiting=tuple(engine.get("waiting", ())))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """vLLM's /v1/load_lora_adapter on this engine; kept in the engine's config, so a restarted
+        engine serves it too. The engine's refusal (it names the adapter) is a 400 on lora_path."""
+        await self._lora_call(self.client.load_lora, name, path)
+        self._set_adapters({**self.config.lora.lora_modules, name: path})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._lora_call(self.client.unload_lora, name)
+        self._set_adapters({n: p for n, p in self.config.lora.lora_modules.items() if n != name})
+
+    async def _lora_call(self, call, *args) -> None:
+        if not self.config.lora.enable_lora:
+            raise InvalidRequestError(f"Deployment '{self.name}' runs without enable_lora.", param="lora_name")
+        if not self.supervisor.up:
+            raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
+        try:
+            await call(*args)
+        except LoRARefused as exc:
+            raise InvalidRequestError(f"Deployment '{self.name}': {exc}", param="lora_path" if len(args) > 1
+                                      else "lora_name") from None
+        except EngineDeadError as exc:
+            raise BackendError(f"The engine of deployment '{self.name}' is not running: {exc}") from None
+
+    def _set_adapters(self, modules: dict[str, str]) -> None:
+        lora = dataclasses.replace(self.config.lora, lora_modules=modules)
+        self.config = dataclasses.replace(self.config, lora=lora)
 
     async def generate(self, request: GenerationRequest):
         client = self.client
@@ -175,6 +213,7 @@ class NativeBackend(Backend):
             skip_special_tokens=skip_special,
             kept_special_tokens=hidden.markers if hidden else (),
             cache_salt=cache_salt(request),
+            lora_name=request.needs.adapter,
         )
         want_logprobs = request.sampling.logprobs is not None
         try:

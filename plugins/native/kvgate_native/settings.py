@@ -83,6 +83,33 @@ class KVEventsSettings(BaseModel):
         return KVEventsOptions(**self.model_dump())
 
 
+class LoRAModule(BaseModel):
+    """One static adapter in vLLM's JSON form of --lora-modules."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The name requests give as `model`.")
+    path: str = Field(min_length=1, description="The PEFT adapter's directory.")
+    base_model_name: str | None = Field(None, description="Accepted as vLLM does; the deployment's model is the base.")
+
+
+def lora_modules(modules: list) -> dict[str, str]:
+    """name -> path from 'name=path' strings and {name, path} objects; ValueError on a bad or
+    repeated name."""
+    found: dict[str, str] = {}
+    for i, module in enumerate(modules):
+        if isinstance(module, str):
+            name, sep, path = module.partition("=")
+            if not (sep and name and path):
+                raise ValueError(f"lora_modules[{i}]: expected 'name=path', got {module!r}")
+        else:
+            name, path = module.name, module.path
+        if name in found:
+            raise ValueError(f"lora_modules[{i}]: adapter name '{name}' given twice")
+        found[name] = path
+    return found
+
+
 # Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
 PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
 
@@ -191,6 +218,16 @@ class NativeSettings(BaseModel):
     kv_transfer_header_timeout_s: float = Field(
         2.0, gt=0, description="Consumer: seconds a producer has to accept the connection and answer the read "
         "request; then the prompt is recomputed.")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters of this model (vLLM's --enable-lora): a "
+                              "request whose `model` names an adapter runs with it.")
+    max_loras: int = Field(1, description="LoRA adapters that may run in one batch; a request whose adapter has "
+                           "no free slot waits.")
+    max_lora_rank: int = Field(16, description="Largest adapter rank accepted.")
+    max_cpu_loras: int | None = Field(None, description="Adapters kept read in RAM (LRU; one dropped is read "
+                                      "again when asked for); default: max_loras.")
+    lora_modules: list[str | LoRAModule] = Field(
+        [], description="Adapters served from the start, vLLM's --lora-modules forms: 'name=path' or "
+        "{name, path}; more are loaded with POST /v1/load_lora_adapter.")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -252,7 +289,9 @@ class NativeSettings(BaseModel):
     def engine_config(self) -> EngineConfig:
         """Every setting but the plugin's own is the engine field of that name (EngineConfig.build
         puts each in its part); the model's path and the tokenizer cache are filled in here."""
-        return EngineConfig.build(**self.model_dump(exclude=PLUGIN_ONLY | {"speculative", "kv_events"}),
+        nested = {"speculative", "kv_events", "lora_modules"}
+        return EngineConfig.build(**self.model_dump(exclude=PLUGIN_ONLY | nested),
+                                  lora_modules=lora_modules(self.lora_modules),
                                   path=self.model_path, tokenizer_cache_dir=str(tokenizer_cache_dir()),
                                   speculative=self.speculative.options() if self.speculative is not None else None,
                                   kv_events=self.kv_events.options() if self.kv_events is not None else None)
