@@ -12,6 +12,7 @@ Gateway API Inference Extension and existing vLLM dashboards can read a kvgate e
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -135,6 +136,7 @@ class _LiveCollector:
         yield from _spec_decode_metrics(state.registry)
         yield from _kv_transfer_metrics(state.registry)
         yield from _cache_config_info(state.registry)
+        yield from _lora_requests_info(state.registry)
         yield from _restart_counters(state.registry)
         yield from _kv_index_metrics(state.registry)
         yield from _limits_store_gauge(state.limiter)
@@ -288,6 +290,27 @@ def _cache_config_info(registry):
         info = d.backend.load().info if d.started else {}
         if all(label in info for label in CACHE_CONFIG_LABELS):
             family.add_metric([d.model, d.name, *(str(info[label]) for label in CACHE_CONFIG_LABELS)], 1.0)
+    yield family
+
+
+# vLLM's label names of vllm:lora_requests_info (vllm/v1/metrics/loggers.py), in its order
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+
+def _lora_requests_info(registry):
+    """vLLM's `vllm:lora_requests_info` for every deployment serving LoRA adapters: its labels say
+    `max_lora` and the adapters of waiting and of running requests (comma-joined), the value is
+    when it was read (unix seconds: vLLM's set_to_current_time), so llm-d's lora-affinity scorer
+    reads kvgate's engines as it reads vLLM's. `model_name` and `engine` tell this gateway's
+    engines apart, as on the other vllm: series here."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=[*LORA_INFO_LABELS, "model_name", "engine"])
+    now = time.time()
+    for d in registry.deployments():
+        lora = d.backend.load().lora if d.started else None
+        if lora is not None:
+            family.add_metric([str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running), d.model, d.name],
+                              now)
     yield family
 
 
