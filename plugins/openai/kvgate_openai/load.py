@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
-from gateway.backend import LoadSnapshot
+from gateway.backend import LoadSnapshot, LoRAState
 from kvgate_openai import metrics
 from kvgate_openai.pool import ClientPool
 from kvgate_openai.settings import OpenAISettings
@@ -33,6 +34,8 @@ class LoadTracker:
         self.throttled_until = 0.0  # the upstream said 429/503: it is full until then
         # /v1/models shows the upstream's context length when the operator gives it.
         self.info = {"max_model_len": str(settings.max_model_len)} if settings.max_model_len else {}
+        self.adapters: dict[str, str] | None = None  # lora_adapters: name -> root, from its /v1/models
+        self.lora: metrics.LoRAInfo | None = None  # lora_adapters: its vllm:lora_requests_info
 
     def snapshot(self) -> LoadSnapshot:
         now = time.monotonic()
@@ -44,9 +47,17 @@ class LoadTracker:
         if self.reading is not None and now - self.read_at <= self.settings.stale_after_s:
             r = self.reading
             return LoadSnapshot(r.waiting, r.running, r.kv_cache_usage, self.settings.capacity, self.healthy, extra,
-                                self.info)
+                                self.info, lora=self.lora_state())
         extra["metrics_stale"] = 1.0
-        return LoadSnapshot(0, self.inflight, 0.0, self.settings.capacity, self.healthy, extra, self.info)
+        return LoadSnapshot(0, self.inflight, 0.0, self.settings.capacity, self.healthy, extra, self.info,
+                            lora=self.lora_state())
+
+    def lora_state(self) -> LoRAState | None:
+        """The upstream's adapters (once its /v1/models was read) and their slots (its gauge)."""
+        if self.adapters is None:
+            return None
+        info = self.lora or metrics.LoRAInfo(0, (), ())
+        return LoRAState(info.max_loras, dict(self.adapters), info.running, info.waiting)
 
     @property
     def healthy(self) -> bool:
@@ -87,11 +98,29 @@ async def poll_forever(pool: ClientPool, url: str, tracker: LoadTracker, deploym
                             deployment, url, s.max_scrape_bytes)
             reading = None if text is None else _reading_of(response, text, s.metrics)
             tracker.record(reading)
+            if s.lora_adapters:
+                await _read_adapters(pool, tracker, text if response.status_code == 200 else None)
             if reading is None and not warned:
                 warned = True
                 log.info("deployment %s: no load metrics at %s (HTTP %s); using in-flight counts",
                          deployment, url, response.status_code)
         await asyncio.sleep(s.metrics_poll_s)
+
+
+async def _read_adapters(pool: ClientPool, tracker: LoadTracker, metrics_text: str | None) -> None:
+    """vLLM's adapters: its /v1/models entries with a `parent` (name -> `root`), and the slots its
+    vllm:lora_requests_info says; an unreadable answer keeps what was read before."""
+    if metrics_text is not None:
+        tracker.lora = metrics.lora_info(metrics_text) or tracker.lora
+    try:
+        s = tracker.settings
+        async with asyncio.timeout(s.stale_after_s):
+            response, text = await _scrape(pool, s.base_url + "/models", s.max_scrape_bytes)
+        models = json.loads(text)["data"] if response.status_code == 200 and text is not None else None
+        tracker.adapters = {m["id"]: m.get("root") or m["id"] for m in models
+                            if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent")}
+    except (TimeoutError, UpstreamUnreachable, StreamBroken, ValueError, KeyError, TypeError):
+        pass
 
 
 async def _scrape(pool: ClientPool, url: str, limit: int) -> tuple[Response, str | None]:

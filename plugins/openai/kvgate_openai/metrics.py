@@ -66,6 +66,37 @@ def parse(text: str, preset: str) -> Reading | None:
     return None
 
 
+LORA_INFO = "vllm:lora_requests_info"
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """vLLM's vllm:lora_requests_info: its newest series (the value is when it was set)."""
+
+    max_loras: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+def lora_info(text: str) -> LoRAInfo | None:
+    """The newest vllm:lora_requests_info series of a /metrics page; None without one."""
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(LORA_INFO + "{")) + "\n"
+    samples = [s for family in text_string_to_metric_families(lines) for s in family.samples]
+    if not samples:
+        return None
+    newest = max(samples, key=lambda s: s.value).labels
+    try:
+        max_loras = int(newest.get("max_lora", "0"))
+    except ValueError:
+        max_loras = 0
+    return LoRAInfo(max_loras, _names(newest.get("running_lora_adapters", "")),
+                    _names(newest.get("waiting_lora_adapters", "")))
+
+
+def _names(joined: str) -> tuple[str, ...]:
+    return tuple(n for n in joined.split(",") if n)
+
+
 def _only_lines_of(text: str, wanted: set[str]) -> str:
     """The sample lines of the wanted metrics only.
 

@@ -106,6 +106,10 @@ class OpenAISettings(BaseModel):
     unhealthy_after: int = Field(
         3, gt=0, description="Consecutive failed scrapes or connections before the deployment is unhealthy."
     )
+    lora_adapters: bool = Field(
+        False, description="vLLM: read the upstream's LoRA adapters every metrics poll (its /v1/models entries "
+        "with a parent, and vllm:lora_requests_info): each becomes a model of this deployment's pool, its "
+        "requests go only to upstreams that list it, and lora_affinity routes by their slots.")
     server: ServerKind = Field(
         "openai", description="What kind of server the upstream is: openai (OpenAI itself, or an unknown kind), "
         "vllm, sglang, trtllm, llamacpp (llama-server), llama_cpp_python or kvgate. It sets the default "

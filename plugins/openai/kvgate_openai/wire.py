@@ -34,10 +34,11 @@ def request_body(request: GenerationRequest, chat_max_tokens_field: str = "max_t
     """(path, JSON body) for one choice. A streaming client's choice streams from upstream, with
     usage at the end; a non-streaming client's is asked for in one piece (one read, not one per
     token, and upstream errors keep their status). A passed-through body goes as the client sent
-    it (validated), to its API's path, with the upstream's model name."""
+    it (validated), to its API's path, with the upstream's model name (a LoRA adapter's, vLLM's way)."""
+    model = request.needs.adapter or request.model
     if request.passthrough is not None:
-        return PATHS[request.needs.endpoint], {**request.passthrough, "model": request.model}
-    body: dict = {"model": request.model, "stream": request.stream}
+        return PATHS[request.needs.endpoint], {**request.passthrough, "model": model}
+    body: dict = {"model": model, "stream": request.stream}
     if request.stream:
         body["stream_options"] = CONTINUOUS_STREAM_OPTIONS if request.continuous_usage else STREAM_OPTIONS
     chat = request.messages is not None
