@@ -98,8 +98,17 @@ def _deployment(d) -> dict:
         "up": bool(d.started and load.healthy), "start_error": d.start_error, "problem": load.problem,
         "breaker": d.breaker.state, "in_flight": d.in_flight,
         "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv_cache_usage,
-        "capacity": load.capacity, "engine": engine,
+        "capacity": load.capacity, "engine": engine, "lora": _lora(load.lora),
     }
+
+
+def _lora(lora) -> dict | None:
+    """Its LoRA adapters (null: it serves none): those it holds, and those its running and
+    waiting requests use, in its max_loras slots."""
+    if lora is None:
+        return None
+    return {"adapters": sorted(lora.adapters), "running": list(lora.running), "waiting": list(lora.waiting),
+            "max_loras": lora.max_loras}
 
 
 def _with_kv_index(view: dict, feed) -> dict:

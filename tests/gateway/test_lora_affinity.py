@@ -3,7 +3,8 @@ stats do): an adapter's request goes where it runs, else to a free slot, else wh
 waits, blended with load; base requests by load alone. The expected order is llm-d's
 lora-affinity scorer's (1.0 running, 0.8 free slot, 0.6 waiting, 0.0 full: WIRE_FORMATS 9). Also
 vLLM's vllm:lora_requests_info as /metrics exports it (label names from vLLM's
-vllm/v1/metrics/loggers.py), and ModelPool.take sending an adapter only to deployments holding it."""
+vllm/v1/metrics/loggers.py), ModelPool.take sending an adapter only to deployments holding it, and
+/status.json showing each deployment's adapters."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ models:
         pool = gw.state.registry.pools[0]
         assert isinstance(pool.policy, LoRAAffinity)
         a, b = pool.deployments
-        a.backend.load = lambda: dataclasses.replace(EchoBackend.load(a.backend), lora=LoRAState(1, {"x": "/x"}))
+        a.backend.load = lambda: dataclasses.replace(EchoBackend.load(a.backend),
+                                                     lora=LoRAState(1, {"x": "/x"}, ("x",), ()))
         b.backend.load = lambda: dataclasses.replace(EchoBackend.load(b.backend), lora=LoRAState(1, {}))
         for _ in range(4):
             chosen = pool.take(request("x"))
@@ -113,3 +115,6 @@ models:
         assert answer.status_code == 200 and answer.json()["model"] == "x"
         models = httpx.get(gw.base_url + "/v1/models").json()["data"]
         assert [(m["id"], m["parent"], m["root"]) for m in models] == [("m", None, "m"), ("x", "m", "/x")]
+        status = {d["name"]: d["lora"] for d in httpx.get(gw.base_url + "/status.json").json()["models"][0]["deployments"]}
+        assert status == {"a": {"adapters": ["x"], "running": ["x"], "waiting": [], "max_loras": 1},
+                          "b": {"adapters": [], "running": [], "waiting": [], "max_loras": 1}}
