@@ -197,11 +197,33 @@ def checkout_env(root: Path) -> dict[str, str]:
 
 
 def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = None,
-                  with_relay: bool = False) -> dict[str, tuple[subprocess.Popen, str]]:
+                  with_relay: bool = False,
+                  baseline_python: str = sys.executable) -> dict[str, tuple[subprocess.Popen, str]]:
+    """Every target, started; if one fails to start, those started before it are stopped."""
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        _start_into(servers, workdir, with_litellm, baseline, with_relay, baseline_python)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: dict) -> None:
+    for proc, _ in servers.values():
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _start_into(servers: dict, workdir: Path, with_litellm: bool, baseline: Path | None, with_relay: bool,
+                baseline_python: str) -> None:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
-    servers = {"direct": (spawn([sys.executable, str(ROOT / "bench/bare_server.py"), str(port), str(MAX_TOKENS)],
-                                upstream + "/health/ready"), upstream)}
+    servers["direct"] = (spawn([sys.executable, str(ROOT / "bench/bare_server.py"), str(port), str(MAX_TOKENS)],
+                               upstream + "/health/ready"), upstream)
     kv_port = free_port()
     (workdir / "kvgate.yaml").write_text(KVGATE_CONFIG.format(upstream=upstream))
     servers["kvgate"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
@@ -214,8 +236,9 @@ def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = Non
                             f"http://127.0.0.1:{relay_port}")
     if baseline is not None:  # another checkout's gateway and plugins, e.g. a worktree of an older commit
         base_port = free_port()
-        servers["baseline"] = (spawn([sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "kvgate.yaml"),
-                                      "--port", str(base_port)], f"http://127.0.0.1:{base_port}/health/ready",
+        servers["baseline"] = (spawn([baseline_python, "-m", "gateway.cli", "serve",
+                                      "--config", str(workdir / "kvgate.yaml"), "--port", str(base_port)],
+                                     f"http://127.0.0.1:{base_port}/health/ready",
                                      env=checkout_env(baseline), cwd=baseline),
                                f"http://127.0.0.1:{base_port}")
     if with_litellm:
@@ -227,7 +250,6 @@ def start_servers(workdir: Path, with_litellm: bool, baseline: Path | None = Non
         servers["litellm"] = (spawn([str(exe), "--config", str(workdir / "litellm.yaml"), "--port", str(ll_port),
                                      "--num_workers", "1"], f"http://127.0.0.1:{ll_port}/health/readiness", env),
                               f"http://127.0.0.1:{ll_port}")
-    return servers
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -344,6 +366,7 @@ def measure_case(servers: dict, repeats: int, quick: bool, streams, shared: bool
                        "added_p50_ms": result["p50_ms"] - cell["direct"]["p50_ms"],
                        "added_p99_ms": result["p99_ms"] - cell["direct"]["p99_ms"],
                        "added_p50_paired_ms": paired_added_p50(runs[name], runs["direct"]),
+                       "cpu_ms_per_req_runs": [r["cpu_ms_per_req"] for r in runs[name]],  # the spread
                        "rps_share": result["rps"] / cell["direct"]["rps"]}
                 rows.append(row)
                 print_row(row)
@@ -361,7 +384,8 @@ def print_row(r: dict) -> None:
     print(f"{r['case']:>5} {r['target']:>8} stream={str(r['stream']):5} c={r['concurrency']:>3}  {r['rps']:8.1f} req/s  "
           f"p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  added p50 {r['added_p50_ms']:+8.2f} ms  "
           f"p99 {r['added_p99_ms']:+8.2f} ms  paired p50 {r['added_p50_paired_ms']:+6.2f} ms  "
-          f"{r['rps_share']:5.0%} of direct's req/s  cpu {r['cpu_ms_per_req']:6.2f} ms/req"
+          f"{r['rps_share']:5.0%} of direct's req/s  cpu {r['cpu_ms_per_req']:6.2f} ms/req "
+          f"{[round(c, 2) for c in r['cpu_ms_per_req_runs']]}"
           + (f"  errors {r['errors']:.0f}" if r["errors"] else ""), flush=True)
 
 
@@ -396,6 +420,9 @@ def main() -> None:
                         help="one httpx client per worker instead of one shared client (see drive)")
     parser.add_argument("--baseline", default=None,
                         help="also run this checkout's gateway (e.g. a git worktree of an older commit) as 'baseline'")
+    parser.add_argument("--baseline-python", default=sys.executable,
+                        help="the Python that runs --baseline: a venv whose installed entry points are that "
+                             "checkout's (this venv's name the current tree's modules, which an older tree may lack)")
     parser.add_argument("--relay", action="store_true",
                         help="also run bench/bare_relay.py (the hop with no gateway logic) as 'relay'")
     parser.add_argument("--placement", choices=("free", "split"), default="free",
@@ -410,18 +437,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         servers = start_servers(Path(tmp), with_litellm=not args.no_litellm,
                                 baseline=Path(args.baseline).resolve() if args.baseline else None,
-                                with_relay=args.relay)
+                                with_relay=args.relay, baseline_python=args.baseline_python)
         try:
             place(servers, args.placement)
             rows = measure(servers, repeats, args.quick, streams, not args.client_per_worker,
                            [int(c) for c in args.concurrency.split(",")], args.cases.split(","))
         finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_servers(servers)
     summary = verdict(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": MAX_TOKENS, "repeats": repeats, "quick": args.quick,
