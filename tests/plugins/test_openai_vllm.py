@@ -308,6 +308,80 @@ def status_deployment(gw: Kvgate, name: str) -> dict:
     return next(d for m in status["models"] for d in m["deployments"] if d["name"] == name)
 
 
+# -- the benches' stand-in upstream against the real one ---------------------------------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+STAND_IN_REQUESTS = {  # what the benches send bench/bare_server.py, and what kvgate adds on the way
+    "text": ("/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 4, "ignore_eos": True}),
+    "tool call": ("/v1/chat/completions", {
+        "messages": ask("What is the weather in Paris?"), "tools": WEATHER, "max_tokens": 80, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+}
+STREAM_OPTIONS = [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}]
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    from pathlib import Path
+    import subprocess
+    import sys
+
+    from tests.support.servers.loopback import listening_url, wait_ready
+
+    log_path = tmp_path_factory.mktemp("bare") / "bare.log"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bare_server.py"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(script), "0", "5"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = listening_url(proc, log_path)
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def shape(value):
+    """The JSON's form without its values: keys in order, value kinds (null, str, int...)."""
+    if isinstance(value, dict):
+        return tuple((k, shape(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return tuple(shape(v) for v in value)
+    return type(value).__name__
+
+
+def stream_shapes(base_url: str, path: str, body: dict) -> list:
+    """The shapes of a stream's events, runs of one shape counted once (the stand-in streams its
+    fixed number of chunks, the model its own)."""
+    with httpx.stream("POST", base_url + path, json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    shapes = [e if e == "[DONE]" else shape(json.loads(e)) for e in events]
+    return [s for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1]]
+
+
+@pytest.mark.parametrize("kind", sorted(STAND_IN_REQUESTS))
+@pytest.mark.parametrize("options", range(len(STREAM_OPTIONS)))
+def test_the_bench_stand_in_streams_what_vllm_streams(a, bare, kind, options):
+    """bench/bare_server.py's chunks have real vLLM's fields in its order, event for event (the
+    role chunk, the tool name before its arguments, the usage chunk, the last chunk's fingerprint):
+    the gateway's cost per chunk measured against it is its cost against vLLM."""
+    path, body = STAND_IN_REQUESTS[kind]
+    body = {**body, "model": "smollm2", "stream": True}
+    if STREAM_OPTIONS[options]:
+        body["stream_options"] = STREAM_OPTIONS[options]
+    assert stream_shapes(bare, path, body) == stream_shapes(a.vllm.base_url, path, body)
+
+
+@pytest.mark.parametrize("kind", sorted(STAND_IN_REQUESTS))
+def test_the_bench_stand_in_answers_whole_bodies_as_vllm_does(a, bare, kind):
+    path, body = STAND_IN_REQUESTS[kind]
+    body = {**body, "model": "smollm2"}
+    got, want = (httpx.post(base + path, json=body, timeout=TIMEOUT) for base in (bare, a.vllm.base_url))
+    assert shape(got.json()) == shape(want.json())
+
+
 # -- KV events and precise_prefix over two real engines ---------------------------------------------
 # The second engine starts here, once the tests above are done with the first alone.
 
