@@ -166,6 +166,8 @@ def write_config(path: Path, policy: str, deployments: int = 3) -> None:
     model["policy"] = policy
     if policy != "precise_prefix":
         model["policy_options"] = {}
+    else:  # every decision on the status page: the row keeps the last ones (matched tokens, estimates)
+        model["policy_options"]["route_sample_every"] = 1
     model["deployments"] = model["deployments"][:deployments]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -195,6 +197,8 @@ def measure(proc, base: str, path: Path, name: str, policy: str, phase: int, arg
            "hit_rate": (hits - hits0) / max(queries - queries0, 1), "prompt_tokens": queries - queries0,
            "ttft_p50_ms": 1000 * percentile(ttfts, 50), "ttft_p99_ms": 1000 * percentile(ttfts, 99),
            "seconds": elapsed, "load_avg": os.getloadavg()[0]}
+    if policy == "precise_prefix":
+        row["recent_routes"] = httpx.get(base + "/status.json", timeout=10).json()["models"][0].get("recent_routes")
     print(f"  {workload:<13} {name:<18} hit rate {row['hit_rate']:6.1%}   TTFT p50 {row['ttft_p50_ms']:8.1f} ms   "
           f"p99 {row['ttft_p99_ms']:8.1f} ms   ({row['requests']} requests, {elapsed:.0f} s, "
           f"load {row['load_avg']:.1f})", flush=True)

@@ -1,6 +1,6 @@
 """`precise_prefix`'s cost model: the expected time to first token of a prompt on each deployment.
 
-    estimate(d) = (queued_tokens(d) + unmatched_tokens(d)) / token_rate(d) + running(d) x step_s(d)
+    estimate(d) = (queued_tokens(d) + unmatched_tokens(d)) / token_rate(d) + decoding(d) x step_s(d)
 
 - unmatched_tokens(d): the prompt's tokens d does not hold (prompt - its cached prefix, from the KV
   index: confirmed blocks and the gateway's provisional ones), which d must prefill;
@@ -9,10 +9,13 @@
   (a leaky bucket: it needs no word from the engine, which reports its queue late);
 - token_rate(d): tokens d computes per second of step time, measured from what the engine
   exports (the native engine's num_step_tokens and step_seconds counters: the change between two
-  looks, smoothed), else the `tokens_per_s` option;
-- running(d) x step_s(d): each sequence d is running adds its decodes to the steps the prompt's
-  prefill shares, about one step's time each (step_s: the engine's step_seconds / num_steps,
-  measured the same way, else the `step_s` option); running as load_score counts it.
+  looks, smoothed); one not measured yet takes the median of its measured peers', else the
+  `tokens_per_s` option;
+- decoding(d) x step_s(d): each sequence d runs past its prefill adds its decodes to the steps the
+  prompt's prefill shares, about one step's time each (step_s: the engine's step_seconds /
+  num_steps, measured the same way, else the `step_s` option). decoding(d) is the engine's running
+  count less the requests still in the gateway's queue for it: those are priced as queued prefill
+  already, not twice.
 
 The least estimate wins. Matched tokens are worth what they save on that engine, queued work costs
 what it delays: a conversation stays where its turns are cached until its engine's queue costs
@@ -21,7 +24,9 @@ more than the prefill it saves, and a prompt every engine holds equally goes to 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 SMOOTHING = 0.3  # weight of the newest measured rate (exponential moving average)
@@ -45,7 +50,8 @@ class CostModel:
         self.tokens_per_s, self.step_s = tokens_per_s, step_s
         self._clock = clock
         self._rates: dict[str, _Rates] = {}
-        self._queued: dict[str, tuple[float, float]] = {}  # deployment -> (tokens, when)
+        # deployment -> (each routed request's prefill tokens not worked off yet, oldest first; when)
+        self._queued: dict[str, tuple[deque, float]] = {}
 
     def rates(self, d, load=None) -> tuple[float, float]:
         """(token_rate, step_s) of `d`: measured where its engine exports the counters."""
@@ -53,26 +59,51 @@ class CostModel:
         rates = self._rates.setdefault(d.name, _Rates())
         if "num_step_tokens" in extra and "step_seconds" in extra:
             _measure(rates, extra["num_step_tokens"], extra["step_seconds"], extra.get("num_steps", 0.0))
-        return rates.token_rate or self.tokens_per_s, rates.step_s if rates.step_s is not None else self.step_s
+        if rates.token_rate is None:  # not measured yet (idle so far): priced as its measured peers
+            return self._peers()
+        return rates.token_rate, rates.step_s if rates.step_s is not None else self.step_s
 
-    def queued_tokens(self, d, token_rate: float) -> float:
-        tokens, since = self._queued.get(d.name, (0.0, 0.0))
+    def _peers(self) -> tuple[float, float]:
+        """The median measured rates of the other deployments, else the options: an engine of the
+        pool that has not run yet is no faster than its peers (a default far from the truth made
+        idle engines look several times faster than the busy one that was measured)."""
+        measured = [r for r in self._rates.values() if r.token_rate is not None]
+        if not measured:
+            return self.tokens_per_s, self.step_s
+        steps = [r.step_s for r in measured if r.step_s is not None]
+        return (statistics.median(r.token_rate for r in measured),
+                statistics.median(steps) if steps else self.step_s)
+
+    def queued_tokens(self, d, token_rate: float) -> tuple[float, int]:
+        """(tokens, requests) the gateway sent `d` to prefill and it has not worked off by now,
+        at `token_rate`, oldest first."""
+        queue, since = self._queued.get(d.name, (None, 0.0))
         now = self._clock()
-        left = max(0.0, tokens - (now - since) * token_rate)
-        self._queued[d.name] = (left, now)
-        return left
+        if queue is None:
+            queue = deque()
+        done = (now - since) * token_rate
+        while queue and queue[0] <= done:
+            done -= queue.popleft()
+        if queue:
+            queue[0] -= done
+        self._queued[d.name] = (queue, now)
+        return sum(queue), len(queue)
 
     def estimate(self, d, unmatched_tokens: int) -> float:
         """Expected seconds to the first token of a prompt with `unmatched_tokens` to prefill on `d`."""
         load = d.backend.load()
         token_rate, step_s = self.rates(d, load)
-        running = max(load.running, d.in_flight - load.waiting)
-        return (self.queued_tokens(d, token_rate) + unmatched_tokens) / token_rate + running * step_s
+        queued, requests = self.queued_tokens(d, token_rate)
+        decoding = max(0, load.running - requests)
+        return (queued + unmatched_tokens) / token_rate + decoding * step_s
 
     def routed(self, d, unmatched_tokens: int) -> None:
         """`d` was given a prompt with `unmatched_tokens` to prefill: its queue grows by them."""
-        tokens, since = self._queued.get(d.name, (0.0, self._clock()))
-        self._queued[d.name] = (tokens + unmatched_tokens, since)
+        queue, since = self._queued.get(d.name, (None, self._clock()))
+        queue = queue if queue is not None else deque()
+        if unmatched_tokens > 0:
+            queue.append(float(unmatched_tokens))
+        self._queued[d.name] = (queue, since)
 
     def forget(self, keep) -> None:
         """Drop what is known of deployments not in `keep` (names)."""

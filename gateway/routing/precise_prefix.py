@@ -3,11 +3,11 @@
 Engines publish which blocks they cache (gateway.kv_index.events); one index per model records them
 (gateway.kv_index.index). For a request, the prompt becomes token ids before the policy chooses
 (gateway.routing.prompt_tokens: the engine's own tokenizer in this process, or the backend's /tokenize; chat
-through the same template), the token ids become the engines' chained block hashes, cached(d) is the number of leading prompt
-tokens in blocks d holds (llm-d's LongestPrefix, in tokens), and the deployment with the least
-expected time to first token wins (gateway.routing.cost_model):
+through the same template), the token ids become the engines' chained block hashes, cached(d) is
+the number of leading prompt tokens in blocks d holds (llm-d's LongestPrefix, in tokens), and the
+deployment with the least expected time to first token wins (gateway.routing.cost_model):
 
-    estimate(d) = (queued_tokens(d) + prompt_tokens - cached(d)) / token_rate(d) + running(d) x step_s(d)
+    estimate(d) = (queued_tokens(d) + prompt_tokens - cached(d)) / token_rate(d) + decoding(d) x step_s(d)
 
 Ties go to the prompt's home by affinity among them. With `cost_model: false` each candidate scores
 the older blend instead, prefix_weight * cached(d) / prompt_tokens - load_weight * load_score(d) /

@@ -2,7 +2,7 @@
 (issue 44 item 1). Expected values are worked by hand in each test from the documented formula
 (docs/guide/routing.md):
 
-    estimate = (queued_tokens + unmatched_tokens) / token_rate + running x step_s
+    estimate = (queued_tokens + unmatched_tokens) / token_rate + decoding x step_s
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ def test_without_exported_rates_the_options_price_the_prompt():
     model = CostModel(tokens_per_s=500, step_s=0.04, clock=Clock())
     # 300 tokens to prefill at 500/s = 0.6 s, 3 running x 0.04 s = 0.12 s
     assert model.estimate(engine("a", running=3), 300) == pytest.approx(0.72)
-    # the gateway's own in-flight count when the engine's report lags: 5 sent, 1 waiting -> 4 running
-    assert model.estimate(engine("b", running=1, waiting=1, in_flight=5), 0) == pytest.approx(0.16)
+    # 2 running, one of them still in the gateway's queue (priced as its 100 queued tokens, not twice):
+    # (100 + 50) / 500 = 0.3 s, 1 decoding x 0.04 s
+    b = engine("b", running=2)
+    model.estimate(b, 0)
+    model.routed(b, 100)
+    assert model.estimate(b, 50) == pytest.approx(0.34)
 
 
 def test_measured_rates_come_from_the_engines_step_counters():
@@ -55,6 +59,20 @@ def test_measured_rates_come_from_the_engines_step_counters():
     assert model.rates(engine("a", **counters)) == pytest.approx((1700.0, 0.02))  # kept until measured again
 
 
+def test_an_engine_not_measured_yet_is_priced_as_its_measured_peers():
+    """An idle engine exports no change in its counters: the median of the measured ones prices
+    it, not the option (2000 tokens/s here against a measured 300 would make it look 6x faster)."""
+    model = CostModel(tokens_per_s=2000, step_s=0.5, clock=Clock())
+    for name, (tokens, seconds) in {"a": (600, 2.0), "b": (1000, 4.0), "c": (1050, 3.0)}.items():
+        model.rates(engine(name, num_step_tokens=0.0, step_seconds=0.0, num_steps=0.0))
+        model.rates(engine(name, num_step_tokens=float(tokens), step_seconds=seconds, num_steps=10.0))
+    # measured 300, 250 and 350 tokens/s, steps 0.2, 0.4, 0.3 s: medians 300 and 0.3
+    idle = engine("idle", num_step_tokens=0.0, step_seconds=0.0, num_steps=0.0)
+    assert model.rates(idle) == pytest.approx((300.0, 0.3))
+    # 600 unmatched tokens at 300/s = 2 s (at the option's 2000/s it would have been 0.3 s)
+    assert model.estimate(idle, 600) == pytest.approx(2.0)
+
+
 def test_the_work_it_routed_queues_and_drains_at_the_engines_rate():
     clock = Clock()
     model = CostModel(tokens_per_s=1000, step_s=0.0, clock=clock)
@@ -67,6 +85,10 @@ def test_the_work_it_routed_queues_and_drains_at_the_engines_rate():
     assert model.estimate(b, 600) == pytest.approx(0.6)
     clock.now = 2.0  # drained, not below 0
     assert model.estimate(a, 100) == pytest.approx(0.1)
+    model.routed(a, 300)
+    model.routed(a, 200)
+    clock.now = 2.4  # 400 tokens worked off: the first request's 300, then 100 of the second's
+    assert model.queued_tokens(a, 1000) == (pytest.approx(100.0), 1)
 
 
 def test_bad_rates_are_refused():

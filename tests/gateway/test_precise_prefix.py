@@ -188,7 +188,7 @@ def test_a_conversations_next_turn_finds_its_engine_before_the_engines_events_sa
 
 def test_the_cost_model_keeps_a_turn_where_its_history_is_when_the_queue_costs_less():
     """Issue 44 item 1. Every engine holds the 32-token system prompt, d0 also the conversation's
-    24 tokens after it; d0 runs 2 requests, d1 and d2 none. The prompt has 64 tokens. With
+    24 tokens after it; d0 decodes 2 requests, d1 and d2 none. The prompt has 64 tokens. With
     tokens_per_s 1000 and step_s 0.005 (no engine exports rates here), worked by hand:
         d0: (0 queued + 64 - 56) / 1000 + 2 x 0.005 = 0.018 s
         d1, d2: (0 + 64 - 32) / 1000 + 0 = 0.032 s
@@ -201,7 +201,7 @@ def test_the_cost_model_keeps_a_turn_where_its_history_is_when_the_queue_costs_l
         engines[0].serve(conversation)
         await settle(policy, ds, lambda: policy.kv_feed.index.blocks_of("d0") == 14 and
                      policy.kv_feed.index.blocks_of("d2") == 8)
-        ds[0].in_flight = 2
+        ds[0].backend._running.update({"x", "y"})  # the echo's running count: 2 decoding
         prompt = conversation + list(range(900, 908))
         assert policy.choose(request(prompt, "turn"), ds).name == "d0"
         assert policy.matched_tokens("turn") == 56
