@@ -5,7 +5,7 @@ its history, which then serves it from its prefix cache."""
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 import time
 
 import httpx
@@ -22,18 +22,16 @@ pytestmark = pytest.mark.timeout(900)  # two engines load the real model
 ADMIN_ENV, ADMIN_KEY = "KVGATE_TEST_KV_ROUTING_ADMIN", "admin-key-for-kv-routing"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def config() -> str:
+def config(sockets: str) -> str:
+    """Each engine publishes on an ipc:// socket of its own in `sockets` (a folder): nothing to
+    pick beforehand that another process could take (a free TCP port found earlier can be), and
+    nothing on the network; the gateway subscribes to the same path (the TCP wire is
+    tests/native_backend/test_kv_events.py's, on ports the publisher binds as tcp://127.0.0.1:*)."""
     engines = "".join(f"""
       - name: native-{i}
         backend: native
         settings: {{max_num_seqs: 4, kv_cache_bytes: 67108864, num_threads: 1,
-                   kv_events: {{endpoint: "tcp://*:{free_port()}", replay_endpoint: "tcp://*:{free_port()}"}}}}"""
+                   kv_events: {{endpoint: "ipc://{sockets}/e{i}", replay_endpoint: "ipc://{sockets}/e{i}r"}}}}"""
                       for i in range(2))
     return f"""
 auth: {{admin_key_env: {ADMIN_ENV}}}
@@ -60,7 +58,9 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached_until_the_ca
     monkeypatch.setenv(ADMIN_ENV, ADMIN_KEY)
     exporter = InMemorySpanExporter()
     system = "Answer briefly. Reference: " + " ".join(topics["for"].split())[:1200]
-    with GatewayServer(config(), ready_timeout=600, span_exporter=exporter) as gw:
+    # A short folder (an ipc path has ~100 bytes at most), removed after the gateway stops.
+    with tempfile.TemporaryDirectory(prefix="kvgate-kv-") as sockets, \
+            GatewayServer(config(sockets), ready_timeout=600, span_exporter=exporter) as gw:
         history = [{"role": "system", "content": system}, {"role": "user", "content": "What does a for loop do?"}]
 
         def turn() -> tuple[dict, dict]:
