@@ -237,6 +237,23 @@ def test_responses_passed_through(clients):
     assert got.usage.output_tokens == want.usage.output_tokens
 
 
+def test_responses_stream_passed_through(clients):
+    """A streamed /v1/responses goes through kvgate as vLLM streams it: the same events in the same
+    order (created, output item and content part opened, text deltas, done events, completed),
+    the same text, and the usage vLLM counted (issue 45 item 15: seen before only with kvgate as
+    the upstream)."""
+    direct, front = clients
+    kw = dict(input="Say hi", max_output_tokens=8, temperature=0, stream=True)
+    want = list(direct.responses.create(model="smollm2", **kw))
+    got = list(front.responses.create(model="smol", **kw))
+    assert [e.type for e in got] == [e.type for e in want]
+    assert want[0].type == "response.created" and want[-1].type == "response.completed"
+    deltas = [[e.delta for e in events if e.type == "response.output_text.delta"] for events in (got, want)]
+    assert deltas[0] == deltas[1] and "".join(deltas[0])
+    assert got[-1].response.output_text == want[-1].response.output_text == "".join(deltas[1])
+    assert got[-1].response.usage.output_tokens == want[-1].response.usage.output_tokens
+
+
 def test_messages_passed_through(a, gw):
     body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}
     want = httpx.post(a.vllm.base_url + "/v1/messages", json={"model": "smollm2", **body}, timeout=TIMEOUT).json()
