@@ -2,7 +2,9 @@
 the test process), node 1 a separate `kvgate engine --headless --node-rank 1` process that holds
 rank 1 and serves no HTTP. Pipeline parallel 2, one stage a node, on the tiny 6-layer GQA Llama.
 
-- greedy tokens equal transformers' and a single-process engine's;
+- greedy tokens equal transformers' and a single-process engine's; TP 2 x PP 2 across the two
+  nodes (two ranks a node: node 0 spawns rank 1, node 1 ranks 2 and 3) gives transformers' too;
+- layouts that cannot span the nodes are refused (uneven ranks; kv_role);
 - a node with the wrong secret is refused (its own log says so, node 0's log names it) and the
   engine keeps waiting: it starts once the right node joins;
 - a node that dies fails the next step naming rank 1 on node 1; a node that stops answering fails
@@ -23,7 +25,7 @@ from native_backend.core.engine import LLMEngine
 from native_backend.core.interface import EngineRequest
 from native_backend.core.sampling_params import SamplingParams
 from native_backend.execution.factory import make_executor
-from native_backend.execution.parallel.executor import TensorParallelError
+from native_backend.execution.parallel.executor import TensorParallelError, check_supported
 from tests.support.checks.pipeline_checks import NEW_TOKENS, NUM_LAYERS, PROMPTS, config_for, hf_greedy
 from tests.support.checks.node_checks import SECRET, START_S, Node, free_port
 from tests.support.checks.tensor_parallel_checks import greedy_tokens, tiny_gqa_llama
@@ -53,7 +55,8 @@ class Records(logging.Handler):
 
 
 def start_engine(config) -> tuple[threading.Thread, dict]:
-    """make_executor in a thread: node 0 waits at its rendezvous while the test starts nodes."""
+    """make_executor in a thread: node 0 waits at its rendezvous while the test starts nodes (PP 2 on
+    two nodes: no local worker, whose PR_SET_PDEATHSIG would fire when this thread ends)."""
     made: dict = {}
 
     def make():
@@ -71,11 +74,9 @@ def two_nodes(checkpoint, secret_file, **settings):
     port = free_port()
     config = config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_port=port,
                         rendezvous_secret_file=secret_file, **settings)
-    thread, made = start_engine(config)
-    node = Node(port, SECRET)
-    thread.join(START_S)
-    assert "executor" in made, made.get("error")
-    return config, made["executor"], node
+    node = Node(port, SECRET)  # it retries until node 0 listens
+    # made on this thread: a local worker's PR_SET_PDEATHSIG fires when the thread that spawned it ends
+    return config, make_executor(config), node
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +156,30 @@ def test_a_node_that_stops_answering_fails_the_step_after_the_collective_timeout
     finally:
         executor.close()
         node.kill()
+
+
+def test_tensor_x_pipeline_parallel_across_two_nodes_gives_transformers_tokens(engine, checkpoint, secret_file,
+                                                                              reference):
+    """TP 2 x PP 2: two ranks a node (node 0 spawns rank 1 beside itself, node 1's agent spawns ranks 2
+    and 3, local ranks 0 and 1), each stage's all-reduces inside a node, the stage hand-off across."""
+    engine[1].close()  # one group per process
+    config, executor, node = two_nodes(checkpoint, secret_file, tensor_parallel_size=2)
+    try:
+        assert [w.rank for w in executor.workers] == [1, 2, 3]
+        assert [_node(w) for w in executor.workers] == [None, 1, 1]
+        assert greedy_tokens(LLMEngine(config, executor), PROMPTS, NEW_TOKENS) == reference
+        assert len(node.rank_pids()) == 2
+    finally:
+        executor.close()
+        node.kill()
+
+
+def _node(worker):
+    return getattr(worker.process, "node", None)
+
+
+def test_layouts_that_cannot_span_the_nodes_are_refused(checkpoint):
+    with pytest.raises(ValueError, match=r"parallel.nnodes 3: the 2 ranks .* must spread evenly over the nodes"):
+        config_for(checkpoint, pipeline_parallel_size=2, nnodes=3)
+    with pytest.raises(ValueError, match=r"parallel.nnodes 2 with kv_role 'consumer': not supported yet"):
+        check_supported(config_for(checkpoint, tensor_parallel_size=2, nnodes=2, kv_role="consumer"))

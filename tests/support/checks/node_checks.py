@@ -47,8 +47,10 @@ class Node:
         return next(line for line in self.lines if words in line)
 
     def rank_pids(self) -> list[int]:
+        """The node's rank processes (spawned by its agent; not multiprocessing's resource tracker)."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            return [int(p) for p in f.read().split()]
+            children = [int(p) for p in f.read().split()]
+        return [p for p in children if b"spawn_main" in _cmdline(p)]
 
     def kill(self) -> None:
         try:
@@ -60,3 +62,11 @@ class Node:
     def count(self, words: str) -> int:
         with self._seen:
             return sum(words in line for line in self.lines)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
