@@ -9,7 +9,6 @@ completion runs on the same engine, which must finish token for token as it does
 import base64
 import struct
 import threading
-import time
 
 import httpx
 import pydoc_data.topics
@@ -87,29 +86,44 @@ def test_token_arrays_embed_as_their_text_does(gw, client):
 
 
 def test_embeddings_while_a_streamed_chat_runs_leave_it_unchanged(gw, client):
+    """Three embedding calls while a streamed chat is mid-generation: each vector as computed
+    alone, and the chat's text as generated alone. The chat cannot end before the calls do (it
+    asks for far more tokens than it reads: the reader closes it once it has the text to compare),
+    so it is in flight throughout whatever the machine's speed; one ordered log of what happened
+    (no clock) shows it."""
     chat = dict(model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
-                temperature=0, max_tokens=160, extra_body={"ignore_eos": True})
-    alone = client.chat.completions.create(**chat).choices[0].message.content
+                temperature=0, extra_body={"ignore_eos": True})
+    alone = client.chat.completions.create(**chat, max_tokens=32).choices[0].message.content
     embedded_alone = client.embeddings.create(model="smollm2", input=TEXTS, encoding_format="float")
-    arrivals, pieces, finish = [], [], []
+    log, pieces, finish = [], [], []  # log: "chunk" / "embeddings start" / "embeddings end", in order
+    chunks_arrived, embeddings_done = threading.Event(), threading.Event()
 
     def read_stream():
-        for chunk in client.chat.completions.create(**chat, stream=True):
-            arrivals.append(time.monotonic())
-            if chunk.choices:
-                pieces.append(chunk.choices[0].delta.content or "")
-                finish.append(chunk.choices[0].finish_reason)
+        stream = client.chat.completions.create(**chat, max_tokens=4000, stream=True)
+        with stream:
+            for chunk in stream:
+                log.append("chunk")
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].delta.content or "")
+                    finish.append(chunk.choices[0].finish_reason)
+                if len(log) >= 5:
+                    chunks_arrived.set()
+                if embeddings_done.is_set() and len("".join(pieces)) >= len(alone):
+                    break  # closing the stream aborts the rest of the request
 
     reader = threading.Thread(target=read_stream)
     reader.start()
-    while len(arrivals) < 5 and reader.is_alive():
-        time.sleep(0.01)
-    started = time.monotonic()
+    assert chunks_arrived.wait(300), "the stream did not start"
+    log.append("embeddings start")
     embedded = [client.embeddings.create(model="smollm2", input=TEXTS, encoding_format="float") for _ in range(3)]
-    ended = time.monotonic()
-    reader.join(timeout=300)
-    assert any(t < started for t in arrivals) and any(t > ended for t in arrivals), "the stream was not in flight"
-    assert "".join(pieces) == alone and finish[-1] == "length"
+    log.append("embeddings end")
+    embeddings_done.set()
+    reader.join(timeout=600)
+    assert not reader.is_alive(), f"the stream had {len(''.join(pieces))} of {len(alone)} characters"
+    start, end = log.index("embeddings start"), log.index("embeddings end")
+    assert "chunk" in log[:start] and "chunk" in log[end:], "the stream was not in flight throughout"
+    assert not any(finish), finish  # still generating when it was closed
+    assert "".join(pieces).startswith(alone)
     for out in embedded:
         for row, row_alone in zip(out.data, embedded_alone.data):
             assert max_diff(row.embedding, row_alone.embedding) < TOLERANCE
