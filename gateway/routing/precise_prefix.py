@@ -86,6 +86,12 @@ class KVFeed:
         stream = self.streams.get(name)
         return stream is not None and stream.live
 
+    def subscribed(self, name: str) -> bool:
+        """Connected to its publisher, whether or not it has published since: what it stores from
+        now on reaches the index (what it stored before may not: a missed hit at worst)."""
+        stream = self.streams.get(name)
+        return stream is not None and (stream.live or stream.connected)
+
     async def close(self) -> None:
         self.tokens.close()
         streams, self.streams = list(self.streams.values()), {}
@@ -171,13 +177,13 @@ class PrecisePrefix(RoutingPolicy):
     async def prepare(self, request, deployments) -> None:
         """Before `choose`: the prompt's token ids, off the event loop or from the backend's
         /tokenize, when a deployment's events are live (else there is nothing to match them to)."""
-        live = [d for d in deployments if d.started and self.kv_feed.live(d.name)]
+        live = [d for d in deployments if d.started and self._followed(d.name)]
         if live:
             await self.kv_feed.tokens.prepare(request, live)
 
     def choose(self, request, candidates):
         self.kv_feed.track(candidates)
-        live = [d for d in candidates if self.kv_feed.live(d.name)]
+        live = [d for d in candidates if self._followed(d.name)]
         tokens = self.kv_feed.tokens.ids(request, live) if live else None
         if not tokens:
             return self._fallback.choose(request, candidates)
@@ -195,6 +201,13 @@ class PrecisePrefix(RoutingPolicy):
         self._provision(chosen, chains)
         self._sample(request, chosen, len(tokens), matched, estimate)
         return chosen
+
+    def _followed(self, name: str) -> bool:
+        """A deployment whose blocks the index can be asked for: its events are live; with the cost
+        model, also one subscribed that has published nothing yet (an engine that has stored nothing
+        since the gateway started or reloaded): the gateway's provisional entries and its queue
+        then place the first requests, instead of every request on one prefix's affinity home."""
+        return self.kv_feed.live(name) or (self.cost is not None and self.kv_feed.subscribed(name))
 
     def _blended(self, prompt_tokens: int, cached: dict[str, int], candidates):
         """Without the cost model: prefix_weight x cached share - load_weight x load score."""

@@ -212,6 +212,21 @@ def test_the_cost_model_keeps_a_turn_where_its_history_is_when_the_queue_costs_l
                                     "route_sample_every": 1})
 
 
+def test_before_any_engine_published_the_cost_model_places_turns_with_provisional_entries():
+    """Engines subscribed to but silent so far (a gateway just started or reloaded): the cost model
+    routes on the gateway's own entries instead of falling back to affinity for every request.
+    Turn 1 of a conversation goes to one engine; its turn 2 finds it there, 40 of its 48 tokens
+    matched (turn 1's 10 full blocks of 4), though no engine published anything. With only live
+    streams used (nothing heard: affinity decides, nothing matched) the test failed (None)."""
+    async def scenario(policy, ds, engines):
+        turn1 = SYSTEM_A + list(range(800, 808))  # 40 tokens
+        first = policy.choose(request(turn1, "t1"), ds)
+        assert policy.matched_tokens("t1") == 0
+        assert policy.choose(request(turn1 + list(range(900, 908)), "t2"), ds) is first
+        assert policy.matched_tokens("t2") == 40
+    with_engines(scenario)
+
+
 def test_a_restarted_or_departed_engine_is_forgotten():
     async def scenario(policy, ds, engines):
         engines[0].serve(SYSTEM_A)

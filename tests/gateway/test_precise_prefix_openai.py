@@ -213,8 +213,9 @@ def test_a_slow_or_failing_tokenize_routes_by_affinity_and_is_not_asked_again_at
                 assert route_of(exporter).get("kvgate.kv_prefix_matched_tokens") is None  # by affinity
             assert any("/tokenize on deployment vllm-" in r.getMessage() and "no answer in time" in r.getMessage()
                        for r in caplog.records)
-            # each deployment asked (a live one) failed once, then was left alone
-            live = sum(policy.kv_feed.live(name) for name in ("vllm-0", "vllm-1"))
+            # each deployment asked (one the index follows: live, or subscribed under the cost model)
+            # failed once, then was left alone
+            live = sum(policy._followed(name) for name in ("vllm-0", "vllm-1"))
             assert policy.kv_feed.tokens.remote_failures == failures + live
             metrics = httpx.get(gw.base_url + "/metrics").text
             assert f'kvgate_kv_route_tokenize_failures_total{{model="m"}} {float(policy.kv_feed.tokens.remote_failures)}' in metrics
