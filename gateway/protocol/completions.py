@@ -37,7 +37,7 @@ from gateway.config import RequestLimits, format_path
 from gateway.errors import APIError, InvalidRequestError
 from gateway.protocol.bodies import ChoiceState, ResponseShape
 from gateway.protocol.tools import (
-    FunctionTool, ResponseFormat, ToolCall, ToolChoice, check_response_format, check_tools)
+    FunctionTool, ResponseFormat, StrictModel, ToolCall, ToolChoice, check_response_format, check_tools)
 
 IGNORED = ("metadata", "store", "service_tier")
 EXTRA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
@@ -70,19 +70,15 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral_fl
 MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral_float)]  # max_tokens, max_completion_tokens
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     # vLLM's extension (GuideLLM sends it): usage in every chunk, not only in the last one.
     # As in vLLM it takes effect with include_usage.
     continuous_usage_stats: bool = False
 
 
-class _Common(_Strict):
-    # Unknown top-level fields are vendor fields (`model_extra`), checked by `_extras`.
+class _Common(StrictModel):
+    # Unknown top-level fields are vendor fields (`model_extra`), checked by `vendor_extras`.
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
@@ -115,9 +111,9 @@ class _Common(_Strict):
     def _unsupported(self):
         for name in ("logit_bias", "functions"):
             if getattr(self, name):
-                raise _Unsupported(name)
+                raise Unsupported(name)
         if self.function_call not in (None, "none"):
-            raise _Unsupported("function_call")
+            raise Unsupported("function_call")
         return self
 
     def stop_list(self) -> list[str]:
@@ -137,20 +133,20 @@ class CompletionBody(_Common):
     @model_validator(mode="after")
     def _completion_unsupported(self):
         if self.echo:
-            raise _Unsupported("echo")
+            raise Unsupported("echo")
         if self.suffix:
-            raise _Unsupported("suffix")
+            raise Unsupported("suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise _Unsupported("best_of", "best_of other than n is not supported")
+            raise Unsupported("best_of", "best_of other than n is not supported")
         return self
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -192,13 +188,13 @@ class ChatBody(_Common):
     @model_validator(mode="after")
     def _chat_rules(self):
         if self.audio is not None:
-            raise _Unsupported("audio")
+            raise Unsupported("audio")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
 
-class _Unsupported(ValueError):
+class Unsupported(ValueError):
     def __init__(self, param: str, message: str | None = None):
         super().__init__(message or f"'{param}' is not supported by this server")
         self.param = param
@@ -264,14 +260,14 @@ class ParsedRequest:
 
 
 def parse_completion(body: Any, limits: RequestLimits) -> ParsedRequest:
-    req = _validate(CompletionBody, body)
+    req = validate_body(CompletionBody, body)
     prompts = prompt_list(req.prompt, "prompt")
     if "max_tokens" not in req.model_fields_set:
         # The client asked for no number: OpenAI's default (the field's), but never over this server's limit.
         req.max_tokens = min(req.max_tokens, limits.max_tokens)
     _check_limits(req, req.max_tokens, req.logprobs, limits)
     _check_prompts(prompts, req.n, limits)
-    extra = _extras(req, limits)
+    extra = vendor_extras(req, limits)
     return ParsedRequest(
         chat=False,
         model=req.model,
@@ -291,7 +287,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     raw = body.get("messages") if isinstance(body, dict) else None
     if isinstance(raw, list):  # before validating each of them
         check_message_count(raw, limits)
-    req = _validate(ChatBody, body)
+    req = validate_body(ChatBody, body)
     calls = sum(len(m.tool_calls or ()) for m in req.messages)
     if calls > limits.max_tool_calls:
         raise InvalidRequestError(f"The messages hold {calls} tool calls, over this server's limit of "
@@ -301,7 +297,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
     _check_limits(req, max_tokens, logprobs, limits)
     check_tools(req.tools, req.tool_choice, limits)
     check_response_format(req.response_format, limits)
-    extra = _extras(req, limits)
+    extra = vendor_extras(req, limits)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ParsedRequest(
         chat=True,
@@ -311,7 +307,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> ParsedRequest:
         stream=req.stream,
         include_usage=_include_usage(req),
         continuous_usage=_continuous_usage(req),
-        messages=[_message_dict(m) for m in req.messages],
+        messages=[message_dict(m) for m in req.messages],
         user=req.user,
         tools=tools,
         # Without tools, "none" and "auto" ask for nothing: not sent (check_tools refused the rest).
@@ -366,7 +362,7 @@ def _needs(endpoint: str, req: _Common, logprobs: bool, extra: dict | None, feat
     return Needs(endpoint, frozenset(features), frozenset(extra or ()), params)
 
 
-def _extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
+def vendor_extras(req: BaseModel, limits: RequestLimits) -> dict[str, Any] | None:
     """The body's vendor fields (those no model field names), within the limits, without the
     engine-only ones; None if none."""
     extra = req.model_extra
@@ -405,21 +401,21 @@ def _continuous_usage(req: _Common) -> bool:
     return _include_usage(req) and req.stream_options.continuous_usage_stats
 
 
-def _validate(model: type[BaseModel], body: Any):
+def validate_body(model: type[BaseModel], body: Any):
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _to_api_error(exc) from None
+        raise to_api_error(exc) from None
 
 
-def _to_api_error(exc: ValidationError, at: tuple = ()) -> InvalidRequestError:
+def to_api_error(exc: ValidationError, at: tuple = ()) -> InvalidRequestError:
     """The first error as a 400 naming its path; `at` is where the validated value sits in the body."""
     err = exc.errors()[0]
     param = format_path([*at, *_field_path(err["loc"])]) or None
     cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, _Unsupported):
+    if isinstance(cause, Unsupported):
         return InvalidRequestError(str(cause), param=cause.param, code="unsupported_parameter")
     if err["type"] == "extra_forbidden":
         return InvalidRequestError(
@@ -525,7 +521,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None, limits
     )
 
 
-def _message_dict(m: Message) -> dict:
+def message_dict(m: Message) -> dict:
     """The message as backends see it: text content joined, `developer` as `system`, every other
     field the client set kept (an assistant message that only calls tools keeps content None)."""
     role = "system" if m.role == "developer" else m.role

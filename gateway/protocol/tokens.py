@@ -20,11 +20,11 @@ from gateway.capabilities import Needs
 from gateway.config import RequestLimits
 from gateway.errors import InvalidRequestError
 from gateway.protocol.completions import (
-    Int, Message, TokenId, _extras, _message_dict, _Strict, _Unsupported, _validate, check_message_count, prompt_list)
-from gateway.protocol.tools import FunctionTool, check_tools
+    Int, Message, TokenId, Unsupported, check_message_count, message_dict, prompt_list, validate_body, vendor_extras)
+from gateway.protocol.tools import FunctionTool, StrictModel, check_tools
 
 
-class _Open(_Strict):
+class _Open(StrictModel):
     model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are vendor fields
 
     model: str | None = Field(None, min_length=1)
@@ -56,7 +56,7 @@ class TokenizeChatBody(_Open):
     @model_validator(mode="after")
     def _rules(self):
         if self.chat_template is not None:
-            raise _Unsupported("chat_template", "'chat_template' is not supported: prompts are rendered with the "
+            raise Unsupported("chat_template", "'chat_template' is not supported: prompts are rendered with the "
                                "model's own chat template only")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -86,10 +86,10 @@ class ParsedTokenize:
 
 
 def parse_embeddings(body: Any, limits: RequestLimits) -> ParsedEmbeddings:
-    req = _validate(EmbeddingsBody, body)
+    req = validate_body(EmbeddingsBody, body)
     inputs = prompt_list(req.input, "input")
     _check_inputs(inputs, limits)
-    extra = _extras(req, limits)
+    extra = vendor_extras(req, limits)
     return ParsedEmbeddings(req.model, inputs, req.encoding_format, req.dimensions, req.user, extra,
                             Needs("embeddings", extras=frozenset(extra or ())))
 
@@ -115,15 +115,15 @@ def parse_tokenize(body: Any, limits: RequestLimits) -> ParsedTokenize:
     chat = isinstance(body, dict) and "messages" in body
     if chat and "prompt" in body:
         raise InvalidRequestError("Give either 'prompt' or 'messages', not both.", param="prompt")
-    req = _validate(TokenizeChatBody if chat else TokenizePromptBody, body)
-    extra = _extras(req, limits)
+    req = validate_body(TokenizeChatBody if chat else TokenizePromptBody, body)
+    extra = vendor_extras(req, limits)
     features = set()
     if chat:
         check_message_count(req.messages, limits)
         check_tools(req.tools, None, limits)
         if req.tools or any(m.uses_tools for m in req.messages):
             features.add("tools")
-        fields = dict(messages=[_message_dict(m) for m in req.messages],
+        fields = dict(messages=[message_dict(m) for m in req.messages],
                       add_generation_prompt=req.add_generation_prompt,
                       continue_final_message=req.continue_final_message,
                       tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
@@ -138,11 +138,11 @@ def parse_tokenize(body: Any, limits: RequestLimits) -> ParsedTokenize:
 
 
 def parse_detokenize(body: Any, limits: RequestLimits) -> ParsedTokenize:
-    req = _validate(DetokenizeBody, body)
+    req = validate_body(DetokenizeBody, body)
     if len(req.tokens) > limits.max_prompt_tokens:
         raise InvalidRequestError(f"{len(req.tokens)} tokens, over this server's limit of {limits.max_prompt_tokens}.",
                                   param="tokens")
-    extra = _extras(req, limits)
+    extra = vendor_extras(req, limits)
     if extra:  # no backend takes vendor fields here: refuse them as an unknown argument
         name = next(iter(extra))
         raise InvalidRequestError(f"Unrecognized request argument supplied: {name}", param=name,

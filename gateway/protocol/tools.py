@@ -30,27 +30,29 @@ DRAFTS = {f"{scheme}://json-schema.org/{path}{end}" for scheme in ("http", "http
                        "draft/2020-12/schema")}
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request schema's base: unknown fields and loose types are refused (OpenAI's 400s)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object; absent: no arguments
     strict: bool | None = None
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str = Field(pattern=NAME)
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -58,12 +60,12 @@ class NamedToolChoice(_Strict):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str = Field(pattern=NAME)
     arguments: str  # JSON text, as the model wrote it (not necessarily valid JSON)
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """One call in an assistant message of the conversation."""
 
     id: str = Field(min_length=1, max_length=256)
@@ -71,7 +73,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = Field(pattern=NAME)
@@ -80,15 +82,15 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(StrictModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 

@@ -34,8 +34,9 @@ from pydantic import Field, model_validator
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
 from gateway.protocol.completions import (
-    EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported, check_message_count)
+    EventWriter, Int, ParsedRequest, Translation, Unsupported, check_message_count)
 from gateway.protocol.tokens import ParsedTokenize, parse_tokenize
+from gateway.protocol.tools import StrictModel
 from gateway.translate.common import (
     chat_request, chat_tool, check_item_counts, chunk_parts, named_event, parse_translated, renamed_error, renames,
     typed, validated)
@@ -55,14 +56,14 @@ def error_body(status: int, message: str) -> dict:
 # ---------------------------------------------------------------------------------- request
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
     citations: list[Any] | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=128)
@@ -70,7 +71,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
     content: str | list[Any] | None = None
@@ -78,7 +79,7 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     """An earlier answer's thinking, sent back: taken, and not sent on (chat templates leave
     earlier turns' reasoning out)."""
 
@@ -87,7 +88,7 @@ class ThinkingBlock(_Strict):
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -98,12 +99,12 @@ BLOCKS = {"user": {"text": TextBlock, "tool_result": ToolResultBlock},
 TEXT_ONLY = {"text": TextBlock}
 
 
-class MessageParam(_Strict):
+class MessageParam(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Any]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     type: Literal["custom"] = "custom"
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -112,7 +113,7 @@ class AnthropicTool(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -124,22 +125,22 @@ class AnthropicToolChoice(_Strict):
         return self
 
 
-class AnthropicMetadata(_Strict):
+class AnthropicMetadata(StrictModel):
     user_id: str | None = Field(None, max_length=512)
 
 
-class AnthropicThinking(_Strict):
+class AnthropicThinking(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Int | None = None
 
     @model_validator(mode="after")
     def _off(self):
         if self.type != "disabled":
-            raise _Unsupported("thinking", "extended thinking is not supported by this server")
+            raise Unsupported("thinking", "extended thinking is not supported by this server")
         return self
 
 
-class MessagesBody(_Strict):
+class MessagesBody(StrictModel):
     model: str = Field(min_length=1)
     max_tokens: Int = Field(ge=1)
     messages: list[Any] = Field(min_length=1)
@@ -164,11 +165,11 @@ class MessagesBody(_Strict):
     def _unsupported(self):
         for name in ("container", "mcp_servers", "context_management"):
             if getattr(self, name):
-                raise _Unsupported(name)
+                raise Unsupported(name)
         return self
 
 
-class CountTokensBody(_Strict):
+class CountTokensBody(StrictModel):
     """POST /v1/messages/count_tokens: what would be sent, without max_tokens."""
 
     model: str = Field(min_length=1)

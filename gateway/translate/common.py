@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from gateway import fastjson
 from gateway.config import RequestLimits, format_path
 from gateway.errors import InvalidRequestError
-from gateway.protocol.completions import ParsedRequest, _to_api_error, parse_chat
+from gateway.protocol.completions import ParsedRequest, to_api_error, parse_chat
 
 
 Renames = list[tuple[re.Pattern, str]]
@@ -30,7 +30,7 @@ def validated(model: type[BaseModel], value: Any, at: tuple = ()):
     try:
         return model.model_validate(value)
     except ValidationError as exc:
-        raise _to_api_error(exc, at) from None
+        raise to_api_error(exc, at) from None
 
 
 def typed(value: Any, at: tuple, models: dict[str, type[BaseModel]], what: str, default: str | None = None):

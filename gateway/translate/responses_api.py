@@ -33,7 +33,8 @@ from pydantic import Field, model_validator
 from gateway import fastjson
 from gateway.config import RequestLimits
 from gateway.errors import APIError, InvalidRequestError
-from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, _Strict, _Unsupported
+from gateway.protocol.completions import EventWriter, Int, ParsedRequest, Translation, Unsupported
+from gateway.protocol.tools import StrictModel
 from gateway.translate.common import (
     chat_request, chat_tool, check_item_counts, chunk_parts, named_event, parse_translated, renames, typed, validated)
 
@@ -43,12 +44,12 @@ ID_PREFIX = "resp_"
 # ---------------------------------------------------------------------------------- request
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     """Output text a client sends back as part of the conversation (with what came with it)."""
 
     type: Literal["output_text"]
@@ -57,7 +58,7 @@ class OutputText(_Strict):
     logprobs: list[Any] | None = None
 
 
-class RefusalPart(_Strict):
+class RefusalPart(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -65,7 +66,7 @@ class RefusalPart(_Strict):
 PARTS = {"input_text": InputText, "output_text": OutputText, "refusal": RefusalPart}
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Any]
@@ -73,7 +74,7 @@ class MessageItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=64)
@@ -82,7 +83,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[Any]
@@ -90,7 +91,7 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     """A reasoning item of an earlier answer, sent back: taken, and not sent on (chat templates
     leave earlier turns' reasoning out)."""
 
@@ -106,7 +107,7 @@ ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_ca
          "reasoning": ReasoningItem}
 
 
-class ResponsesFunctionTool(_Strict):
+class ResponsesFunctionTool(StrictModel):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -114,12 +115,12 @@ class ResponsesFunctionTool(_Strict):
     strict: bool | None = None
 
 
-class ResponsesNamedFunction(_Strict):
+class ResponsesNamedFunction(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class ResponsesTextFormat(_Strict):
+class ResponsesTextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -127,16 +128,16 @@ class ResponsesTextFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponsesReasoning(_Strict):
+class ResponsesReasoning(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: None = None  # reasoning summaries are not made here
 
 
-class ResponsesTextConfig(_Strict):
+class ResponsesTextConfig(StrictModel):
     format: ResponsesTextFormat | None = None
 
 
-class ResponsesBody(_Strict):
+class ResponsesBody(StrictModel):
     model: str = Field(min_length=1)
     input: str | list[Any]
     instructions: str | None = None
@@ -172,17 +173,17 @@ class ResponsesBody(_Strict):
     def _stateless(self):
         stateless = "this server keeps no responses: send the whole conversation in 'input'"
         if self.store:
-            raise _Unsupported("store", f"store: true is not supported ({stateless}, with store: false)")
+            raise Unsupported("store", f"store: true is not supported ({stateless}, with store: false)")
         for name in ("previous_response_id", "conversation"):
             if getattr(self, name) is not None:
-                raise _Unsupported(name, f"'{name}' is not supported ({stateless})")
+                raise Unsupported(name, f"'{name}' is not supported ({stateless})")
         if self.background:
-            raise _Unsupported("background")
+            raise Unsupported("background")
         if self.include:
-            raise _Unsupported("include")
+            raise Unsupported("include")
         for name in ("prompt", "max_tool_calls", "top_logprobs"):
             if getattr(self, name) is not None:
-                raise _Unsupported(name)
+                raise Unsupported(name)
         return self
 
 
