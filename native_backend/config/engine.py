@@ -155,6 +155,9 @@ class ParallelOptions:
         if self.world_size % self.nnodes:
             raise ValueError(f"parallel.nnodes {self.nnodes}: the {self.world_size} ranks (tensor_parallel_size x "
                              "pipeline_parallel_size) must spread evenly over the nodes")
+        if self.nnodes > 1 and self.master_addr in ("0.0.0.0", "::", ""):
+            raise ValueError(f"parallel.master_addr {self.master_addr!r}: name node 0's own address (the other nodes "
+                             "dial it and its group's store listens there), not a wildcard")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"parallel.master_port {self.master_port}: not a TCP port")
         partition = self.pipeline_layer_partition

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -95,6 +97,11 @@ def engine(checkpoint, secret_file):
     config = config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_port=port,
                         rendezvous_secret_file=secret_file)
     thread, made = start_engine(config)
+    silent = connect_when_listening(port)
+    silent.sendall(b"kvgate")  # a few bytes of the greeting, then nothing
+    while silent.recv(4096):  # node 0's greeting, then its close: it gave up on the handshake (deadline)
+        pass
+    silent.close()
     impostor = Node(port, "not-the-secret-of-these-nodes")
     refused = impostor.wait_for("refused this node")
     impostor.kill()
@@ -109,8 +116,18 @@ def engine(checkpoint, secret_file):
     node.kill()
 
 
+def connect_when_listening(port: int) -> socket.socket:
+    for _ in range(START_S * 10):
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            time.sleep(0.1)
+    raise AssertionError("node 0 never listened")
+
+
 def test_a_node_without_the_secret_is_refused_and_the_engine_waits_for_the_right_one(engine):
     _, executor, node, (refused, waiting, messages) = engine
+    assert any("refused a peer from 127.0.0.1" in m and "it sent no answer within 5 s" in m for m in messages)
     assert "its rendezvous secret differs" in refused
     assert waiting  # refused, the engine had not started (nor failed): it went on waiting
     assert any("refused a peer from 127.0.0.1" in m and "does not know the shared secret" in m for m in messages)
@@ -181,5 +198,7 @@ def _node(worker):
 def test_layouts_that_cannot_span_the_nodes_are_refused(checkpoint):
     with pytest.raises(ValueError, match=r"parallel.nnodes 3: the 2 ranks .* must spread evenly over the nodes"):
         config_for(checkpoint, pipeline_parallel_size=2, nnodes=3)
+    with pytest.raises(ValueError, match=r"parallel.master_addr '0.0.0.0': name node 0's own address"):
+        config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_addr="0.0.0.0")
     with pytest.raises(ValueError, match=r"parallel.nnodes 2 with kv_role 'consumer': not supported yet"):
         check_supported(config_for(checkpoint, tensor_parallel_size=2, nnodes=2, kv_role="consumer"))

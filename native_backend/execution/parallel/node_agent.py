@@ -86,10 +86,11 @@ def run_remote_rank(host: str, port: int, secret: bytes, node: int, rank: int, l
         raise SystemExit(1) from None
     if start[0] != "start":
         raise SystemExit(f"node {node} rank {rank}: expected rank 0's start, got {start[0]!r}")
-    _, config, world, store_host, store_port, probes, num_layers = start
+    # the store at the address this node dialed (it reached rank 0 there), not the one rank 0 bound
+    _, config, world, _, store_port, probes, num_layers = start
     local_address = conn_local_address(conn)
     use_interface_towards(local_address)
-    run_worker(config, rank, world, store_port, conn, None, probes, num_layers, store_host=store_host,
+    run_worker(config, rank, world, store_port, conn, None, probes, num_layers, store_host=host,
                local_rank=local_rank)
 
 

@@ -74,9 +74,15 @@ def _mac(secret: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -
     return hmac.new(secret, side + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """n bytes (fewer: the peer closed); socket.timeout past `deadline` (a peer trickling bytes
+    holds the listener no longer than one that sends nothing)."""
     data = b""
     while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("handshake deadline")
+        sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             break
@@ -99,10 +105,11 @@ def server_handshake(sock: socket.socket, secret: bytes) -> Connection:
     """Rank 0's side: challenge the peer; RendezvousError (and the socket closed) unless it proves
     the secret. Nothing the peer sends is unpickled before that."""
     try:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         server_nonce = os.urandom(NONCE_BYTES)
         sock.sendall(MAGIC + server_nonce)
-        reply = _recv_exact(sock, len(MAGIC) + MAC_BYTES + NONCE_BYTES)
+        reply = _recv_exact(sock, len(MAGIC) + MAC_BYTES + NONCE_BYTES, deadline)
         if reply[:len(MAGIC)] != MAGIC or len(reply) < len(MAGIC) + MAC_BYTES + NONCE_BYTES:
             raise RendezvousError("it does not speak kvgate's rendezvous protocol")
         mac, client_nonce = reply[len(MAGIC):-NONCE_BYTES], reply[-NONCE_BYTES:]
@@ -122,13 +129,14 @@ def server_handshake(sock: socket.socket, secret: bytes) -> Connection:
 def client_handshake(sock: socket.socket, secret: bytes, where: str) -> Connection:
     """A rank's side: answer rank 0's challenge, then check that rank 0 knows the secret too."""
     try:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
         if hello[:len(MAGIC)] != MAGIC or len(hello) < len(MAGIC) + NONCE_BYTES:
             raise RendezvousError(f"{where} is not a kvgate engine's rendezvous")
         server_nonce, client_nonce = hello[len(MAGIC):], os.urandom(NONCE_BYTES)
         sock.sendall(MAGIC + _mac(secret, b"rank", server_nonce, client_nonce) + client_nonce)
-        proof = _recv_exact(sock, MAC_BYTES)
+        proof = _recv_exact(sock, MAC_BYTES, deadline)
         if not proof:
             raise RendezvousError(f"the engine at {where} refused this node: its rendezvous secret differs")
         if not hmac.compare_digest(proof, _mac(secret, b"engine", server_nonce, client_nonce)):
