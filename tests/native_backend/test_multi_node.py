@@ -97,20 +97,28 @@ def engine(checkpoint, secret_file):
     config = config_for(checkpoint, pipeline_parallel_size=2, nnodes=2, master_port=port,
                         rendezvous_secret_file=secret_file)
     thread, made = start_engine(config)
-    silent = connect_when_listening(port)
-    silent.sendall(b"kvgate")  # a few bytes of the greeting, then nothing
-    while silent.recv(4096):  # node 0's greeting, then its close: it gave up on the handshake (deadline)
-        pass
-    silent.close()
-    impostor = Node(port, "not-the-secret-of-these-nodes")
-    refused = impostor.wait_for("refused this node")
-    impostor.kill()
-    waiting_after_refusal = thread.is_alive()
-    node = Node(port, SECRET)
-    thread.join(START_S)
-    logger.removeHandler(records)
-    logger.setLevel(level)
-    assert "executor" in made, made.get("error")
+    impostor = node = None
+    try:
+        silent = connect_when_listening(port)
+        silent.sendall(b"kvgate")  # a few bytes of the greeting, then nothing
+        while silent.recv(4096):  # node 0's greeting, then its close: it gave up on the handshake (deadline)
+            pass
+        silent.close()
+        impostor = Node(port, "not-the-secret-of-these-nodes")
+        refused = impostor.wait_for("refused this node")
+        impostor.kill()
+        waiting_after_refusal = thread.is_alive()
+        node = Node(port, SECRET)
+        thread.join(START_S)
+        assert "executor" in made, made.get("error")
+    except BaseException:
+        for n in (impostor, node):
+            if n is not None:
+                n.kill()  # no node process outlives a failed set-up
+        raise
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
     yield config, made["executor"], node, (refused, waiting_after_refusal, records.messages)
     made["executor"].close()
     node.kill()
