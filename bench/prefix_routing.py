@@ -61,6 +61,8 @@ CONFIG = ROOT / "configs" / "prefix_routing.yaml"
 MODEL = "smollm2-135m-instruct"
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "precise_prefix")
 WORKLOADS = ("multi_turn", "shared_system", "random")
+# policies under another name with options of their own (--policies may name them)
+VARIANTS = {"precise_prefix_shared": ("precise_prefix", {"shared_compute": True})}
 WORKLOAD_DEFAULTS = {"--systems": 3, "--system-tokens": 300, "--question-words": 90, "--users": 12, "--turns": 4,
                      "--max-tokens": 16, "--concurrency": 4, "--shared-users": 8, "--shared-turns": 4,
                      "--shared-system-tokens": 500, "--random-requests": 24, "--random-words": 200}
@@ -163,11 +165,12 @@ def prefix_counters(base: str) -> tuple[float, float]:
 def write_config(path: Path, policy: str, deployments: int = 3) -> None:
     config = yaml.safe_load(CONFIG.read_text())
     model = config["models"][0]
+    policy, options = VARIANTS.get(policy, (policy, {}))
     model["policy"] = policy
     if policy != "precise_prefix":
         model["policy_options"] = {}
     else:  # every decision on the status page: the row keeps the last ones (matched tokens, estimates)
-        model["policy_options"]["route_sample_every"] = 1
+        model["policy_options"].update(options, route_sample_every=1)
     model["deployments"] = model["deployments"][:deployments]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -178,7 +181,7 @@ def reload(proc, base: str, path: Path, policy: str, deployments: int = 3) -> No
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         model = httpx.get(base + "/status.json", timeout=10).json()["models"][0]
-        if model["policy"] == policy and len(model["deployments"]) == deployments:
+        if model["policy"] == VARIANTS.get(policy, (policy,))[0] and len(model["deployments"]) == deployments:
             time.sleep(1.0)  # precise_prefix's subscribers connect
             return
         time.sleep(0.2)
@@ -197,7 +200,7 @@ def measure(proc, base: str, path: Path, name: str, policy: str, phase: int, arg
            "hit_rate": (hits - hits0) / max(queries - queries0, 1), "prompt_tokens": queries - queries0,
            "ttft_p50_ms": 1000 * percentile(ttfts, 50), "ttft_p99_ms": 1000 * percentile(ttfts, 99),
            "seconds": elapsed, "load_avg": os.getloadavg()[0]}
-    if policy == "precise_prefix":
+    if policy.startswith("precise_prefix"):
         row["recent_routes"] = httpx.get(base + "/status.json", timeout=10).json()["models"][0].get("recent_routes")
     print(f"  {workload:<13} {name:<18} hit rate {row['hit_rate']:6.1%}   TTFT p50 {row['ttft_p50_ms']:8.1f} ms   "
           f"p99 {row['ttft_p99_ms']:8.1f} ms   ({row['requests']} requests, {elapsed:.0f} s, "
@@ -234,7 +237,8 @@ def main() -> None:
     for flag, default in WORKLOAD_DEFAULTS.items():
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of " + ", ".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated, of " + ", ".join((*POLICIES, *VARIANTS)))
     parser.add_argument("--one-engine", action="store_true", help="multi_turn on one engine alone too (reference)")
     parser.add_argument("--quick", action="store_true", help="6 users, 3 turns")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "prefix_routing.json")
@@ -242,7 +246,7 @@ def main() -> None:
     if args.quick:
         args.users, args.turns = 6, 3
     workloads, policies = args.workloads.split(","), args.policies.split(",")
-    unknown = (set(workloads) - set(WORKLOADS)) | (set(policies) - set(POLICIES))
+    unknown = (set(workloads) - set(WORKLOADS)) | (set(policies) - set(POLICIES) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown workload or policy: {', '.join(sorted(unknown))}")
     rows = []

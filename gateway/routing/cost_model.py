@@ -89,13 +89,26 @@ class CostModel:
         self._queued[d.name] = (queue, now)
         return sum(queue), len(queue)
 
-    def estimate(self, d, unmatched_tokens: int) -> float:
-        """Expected seconds to the first token of a prompt with `unmatched_tokens` to prefill on `d`."""
+    def estimate(self, d, unmatched_tokens: int, others_queued: float = 0.0) -> float:
+        """Expected seconds to the first token of a prompt with `unmatched_tokens` to prefill on `d`
+        (`others_queued`: tokens queued on engines that share d's compute, see `estimates`)."""
         load = d.backend.load()
         token_rate, step_s = self.rates(d, load)
         queued, requests = self.queued_tokens(d, token_rate)
         decoding = max(0, load.running - requests)
-        return (queued + unmatched_tokens) / token_rate + decoding * step_s
+        return (queued + others_queued + unmatched_tokens) / token_rate + decoding * step_s
+
+    def estimates(self, candidates, unmatched: dict[str, int], shared_compute: bool = False) -> dict[str, float]:
+        """`estimate` of each candidate. With `shared_compute` (engines on one host's cores, or one
+        device, that take their compute from each other) every candidate's queue is the sum of all
+        of theirs: moving a prompt to an idle engine then buys no compute, and what separates the
+        engines is the prefill each saves."""
+        others = dict.fromkeys((d.name for d in candidates), 0.0)
+        if shared_compute:
+            queued = {d.name: self.queued_tokens(d, self.rates(d)[0])[0] for d in candidates}
+            total = sum(queued.values())
+            others = {name: total - q for name, q in queued.items()}
+        return {d.name: self.estimate(d, unmatched[d.name], others[d.name]) for d in candidates}
 
     def routed(self, d, unmatched_tokens: int) -> None:
         """`d` was given a prompt with `unmatched_tokens` to prefill: its queue grows by them."""

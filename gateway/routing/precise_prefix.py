@@ -44,7 +44,7 @@ MATCHES_KEPT = 4096  # recent choices whose matched prefix a route span may stil
 ROUTES_SHOWN = 32  # sampled routing decisions the status page shows
 OPTIONS = {"prefix_weight", "load_weight", "max_index_blocks", "max_prompt_chars", "tokenize_timeout_s",
            "tokenized_prompts_kept", "prefix_chars", "max_score", "cost_model", "tokens_per_s", "step_s",
-           "provisional_ttl_s", "provisional_max_blocks", "route_sample_every"}
+           "provisional_ttl_s", "provisional_max_blocks", "route_sample_every", "shared_compute"}
 
 
 class KVFeed:
@@ -152,6 +152,9 @@ class PrecisePrefix(RoutingPolicy):
         self.kv_feed = KVFeed(int(options.get("max_index_blocks", 1_000_000)),
                               PromptTokens(self.max_prompt_chars, timeout_s, kept))
         self.cost = _cost_model(options)
+        self.shared_compute = options.get("shared_compute", False)
+        if not isinstance(self.shared_compute, bool):
+            raise ValueError("precise_prefix: shared_compute must be true or false")
         self.provisional_ttl_s = float(options.get("provisional_ttl_s", 30.0))
         # blocks hashed past those the lookup read, for provisional entries: on the event loop, ~80 us each
         self.provisional_blocks = int(options.get("provisional_max_blocks", 64))
@@ -221,7 +224,8 @@ class PrecisePrefix(RoutingPolicy):
         """The least expected time to first token (gateway.routing.cost_model); ties go to the
         prompt's home by affinity among them (a new prefix on idle engines: where its next
         requests meet). The chosen deployment's queue grows by what it must prefill."""
-        estimates = {d.name: self.cost.estimate(d, prompt_tokens - cached.get(d.name, 0)) for d in candidates}
+        unmatched = {d.name: prompt_tokens - cached.get(d.name, 0) for d in candidates}
+        estimates = self.cost.estimates(candidates, unmatched, self.shared_compute)
         best = min(estimates.values())
         ties = [d for d in candidates if estimates[d.name] - best < 1e-9]
         chosen = ties[0] if len(ties) == 1 else self._fallback.home(request, ties)

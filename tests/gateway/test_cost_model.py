@@ -94,3 +94,17 @@ def test_the_work_it_routed_queues_and_drains_at_the_engines_rate():
 def test_bad_rates_are_refused():
     with pytest.raises(ValueError, match="tokens_per_s"):
         CostModel(tokens_per_s=0, step_s=0.01)
+
+
+def test_engines_that_share_compute_share_one_queue():
+    """shared_compute: each engine's queue is everyone's. a was sent 600 tokens, b nothing, at
+    1000 tokens/s, no time passed. A prompt a holds 500 of 700 tokens of, b 0:
+        apart:  a (600 + 200) / 1000 = 0.8 s,  b (0 + 700) / 1000 = 0.7 s   -> b
+        shared: a (600 + 0 + 200) / 1000 = 0.8 s,  b (0 + 600 + 700) / 1000 = 1.3 s   -> a"""
+    model = CostModel(tokens_per_s=1000, step_s=0.0, clock=Clock())
+    a, b = engine("a"), engine("b")
+    model.estimate(a, 0)
+    model.routed(a, 600)
+    unmatched = {"a": 200, "b": 700}
+    assert model.estimates([a, b], unmatched) == pytest.approx({"a": 0.8, "b": 0.7})
+    assert model.estimates([a, b], unmatched, shared_compute=True) == pytest.approx({"a": 0.8, "b": 1.3})
