@@ -6,8 +6,8 @@
                     slot waits (the scheduler asks `can_schedule`)
     per step        `with manager.step(chunks, token_counts)`: each token's slot index (-1: base)
 
-Each target linear gets a forward hook: y += (x[rows] @ A.T) @ (scale*B).T for the rows of each
-adapter present in the step (vLLM's SGMV idea: one product pair per adapter segment rather than
+Each target linear gets a forward hook: y[s:e] += (x[s:e] @ A.T) @ (scale*B).T for each run of
+consecutive token rows on one adapter (vLLM's SGMV idea: one product pair per segment rather than
 a per-token gather of A and B, which costs rows * r * in memory). The base linear is untouched,
 so every linear method (dense, C kernel, int4) keeps its own path; a step with adapter rows runs
 the layer-by-layer forward (the fused C decode does not know the hooks).
@@ -32,7 +32,7 @@ class LoRAManager:
         self.paths: dict[str, str] = {}  # every adapter served, name -> directory (max_cpu_loras of them in RAM)
         self.slots: list[str | None] = [None] * options.max_loras
         self._device_weights: list[dict | None] = [None] * options.max_loras  # slot -> (layer, module) -> (A, B)
-        self._segments: list[tuple[int, torch.Tensor]] = []  # this step: (slot, token rows)
+        self._segments: list[tuple[int, int, int]] = []  # this step: (slot, first token row, end row)
         self._hooks = [self._hook(i, module, linear) for i, module, linear in self._targets()]
         self.device = next(model.parameters()).device
 
@@ -94,7 +94,7 @@ class LoRAManager:
         finally:
             self._segments, self.model.fused_decode = [], fused
 
-    def _place(self, names, token_counts) -> list[tuple[int, torch.Tensor]]:
+    def _place(self, names, token_counts) -> list[tuple[int, int, int]]:
         wanted = {n for n in names if n is not None}
         if len(wanted) > len(self.slots):
             raise ValueError(f"lora: {len(wanted)} adapters in one step, max_loras is {len(self.slots)}")
@@ -109,13 +109,7 @@ class LoRAManager:
                                           adapter.weights.items()}
         for name in wanted:
             self.adapters.move_to_end(name)
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for name, n in zip(names, token_counts):
-            if name is not None:
-                rows.setdefault(self.slots.index(name), []).extend(range(start, start + n))
-            start += n
-        return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
+        return _runs([None if n is None else self.slots.index(n) for n in names], token_counts)
 
     def _read_again(self, name: str) -> LoRAAdapter:
         """An adapter dropped from RAM for room while a request for it waited."""
@@ -138,12 +132,29 @@ class LoRAManager:
         def add_lora(_mod, inputs, output):
             if not self._segments:
                 return output
-            x = inputs[0]
-            for slot, rows in self._segments:
+            x = inputs[0]  # (num_tokens, in); output (num_tokens, out)
+            for slot, start, end in self._segments:
                 ab = self._device_weights[slot].get(key)
                 if ab is not None:
                     a, b = ab
-                    output.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                    output[start:end].addmm_(x[start:end] @ a.t(), b.t())
             return output
 
         return linear.register_forward_hook(add_lora)
+
+
+def _runs(slots: list[int | None], token_counts: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) for each run of consecutive token rows on one adapter (chunks in batch
+    order; neighbours on the same adapter merged). Rows as slices, not index lists: a slice's
+    in-place addmm stays on the calling thread, where index_add_ / index_select went through
+    torch's parallel loops and cost ms per call in a loaded engine process (bench/lora.py)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for slot, n in zip(slots, token_counts):
+        if slot is not None and n:
+            if runs and runs[-1][0] == slot and runs[-1][2] == start:
+                runs[-1] = (slot, runs[-1][1], start + n)
+            else:
+                runs.append((slot, start, start + n))
+        start += n
+    return runs
