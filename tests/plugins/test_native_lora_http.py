@@ -3,10 +3,12 @@
 form) and one loaded at run time through POST /v1/load_lora_adapter; each answers with the greedy
 tokens of its own PeftModel (peft made the adapters, transformers ran them), the base with the
 base's; /v1/models lists the adapters as vLLM does (parent, root); bad loads and unloads get
-OpenAI-style errors; an unloaded adapter is a model no more; a key's allow-list names adapters."""
+OpenAI-style errors; an unloaded adapter is a model no more; a key's allow-list names adapters;
+an adapter placed in lora_resolver_dir is served from its first request."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import os
 import shutil
@@ -71,6 +73,8 @@ def models(tmp_path_factory):
                                                                       **settings)).eval()
         lora.save_pretrained(root / name)
         dirs[name], expected[name] = str(root / name), _greedy_text(lora, tokenizer)
+    shutil.copytree(dirs["chat"], root / "resolver" / "fs-chat")  # served on its first request
+    dirs["resolver"] = str(root / "resolver")
     assert len(set(expected.values())) == 3, expected  # each adapter changes what the model says
     return str(base), dirs, expected
 
@@ -98,7 +102,8 @@ models:
       - name: tiny-0
         backend: native
         settings: {{model: {base}, enable_lora: true, max_loras: 2, max_lora_rank: 8, num_threads: 1,
-                   kv_cache_bytes: 16777216, lora_modules: ["sql={dirs['sql']}"]}}
+                   kv_cache_bytes: 16777216, lora_modules: ["sql={dirs['sql']}"],
+                   lora_resolver_dir: {dirs['resolver']}}}
 """
     with native_gateway(config, tmp_path_factory) as server:
         yield server
@@ -184,3 +189,14 @@ def test_a_keys_allow_list_names_adapters_as_models(gw, models):
         assert {m.id for m in client(gw, TENANT).models.list().data} == {"tiny", "sql"}
     finally:
         admin(gw, "/v1/unload_lora_adapter", {"lora_name": "chat"})
+
+
+def test_an_adapter_in_the_resolver_directory_is_served_from_its_first_request(gw, models):
+    """vLLM's filesystem resolver: <lora_resolver_dir>/fs-chat is adapter fs-chat, loaded when
+    first asked for (several at once load it once), then listed as any other."""
+    _, dirs, expected = models
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda _: complete(gw, "fs-chat").choices[0].text, range(3)))
+    assert texts == [expected["chat"]] * 3
+    cards = {m.id: m for m in client(gw).models.list().data}
+    assert (cards["fs-chat"].parent, cards["fs-chat"].root) == ("tiny", os.path.join(dirs["resolver"], "fs-chat"))

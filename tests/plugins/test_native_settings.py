@@ -18,7 +18,7 @@ from kvgate_native.settings import KVEventsSettings, NativeSettings, Speculative
 from native_backend.config.engine import FIELD_PARTS, EngineConfig, KVEventsOptions, LoRAOptions, SpeculativeOptions
 
 # Settings that are the plugin's, not the engine's: how the plugin runs it, or names it takes.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser", "lora_resolver_dir"}
 # Engine fields the plugin fills itself instead of taking from YAML.
 ENGINE_ONLY = {"path", "tokenizer_cache_dir", "cpu_kv_cache_bytes"}
 NESTED = {"speculative", "kv_events"}  # nested parts, absent unless asked for: their fields are held in step below

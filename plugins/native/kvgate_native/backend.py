@@ -35,6 +35,7 @@ from gateway.config import settings_error
 from gateway.errors import BackendError, ContextLengthExceeded, InvalidRequestError, Overloaded
 from kvgate_native.embeddings import check_embedding_request, input_path, pooled_vectors
 from kvgate_native.engine_errors import api_error
+from kvgate_native.lora_resolver import DirectoryResolver
 from kvgate_native.mapping import (
     MAX_CHARS_PER_TOKEN, cache_salt, checked_token_ids, engine_info, engine_sampling, flat_stats, hidden_markers,
     request_grammar, skip_special_tokens, text_chars, token_event, with_tool_calls)
@@ -76,6 +77,9 @@ class NativeBackend(Backend):
         # limits allow takes tens of milliseconds of CPU, a stall of every stream the gateway
         # serves. A few threads of its own: a burst of long prompts queues here, and does not
         # hold the loop's default executor (DNS lookups, file reads) hostage.
+        directory = settings.lora_resolver_dir
+        self.lora_resolver = DirectoryResolver(directory) if directory and self.config.lora.enable_lora else None
+        self._resolving: dict[str, asyncio.Lock] = {}  # an adapter being loaded on its first request
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZE_THREADS, thread_name_prefix=f"kvgate-tokenize-{name}")
 
@@ -163,8 +167,21 @@ class NativeBackend(Backend):
         if not lora.enable_lora:
             return None
         engine = engine or {}
-        return LoRAState(max_loras=lora.max_loras, adapters=dict(lora.lora_modules),
+        found = self.lora_resolver.adapters() if self.lora_resolver is not None else {}
+        return LoRAState(max_loras=lora.max_loras, adapters={**found, **lora.lora_modules},
                          running=tuple(engine.get("running", ())), waiting=tuple(engine.get("waiting", ())))
+
+    async def _resolve_lora(self, name: str) -> None:
+        """An adapter of lora_resolver_dir not loaded yet is loaded now (once, however many of its
+        requests arrive together); one the engine refuses fails its requests with the reason."""
+        if name in self.config.lora.lora_modules or self.lora_resolver is None:
+            return
+        path = self.lora_resolver.adapters().get(name)
+        if path is None:
+            return  # not in the directory (any more): the engine says it is not loaded
+        async with self._resolving.setdefault(name, asyncio.Lock()):
+            if name not in self.config.lora.lora_modules:
+                await self.load_lora_adapter(name, path)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """vLLM's /v1/load_lora_adapter on this engine; kept in the engine's config, so a restarted
@@ -197,6 +214,8 @@ class NativeBackend(Backend):
         client = self.client
         if not self.supervisor.up:
             raise Overloaded(f"The engine of deployment '{self.name}' is {self.supervisor.state}.", retry_after_s=5)
+        if request.needs.adapter is not None:
+            await self._resolve_lora(request.needs.adapter)
         skip_special = skip_special_tokens(request)
         parser = hidden = None
         if uses_tools(request.tools, request.tool_choice):

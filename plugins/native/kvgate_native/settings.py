@@ -111,7 +111,7 @@ def lora_modules(modules: list) -> dict[str, str]:
 
 
 # Settings that are the plugin's, not the engine's: which model it names, how it runs the engine process.
-PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser"}
+PLUGIN_ONLY = {"model", "startup_timeout_s", "supervision", "embeddings", "tool_call_parser", "lora_resolver_dir"}
 
 
 class NativeSettings(BaseModel):
@@ -228,6 +228,9 @@ class NativeSettings(BaseModel):
     lora_modules: list[str | LoRAModule] = Field(
         [], description="Adapters served from the start, vLLM's --lora-modules forms: 'name=path' or "
         "{name, path}; more are loaded with POST /v1/load_lora_adapter.")
+    lora_resolver_dir: str | None = Field(
+        None, description="With enable_lora: a directory whose subdirectories are PEFT adapters, each served "
+        "under its directory's name from its first request on (vLLM's filesystem LoRA resolver).")
     # The plugin's own: how it runs the engine process.
     startup_timeout_s: float = Field(600, gt=0, description="Seconds to load the model.")
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings,
@@ -251,6 +254,8 @@ class NativeSettings(BaseModel):
         only the model on disk can tell: whether the engine runs its architecture, and whether
         tensor parallelism splits it."""
         self.engine_config()
+        if self.lora_resolver_dir and not self.enable_lora:
+            raise ValueError("lora_resolver_dir: needs enable_lora")
         check_speculative_method(self.tensor_parallel_size, self.speculative.method if self.speculative else None,
                                  self.pipeline_parallel_size)
         self._check_the_architecture()
