@@ -49,6 +49,7 @@ VALUE_SETS = {
     "disaggregated": [CHART / "examples" / "disaggregated.yaml"],
     "disaggregated-vllm": [CHART / "examples" / "disaggregated-vllm.yaml"],
     "multi-node": [HERE / "values" / "multi-node.yaml"],
+    "lora": [HERE / "values" / "lora.yaml"],
 }
 SENTINELS = ("SENTINEL-team-a-9f3c1e", "SENTINEL-admin-7d2b44", "SENTINEL-engine-5a8e0b")
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
@@ -969,6 +970,25 @@ def engine_settings(docs, engine: str) -> dict:
 
 def engine_container(docs, engine: str) -> dict:
     return find(docs, "StatefulSet", f"{RELEASE}-kvgate-{engine}")[0]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_an_engine_group_with_a_lora_volume_serves_its_adapters(rendered):
+    """Issue 43 item 8: loraVolume is mounted read-only at loraMountPath, the engine runs with
+    enable_lora and serves the volume's adapters by directory name (lora_resolver_dir), settings
+    still override (max_loras), and the gateway reads the pods' adapters as models
+    (lora_adapters); a group without the volume has none of it."""
+    docs = rendered("lora")
+    settings = engine_settings(docs, "adapted")
+    assert (settings["enable_lora"], settings["lora_resolver_dir"], settings["max_loras"]) == (True, "/adapters", 4)
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in engine_container(docs, "adapted")[
+        "volumeMounts"]
+    volumes = find(docs, "StatefulSet", f"{RELEASE}-kvgate-adapted")[0]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "adapters", "persistentVolumeClaim": {"claimName": "adapters"}} in volumes
+    assert "enable_lora" not in engine_settings(docs, "plain")
+    assert all(m["name"] != "adapters" for m in engine_container(docs, "plain")["volumeMounts"])
+    [model] = gateway_config(docs)["models"]
+    lora = {d["name"]: d["settings"].get("lora_adapters") for d in model["deployments"]}
+    assert lora == {"adapted": True, "plain": None}
 
 
 def test_engine_groups_render_as_a_models_prefill_and_decode_pools(rendered):

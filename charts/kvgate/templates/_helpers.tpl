@@ -223,6 +223,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $svc := include "kvgate.engineHeadless" (dict "root" $root "engine" $e) -}}
 {{- $dns := printf "%s.%s.svc.%s." $svc $root.Release.Namespace (trimSuffix "." $root.Values.clusterDomain) -}}
 {{- $settings := dict "metrics" "kvgate" "capacity" (int $e.maxNumSeqs) -}}
+{{- if $e.loraVolume }}{{ $_ := set $settings "lora_adapters" true }}{{ end -}}
 {{- if $root.Values.engineAuth.enabled }}{{ $_ := set $settings "api_key_env" "KVGATE_ENGINE_KEY" }}{{ end -}}
 {{- $settings = mergeOverwrite (omit (deepCopy (default (dict) $e.gatewaySettings)) "base_url") $settings -}}
 {{- $discovery := dict "dns" $dns "port" (int $e.port) "path" "/v1" "health_path" "/health/ready" "refresh_s" $e.discoveryRefreshSeconds -}}
@@ -321,6 +322,7 @@ timeoutSeconds: {{ .timeoutSeconds }}
 {{- $ip := include "kvgate.podIpPlaceholder" $e -}}
 {{- $_ := set $settings "kv_events" (dict "endpoint" (printf "tcp://%s:%d" $ip (int $e.kvEvents.port)) "replay_endpoint" (printf "tcp://%s:%d" $ip (int $e.kvEvents.replayPort)) "topic" (printf "kv@%s" $e.name) "publish_token_ids" $e.kvEvents.publishTokenIds) -}}
 {{- end -}}
+{{- if $e.loraVolume }}{{ $settings = mergeOverwrite $settings (dict "enable_lora" true "lora_resolver_dir" $e.loraMountPath) }}{{ end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default (dict) $e.settings)) -}}
 {{- $model := mergeOverwrite (deepCopy (default (dict) $e.modelOptions)) (dict "name" $e.model "deployments" (list (dict "name" "native" "backend" "native" "settings" $settings))) -}}
 {{- $server := dict "host" "0.0.0.0" "port" (int $e.port) -}}
