@@ -62,7 +62,8 @@ MODEL = "smollm2-135m-instruct"
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "precise_prefix")
 WORKLOADS = ("multi_turn", "shared_system", "random")
 # policies under another name with options of their own (--policies may name them)
-VARIANTS = {"precise_prefix_shared": ("precise_prefix", {"shared_compute": True})}
+VARIANTS = {"precise_prefix_shared": ("precise_prefix", {"shared_compute": True}),
+            "precise_prefix_blend": ("precise_prefix", {"cost_model": False})}  # the pre-cost-model score
 WORKLOAD_DEFAULTS = {"--systems": 3, "--system-tokens": 300, "--question-words": 90, "--users": 12, "--turns": 4,
                      "--max-tokens": 16, "--concurrency": 4, "--shared-users": 8, "--shared-turns": 4,
                      "--shared-system-tokens": 500, "--random-requests": 24, "--random-words": 200}
