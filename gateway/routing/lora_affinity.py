@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 
 from gateway.policy import RoutingPolicy
+from gateway.routing.options import check_known, weights
 from gateway.routing.policies import load_score
 
 OPTIONS = {"lora_weight", "load_weight"}
@@ -42,14 +43,8 @@ def affinity(lora, adapter: str | None) -> float:
 
 class LoRAAffinity(RoutingPolicy):
     def __init__(self, options: dict):
-        unknown = set(options) - OPTIONS
-        if unknown:
-            raise ValueError(f"unknown lora_affinity option(s): {', '.join(sorted(unknown))} "
-                             f"(known: {', '.join(sorted(OPTIONS))})")
-        self.lora_weight = float(options.get("lora_weight", 1.0))
-        self.load_weight = float(options.get("load_weight", 1.0))
-        if self.lora_weight < 0 or self.load_weight < 0:
-            raise ValueError("lora_affinity: lora_weight and load_weight must not be negative")
+        check_known("lora_affinity", options, OPTIONS)
+        self.lora_weight, self.load_weight = weights("lora_affinity", options, "lora_weight", "load_weight")
         self._turn = itertools.count()
 
     def choose(self, request, candidates):

@@ -35,6 +35,7 @@ from gateway.kv_index.events import EventStream
 from gateway.kv_index.index import KVIndex, iter_block_hashes
 from gateway.policy import RoutingPolicy
 from gateway.routing.cost_model import CostModel
+from gateway.routing.options import check_known, weights
 from gateway.routing.policies import PrefixAffinity, load_score
 from gateway.routing.prompt_tokens import PromptTokens
 
@@ -135,14 +136,8 @@ class PrecisePrefix(RoutingPolicy):
     """The deployment holding the longest cached prefix of the prompt, blended with load."""
 
     def __init__(self, options: dict):
-        unknown = set(options) - OPTIONS
-        if unknown:
-            raise ValueError(f"precise_prefix: unknown option(s) {', '.join(sorted(unknown))}; "
-                             f"known: {', '.join(sorted(OPTIONS))}")
-        self.prefix_weight = float(options.get("prefix_weight", 1.0))
-        self.load_weight = float(options.get("load_weight", 1.0))
-        if self.prefix_weight < 0 or self.load_weight < 0:
-            raise ValueError("precise_prefix: prefix_weight and load_weight must be >= 0")
+        check_known("precise_prefix", options, OPTIONS)
+        self.prefix_weight, self.load_weight = weights("precise_prefix", options, "prefix_weight", "load_weight")
         self.max_prompt_chars = int(options.get("max_prompt_chars", 32768))
         timeout_s = float(options.get("tokenize_timeout_s", 0.25))
         kept = int(options.get("tokenized_prompts_kept", 1024))

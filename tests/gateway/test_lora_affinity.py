@@ -72,9 +72,9 @@ def test_load_outweighs_affinity_past_its_margin_and_base_requests_go_by_load():
 
 
 def test_bad_options_are_refused_naming_them():
-    with pytest.raises(ValueError, match="unknown lora_affinity option.*prefix_weight"):
+    with pytest.raises(ValueError, match="lora_affinity: unknown option.*prefix_weight"):
         LoRAAffinity({"prefix_weight": 1})
-    with pytest.raises(ValueError, match="must not be negative"):
+    with pytest.raises(ValueError, match="must be >= 0"):
         LoRAAffinity({"load_weight": -1})
 
 
