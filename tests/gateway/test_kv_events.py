@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import msgspec
@@ -26,12 +25,6 @@ from native_backend.core import kv_events as core
 from native_backend.process.kv_publisher import KVEventPublisher
 
 ENCODE = msgspec.msgpack.encode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stored(*hashes, legacy=False):
@@ -469,9 +462,11 @@ def test_a_publisher_that_goes_away_is_no_longer_live(caplog):
 
 def test_the_engines_publisher_feeds_the_index_and_a_late_subscriber_catches_up_by_replay():
     async def main():
-        port, replay_port = free_port(), free_port()
-        publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{port}",
-                                                     replay_endpoint=f"tcp://*:{replay_port}", topic="kv@x"))
+        # Ports the sockets pick as they bind (a port found free first can be taken before use).
+        publisher = KVEventPublisher(KVEventsOptions(endpoint="tcp://127.0.0.1:*",
+                                                     replay_endpoint="tcp://127.0.0.1:*", topic="kv@x"))
+        port, replay_port = (int(e.rsplit(":", 1)[1]) for e in (publisher.bound_endpoint,
+                                                                 publisher.bound_replay_endpoint))
         context = zmq.asyncio.Context()
         index = KVIndex()
         publisher.publish([core.AllBlocksCleared()])
@@ -498,9 +493,8 @@ def test_the_engines_publisher_feeds_the_index_and_a_late_subscriber_catches_up_
 def test_an_address_that_cannot_be_bound_leaves_no_socket_open():
     async def scenario():
         context = zmq.asyncio.Context()
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
         taken = context.socket(zmq.PUB)
-        taken.bind(endpoint)
+        endpoint = f"tcp://127.0.0.1:{bind_any_port(taken)}"
         stream = EventStream("engine-a", KVEventsSource(endpoint, bind=True), KVIndex(), context)
         with pytest.raises(zmq.ZMQError):
             stream.start()

@@ -6,7 +6,6 @@ engine's own KV-event publisher; the deployments are echo backends that declare 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -31,19 +30,13 @@ from tests.support.servers.loopback import GatewayServer
 BLOCK = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Engine:
     """A prefix cache that publishes what it stores, as the native engine does."""
 
     def __init__(self):
-        self.port = free_port()
         self.blocks = BlockManager(num_blocks=256, block_size=BLOCK, record_kv_events=True)
-        self.publisher = KVEventPublisher(KVEventsOptions(endpoint=f"tcp://*:{self.port}"))
+        self.publisher = KVEventPublisher(KVEventsOptions(endpoint="tcp://127.0.0.1:*"))  # the port it binds
+        self.port = int(self.publisher.bound_endpoint.rsplit(":", 1)[1])
 
     def serve(self, tokens: list[int], cache_salt: str | None = None) -> None:
         seq = Sequence(f"r{time.monotonic_ns()}", tokens)
