@@ -42,8 +42,10 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, seed: str, salt: 
     """The published hashes of the prompt's full blocks, in order: hash_i = sha256(canonical CBOR
     [hash_{i-1}, block_i tokens, extra keys]), the first parent sha256(CBOR(seed)), each published
     as its last 8 bytes read big-endian (vLLM's int block hashes). Extra keys are null, but for a
-    request's cache_salt: [salt] on the first block (vLLM's generate_block_hash_extra_keys, and the
-    native engine's block_manager.hash_block), so each salt's blocks are apart in the index too."""
+    request's cache_salt: [("cache_salt", salt)] on the first block (vLLM 0.32's
+    generate_block_hash_extra_keys, and the native engine's block_manager.hash_block; vLLM's events
+    show the bare salt in their extra_keys, its hash does not), so each salt's blocks are apart in
+    the index too."""
     return list(iter_block_hashes(token_ids, block_size, seed, salt))
 
 
@@ -51,7 +53,7 @@ def iter_block_hashes(token_ids: list[int], block_size: int, seed: str, salt: st
     """`prefix_block_hashes` one at a time: routing (on the event loop) stops hashing at the first
     block nobody holds, ~80 us a block (an 8k-token prompt whole: ~40 ms)."""
     parent = _root(seed)
-    extra = (salt,) if salt else None
+    extra = (("cache_salt", salt),) if salt else None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = _sha256_cbor((parent, tuple(token_ids[start:start + block_size]), extra))
         extra = None

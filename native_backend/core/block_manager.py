@@ -352,7 +352,10 @@ class BlockManager:
 
 
 def _extra_keys(seq: Sequence) -> tuple | None:
-    """What the first block's hash takes beside its tokens: the cache_salt, then the LoRA adapter
-    (vLLM's extra keys: its adapter name); None for a plain request (hashes as before)."""
-    keys = ((seq.cache_salt,) if seq.cache_salt else ()) + ((("lora", seq.lora_name),) if seq.lora_name else ())
+    """What the first block's hash takes beside its tokens, in vLLM 0.32's order and form
+    (kv_cache_utils.generate_block_hash_extra_keys): the LoRA adapter, then ("cache_salt", salt);
+    None for a plain request (hashes as before). vLLM keys every block with ("lora", name, path);
+    here the adapter's name on the first block keys the chain (the gateway hashes no adapters)."""
+    keys = ((("lora", seq.lora_name),) if seq.lora_name else ()) + ((("cache_salt", seq.cache_salt),)
+                                                                     if seq.cache_salt else ())
     return keys or None

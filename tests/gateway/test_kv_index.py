@@ -26,8 +26,9 @@ def test_prompt_hashes_are_the_ones_the_engine_publishes(seed, block_size):
 
 @pytest.mark.parametrize("salt", ["tenant-a", "kvgate.0123abcd"])
 def test_salted_prompt_hashes_are_the_engines_and_vllms(salt):
-    """A cache_salt is the first block's extra keys: vLLM's hash_block_tokens(hash_fn, parent,
-    tokens, extra_keys=(salt,)) for block 0 and None after (generate_block_hash_extra_keys), recomputed
+    """A cache_salt is the first block's extra keys: vLLM 0.32's hash_block_tokens(hash_fn, parent,
+    tokens, extra_keys=(("cache_salt", salt),)) for block 0 and None after
+    (generate_block_hash_extra_keys; tests/plugins/test_openai_vllm.py checks it on a real vLLM), recomputed
     here with cbor2 and hashlib, and the native engine publishes the same (issue 40 item 4)."""
     import hashlib
 
@@ -39,7 +40,7 @@ def test_salted_prompt_hashes_are_the_engines_and_vllms(salt):
     tokens = [(7919 * i) % 49152 for i in range(3 * 4 + 1)]
     parent, expected = sha("0"), []
     for i in range(3):
-        parent = sha((parent, tuple(tokens[4 * i:4 * i + 4]), (salt,) if i == 0 else None))
+        parent = sha((parent, tuple(tokens[4 * i:4 * i + 4]), (("cache_salt", salt),) if i == 0 else None))
         expected.append(int.from_bytes(parent[-8:], "big"))
     assert prefix_block_hashes(tokens, 4, "0", salt) == expected
     assert set(expected).isdisjoint(prefix_block_hashes(tokens, 4, "0"))  # apart from the unsalted

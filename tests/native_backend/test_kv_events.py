@@ -49,11 +49,12 @@ def cbor(value) -> bytes:
 
 def recipe_hashes(tokens: list[int], block_size: int, seed: str, salt: str | None = None) -> list[int]:
     """vLLM v1 block hashes with sha256_cbor and PYTHONHASHSEED=seed, as published (low 64 bits);
-    a cache_salt is the first block's extra keys, [salt] (vLLM's generate_block_hash_extra_keys)."""
+    a cache_salt is the first block's extra keys, [["cache_salt", salt]] (vLLM 0.32's
+    generate_block_hash_extra_keys)."""
     parent = hashlib.sha256(cbor(seed)).digest()
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        extra = [salt] if start == 0 and salt else None
+        extra = [["cache_salt", salt]] if start == 0 and salt else None
         parent = hashlib.sha256(cbor([parent, tokens[start:start + block_size], extra])).digest()
         out.append(int.from_bytes(parent[-8:], "big"))
     return out

@@ -406,14 +406,16 @@ SYSTEM = ("You are a careful assistant for a small public library. You answer qu
           "borrowing rules, late fees, the reading room and the children's corner in short plain sentences. ") * 12
 
 
-def block_hashes(tokens: list[int], seed: str = "0") -> list[int]:
+def block_hashes(tokens: list[int], seed: str = "0", first_extra: list | None = None) -> list[int]:
     """vLLM's sha256_cbor chain (WIRE_FORMATS 1), written here from the format, not from kvgate:
-    the root is sha256(cbor(PYTHONHASHSEED)), each full block sha256(cbor([parent, block, None])),
-    sent as the low 64 bits read big-endian."""
+    the root is sha256(cbor(PYTHONHASHSEED)), each full block sha256(cbor([parent, block, extra])),
+    extra None but `first_extra` on the first block, sent as the low 64 bits read big-endian."""
     parent = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
     out = []
     for i in range(len(tokens) // BLOCK):
-        parent = hashlib.sha256(cbor2.dumps([parent, tokens[i * BLOCK:(i + 1) * BLOCK], None], canonical=True)).digest()
+        extra = first_extra if i == 0 else None
+        block = tokens[i * BLOCK:(i + 1) * BLOCK]
+        parent = hashlib.sha256(cbor2.dumps([parent, block, extra], canonical=True)).digest()
         out.append(int.from_bytes(parent[-8:], "big"))
     return out
 
@@ -434,10 +436,15 @@ def captured(b):
     messages = ask("When does the library open?", SYSTEM)
     httpx.post(b.vllm.base_url + "/v1/chat/completions", timeout=TIMEOUT,
                json={"model": "smollm2", "messages": messages, "max_tokens": 4, "temperature": 0}).raise_for_status()
+    return tokenize(b, messages), replayed(b)
+
+
+def replayed(engine: Engine) -> list[list[bytes]]:
+    """Every frame the engine's replay ROUTER sends a DEALER that asks from seq 0."""
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{b.replay}")
+    dealer.connect(f"tcp://127.0.0.1:{engine.replay}")
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # vLLM reads [client id, b"", start]
     frames = []
     while dealer.poll(10_000):
@@ -445,7 +452,7 @@ def captured(b):
         if frames[-1][-2] == (-1).to_bytes(8, "big", signed=True):
             break
     context.destroy(linger=0)
-    return tokenize(b, messages), frames
+    return frames
 
 
 def test_vllm_kv_events_hash_as_sha256_cbor(captured):
@@ -464,6 +471,25 @@ def test_vllm_kv_events_hash_as_sha256_cbor(captured):
     first = published[want[0]]  # the event that stored the prompt's first block, its tokens with it
     assert first["block_size"] == BLOCK and first["parent_block_hash"] is None
     assert first["token_ids"][:BLOCK] == tokens[:BLOCK]
+
+
+def test_vllm_hashes_a_cache_salt_as_kvgate_does(b, captured):
+    """vLLM 0.32 mixes a request's cache_salt into its first block as ("cache_salt", salt)
+    (kv_cache_utils.generate_block_hash_extra_keys; its events show the bare salt in extra_keys,
+    its hashes do not): kvgate's index hashes a salted prompt to the hashes vLLM publishes, so
+    precise_prefix finds a tenant's blocks on a vLLM engine (it hashed [salt] before and missed)."""
+    from gateway.kv_index.index import prefix_block_hashes
+
+    tokens = httpx.post(b.vllm.base_url + "/tokenize", json={"model": "smollm2", "prompt": SYSTEM + "Salted."},
+                        timeout=30).json()["tokens"]
+    httpx.post(b.vllm.base_url + "/v1/completions", timeout=TIMEOUT, json={
+        "model": "smollm2", "prompt": tokens, "max_tokens": 1, "cache_salt": "tenant-a"}).raise_for_status()
+    stored = [e for f in replayed(b)[:-1] for e in events_of(msgspec.msgpack.decode(f[-1]))
+              if e["type"] == "BlockStored"]
+    published = {h for e in stored for h in e["block_hashes"]}
+    want = block_hashes(tokens, first_extra=[["cache_salt", "tenant-a"]])
+    assert len(want) >= 2 and set(want) <= published
+    assert prefix_block_hashes(tokens, BLOCK, "0", "tenant-a") == want
 
 
 EVENT_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
