@@ -306,18 +306,32 @@ def test_vllm_400_reaches_the_client_with_its_message(clients):
 def test_load_read_from_vllm_metrics(a, gw):
     """Requests sent to vLLM directly, not through kvgate, show in kvgate's view of the deployment:
     the load comes from vLLM's `vllm:` series, not from kvgate's own counts."""
+    import threading
+
     body = {"model": "smollm2", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    url = a.vllm.base_url + "/v1/completions"
-    with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", url, json=body) as r:
-        next(line for line in r.iter_lines() if line.startswith("data:"))  # running now
+    started, chunks = threading.Event(), []
+
+    def read_it_all():  # a client reading its stream (one that stops reading showed vLLM 0 running)
+        with httpx.stream("POST", a.vllm.base_url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    chunks.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=read_it_all)
+    reader.start()
+    try:
+        assert started.wait(TIMEOUT)
         deadline = time.monotonic() + 60
         while True:
             view = status_deployment(gw, "vllm-a")
             if view["running"] >= 1:
                 break
-            assert time.monotonic() < deadline, view
+            assert time.monotonic() < deadline and reader.is_alive(), (view, len(chunks))
             time.sleep(0.1)
         assert view["in_flight"] == 0  # kvgate sent none of it: the running request came from vllm: metrics
+    finally:
+        reader.join()
 
 
 def status_deployment(gw: Kvgate, name: str) -> dict:
@@ -327,12 +341,10 @@ def status_deployment(gw: Kvgate, name: str) -> dict:
 
 # -- the benches' stand-in upstream against the real one ---------------------------------------------
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 STAND_IN_REQUESTS = {  # what the benches send bench/bare_server.py, and what kvgate adds on the way
     "text": ("/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 4, "ignore_eos": True}),
     "tool call": ("/v1/chat/completions", {
-        "messages": ask("What is the weather in Paris?"), "tools": WEATHER, "max_tokens": 80, "temperature": 0,
+        "messages": ask("What is the weather in Paris?"), "tools": [WEATHER], "max_tokens": 80, "temperature": 0,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
 }
 STREAM_OPTIONS = [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}]
